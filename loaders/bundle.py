@@ -1,0 +1,95 @@
+"""open_bundle: one header-only view of a model folder that every other part consumes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mtpkit.loaders.config import ModelConfig, read_config
+from mtpkit.loaders.families import Family, family_for
+from mtpkit.loaders.findings import SEVERITY_ORDER, Finding
+from mtpkit.loaders.manifest import ManifestReport, check_manifest
+from mtpkit.loaders.mtp import MTPLayout, check, collect
+from mtpkit.loaders.quant import ModuleQuant, group_modules, summarize
+from mtpkit.loaders.quant_check import check_sidecar, check_trunk
+from mtpkit.loaders.source import NotABundle, looks_like_model, resolve
+from mtpkit.loaders.templates import TemplateReport, check_template
+from mtpkit.loaders.tokenizer import TokenizerReport, check_tokenizer
+from mtpkit.loaders.weights import Weights, read_weights
+
+
+@dataclass
+class BundleView:
+    """What a bundle holds and what is wrong with it, read without loading any weights."""
+
+    root: Path
+    source: str
+    kind: str  # "mlx" (converted bundle) or "hf" (Hugging Face checkpoint)
+    family: Family
+    config: ModelConfig
+    weights: Weights
+    mtp: MTPLayout
+    quantization: dict[str, ModuleQuant]
+    mtp_quantization: dict[str, ModuleQuant]
+    template: TemplateReport
+    tokenizer: TokenizerReport
+    manifest: ManifestReport
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def tensors(self) -> dict[str, Any]:
+        return {**self.weights.trunk, **self.weights.sidecar}
+
+    @property
+    def errors(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == "error"]
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "root": str(self.root), "source": self.source, "kind": self.kind,
+            "model_type": self.config.model_type, "family": self.family.name,
+            "files": {"trunk": self.weights.trunk_files, "sidecar": self.weights.sidecar_file},
+            "tensors": {"trunk": len(self.weights.trunk), "sidecar": len(self.weights.sidecar)},
+            "quantization": {"trunk": summarize(self.quantization),
+                             "sidecar": summarize(self.mtp_quantization)},
+            "mtp": self.mtp.to_dict(), "template": self.template.to_dict(),
+            "tokenizer": self.tokenizer.to_dict(),
+        }
+
+
+def _kind(weights: Weights, config: ModelConfig) -> str:
+    if config.quantization is not None or any(
+            h.metadata.get("format") == "mlx" for h in weights.headers.values()):
+        return "mlx"
+    if any(".switch_mlp." in n for n in weights.trunk):
+        return "mlx"
+    return "hf"
+
+
+def open_bundle(path: str | Path) -> BundleView:
+    """Read a bundle folder, an HF checkpoint folder or a cached repo id; raise NotABundle when
+    the input is not a model folder at all. Never loads tensor data beyond 1-D norm vectors."""
+    root = resolve(path)
+    if not looks_like_model(root):
+        raise NotABundle(f"{path}: no config.json and no .safetensors files",
+                         "pass the folder that holds the model")
+    config = read_config(root)
+    family = family_for(config.model_type)
+    weights = read_weights(root, config)
+    kind = _kind(weights, config)
+    mtp = collect(weights, family, config)
+    check(mtp, weights, family, config, kind, root)
+    trunk_only = {n: i for n, i in weights.trunk.items() if n not in mtp.source_names.values()}
+    quantization, trunk_q = check_trunk(group_modules(trunk_only), config)
+    mtp_quantization, sidecar_q = check_sidecar(group_modules(mtp.tensors), mtp.source_names,
+                                                config)
+    tokenizer = check_tokenizer(root, config, weights.trunk)
+    template = check_template(root, tokenizer.config, tokenizer.special_tokens(),
+                              tokenizer.chat_markers)
+    manifest = check_manifest(root)
+    findings = [*config.findings, *weights.findings, *mtp.findings, *trunk_q, *sidecar_q,
+                *tokenizer.findings, *template.findings, *manifest.findings]
+    findings.sort(key=lambda f: (SEVERITY_ORDER[f.severity], f.code, f.location))
+    return BundleView(root, str(path), kind, family, config, weights, mtp, quantization,
+                      mtp_quantization, template, tokenizer, manifest, findings)

@@ -1,0 +1,160 @@
+"""Family quirks as data: how each model family names its MTP head, lays out MoE experts,
+encodes RMSNorm gains, and how wide each linear's input is.
+
+This is the one place that knows family names (like gguf-py's tensor_mapping): every other
+module asks these tables instead of testing model types itself.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one family stores its MTP head.
+
+    mtp_pattern matches a tensor name and yields `rest` (the name inside the MTP block) and,
+    for families that number their blocks, `block`. block_offset_key names the config value
+    subtracted from `block` (DeepSeek stores its head as layer num_hidden_layers + k).
+    head_roles maps the family's head-level module names to canonical roles.
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    mtp_pattern: str | None = None
+    block_offset_key: str | None = None
+    head_roles: dict[str, str] = field(default_factory=dict)
+    zero_centred_norms: bool = False
+    concat_order: str = "embedding_first"
+    experts_key: str = "num_experts"
+
+
+# Canonical MTP names are Qwen's: mtp.fc, mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden,
+# mtp.norm, mtp.layers.K.<decoder layer>; extra heads of multi-block families: mtp.heads.K.<role>.
+CANONICAL_PATTERN = r"^(?:model\.)?(?:language_model\.)?mtp\.(?P<rest>.+)$"
+HEAD_ROLES = ("fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")
+
+FAMILIES: tuple[Family, ...] = (
+    Family("qwen3_5", ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_6",
+                       "qwen3_6_moe"),
+           CANONICAL_PATTERN, zero_centred_norms=True),
+    Family("qwen3_next", ("qwen3_next",), CANONICAL_PATTERN, zero_centred_norms=True),
+    Family("deepseek", ("deepseek_v3", "deepseek_v32", "kimi_k2", "glm4_moe", "glm4_moe_lite"),
+           r"^model\.layers\.(?P<block>\d+)\.(?P<rest>.+)$", block_offset_key="num_hidden_layers",
+           head_roles={"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden",
+                       "eh_proj": "fc", "shared_head.norm": "norm",
+                       "shared_head.head": "shared_head", "embed_tokens": "embed_tokens"},
+           experts_key="n_routed_experts"),
+    Family("mimo", ("mimo",), r"^model\.mtp_layers\.(?P<block>\d+)\.(?P<rest>.+)$",
+           head_roles={"token_layernorm": "pre_fc_norm_embedding",
+                       "hidden_layernorm": "pre_fc_norm_hidden", "input_proj": "fc",
+                       "final_layernorm": "norm"},
+           concat_order="hidden_first"),
+    Family("llama", ("llama", "mistral", "smollm3")),
+)
+GENERIC = Family("generic", (), CANONICAL_PATTERN)
+
+
+def family_for(model_type: str | None) -> Family:
+    for fam in FAMILIES:
+        if model_type in fam.model_types:
+            return fam
+    return GENERIC
+
+
+def _canonical_from_block(rest: str, block: int, fam: Family) -> str:
+    for source, role in sorted(fam.head_roles.items(), key=lambda kv: -len(kv[0])):
+        if rest == source or rest.startswith(source + "."):
+            scope = "mtp." if block == 0 else f"mtp.heads.{block}."
+            return scope + role + rest[len(source):]
+    return f"mtp.layers.{block}.{rest}"
+
+
+def canonical_mtp_name(name: str, fam: Family, config: dict[str, Any]) -> str | None:
+    """The canonical `mtp.` name of tensor `name`, or None when it is not part of an MTP head."""
+    canonical = re.match(CANONICAL_PATTERN, name)
+    if canonical:
+        return "mtp." + canonical["rest"]
+    if fam.mtp_pattern is None:
+        return None
+    m = re.match(fam.mtp_pattern, name)
+    if not m:
+        return None
+    block = int(m["block"])
+    if fam.block_offset_key:
+        offset = config.get(fam.block_offset_key)
+        if not isinstance(offset, int) or block < offset:
+            return None
+        block -= offset
+    return _canonical_from_block(m["rest"], block, fam)
+
+
+# MoE expert layouts, family-independent: (layout, pattern over a tensor name).
+EXPERT_LAYOUTS: tuple[tuple[str, str], ...] = (
+    ("numbered", r"^(?P<moe>.+)\.experts\.(?P<expert>\d+)\."
+                 r"(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.(?P<param>weight|scales|biases)$"),
+    ("fused", r"^(?P<moe>.+)\.experts\.(?P<proj>gate_up_proj|down_proj)"
+              r"(?:\.(?P<param>weight|scales|biases))?$"),
+    ("stacked", r"^(?P<moe>.+)\.switch_mlp\.(?P<proj>gate_proj|up_proj|down_proj)"
+                r"\.(?P<param>weight|scales|biases)$"),
+)
+
+
+def expert_layout(name: str) -> tuple[str, re.Match[str]] | None:
+    for layout, pattern in EXPERT_LAYOUTS:
+        m = re.match(pattern, name)
+        if m:
+            return layout, m
+    return None
+
+
+# RMSNorm gains that Qwen3-Next / Qwen3.5 checkpoints store zero-centred (the gated
+# linear_attn.norm is not among them: mlx-lm's sanitize leaves it alone).
+SHIFTED_NORM_SUFFIXES = (
+    "input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight",
+    "k_norm.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight",
+)
+FINAL_NORMS = ("model.norm.weight", "mtp.norm.weight")
+
+
+def is_shifted_norm(name: str) -> bool:
+    return name.endswith(SHIFTED_NORM_SUFFIXES + FINAL_NORMS)
+
+
+def _attn_out(c: dict[str, Any]) -> int | None:
+    heads = c.get("num_attention_heads")
+    per_head = c.get("v_head_dim") or c.get("head_dim")
+    if per_head is None and heads and c.get("hidden_size"):
+        per_head = c["hidden_size"] // heads
+    return heads * per_head if heads and per_head else None
+
+
+def _product(*keys: str) -> Callable[[dict[str, Any]], int | None]:
+    def get(c: dict[str, Any]) -> int | None:
+        values = [c.get(k) for k in keys]
+        if all(isinstance(v, int) for v in values):
+            out = 1
+            for v in values:
+                out *= v
+            return out
+        return None
+    return get
+
+
+# Input width of a linear, by module path: first matching rule wins. A string value names a
+# sibling module whose output rows equal this module's input (GLU down_proj <- up_proj).
+IN_FEATURES_RULES: tuple[tuple[str, Callable[[dict[str, Any]], int | None] | str], ...] = (
+    (r"(?:^|\.)(?:fc|eh_proj|input_proj)$", lambda c: 2 * c["hidden_size"]),
+    (r"\.down_proj$", "up_proj"),
+    (r"\.w2$", "w3"),
+    (r"\.self_attn\.o_proj$", _attn_out),
+    (r"\.linear_attn\.out_proj$", _product("linear_num_value_heads", "linear_value_head_dim")),
+    (r"\.q_b_proj$", _product("q_lora_rank")),
+    (r"\.(?:kv_b_proj|unembed_out)$", _product("kv_lora_rank")),
+    (r"\.embed_q$", _product("qk_nope_head_dim")),
+    (r".", _product("hidden_size")),
+)

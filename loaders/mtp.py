@@ -1,0 +1,219 @@
+"""Where the MTP head is, what layout it uses, and whether a runtime can build it from it."""
+
+from __future__ import annotations
+
+import re
+import statistics
+from dataclasses import dataclass, field
+from fnmatch import fnmatch
+from pathlib import Path
+from typing import Any
+
+from mtpkit.loaders.config import ModelConfig
+from mtpkit.loaders.families import (
+    HEAD_ROLES,
+    Family,
+    canonical_mtp_name,
+    expert_layout,
+    is_shifted_norm,
+)
+from mtpkit.loaders.findings import Finding, finding
+from mtpkit.loaders.quant import SIDECAR_POLICIES
+from mtpkit.loaders.safetensors_header import TensorInfo
+from mtpkit.loaders.tensor_data import read_small
+from mtpkit.loaders.weights import Weights
+
+# Values MTPLX reads as "sidecar norms are stored zero-centred; add +1 when loading".
+DELTA_ENCODINGS = {"delta", "delta_plus_one", "mlx_delta"}
+LEVEL_NAMES = {0: "zero-centred", 1: "shifted (+1)", 2: "shifted twice (+2)"}
+
+
+@dataclass
+class MTPLayout:
+    """The MTP head as found: canonical name -> tensor, and facts about its layout."""
+
+    tensors: dict[str, TensorInfo] = field(default_factory=dict)
+    source_names: dict[str, str] = field(default_factory=dict)  # canonical -> stored name
+    location: str | None = None  # "sidecar", "trunk", "both" or None when absent
+    declared_layers: int = 0
+    blocks: int = 0
+    expert_layout: str | None = None
+    num_experts: int | None = None
+    norm_encoding: str | None = None
+    findings: list[Finding] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "present": bool(self.tensors), "location": self.location,
+            "declared_layers": self.declared_layers, "blocks": self.blocks,
+            "tensor_count": len(self.tensors), "expert_layout": self.expert_layout,
+            "num_experts": self.num_experts, "norm_encoding": self.norm_encoding,
+        }
+
+
+def _canonical(name: str, fam: Family, cfg: ModelConfig, in_sidecar: bool) -> str | None:
+    found = canonical_mtp_name(name, fam, cfg.text)
+    if found is None and in_sidecar:
+        # Some sidecars store names with the `mtp.` namespace stripped.
+        first = name.split(".", 1)[0]
+        if first in HEAD_ROLES or first in ("layers", "heads"):
+            found = "mtp." + name
+    return found
+
+
+def collect(weights: Weights, fam: Family, cfg: ModelConfig) -> MTPLayout:
+    layout = MTPLayout(declared_layers=cfg.num_mtp_layers)
+    seen = {"trunk": False, "sidecar": False}
+    for scope, tensors in (("trunk", weights.trunk), ("sidecar", weights.sidecar)):
+        for name, info in tensors.items():
+            canon = _canonical(name, fam, cfg, scope == "sidecar")
+            if canon is None:
+                continue
+            seen[scope] = True
+            layout.tensors[canon] = info
+            layout.source_names[canon] = name
+    layout.location = ("both" if all(seen.values()) else
+                       "trunk" if seen["trunk"] else "sidecar" if seen["sidecar"] else None)
+    blocks = {int(m[1]) for c in layout.tensors if (m := re.match(r"mtp\.layers\.(\d+)\.", c))}
+    layout.blocks = max(blocks) + 1 if blocks else 0
+    return layout
+
+
+def check(layout: MTPLayout, weights: Weights, fam: Family, cfg: ModelConfig, kind: str,
+          root: Path) -> None:
+    add = layout.findings.append
+    if not layout.tensors:
+        if layout.declared_layers > 0:
+            add(finding("mtp.missing", f"config declares {layout.declared_layers} MTP layer(s) but "
+                        "no MTP tensors exist (a converter dropped them?)", "config.json"))
+        else:
+            add(finding("mtp.absent", "no MTP head in this bundle", ""))
+        return
+    if layout.declared_layers == 0:
+        add(finding("config.invalid", f"{len(layout.tensors)} MTP tensors present but the config "
+                    "declares no MTP layers (mtp_num_hidden_layers / num_nextn_predict_layers), "
+                    "so runtimes will not build the head", "config.json", fixable=True,
+                    hint="set mtp_num_hidden_layers (mtpkit doctor --fix)"))
+    _check_placement(layout, weights, kind)
+    _check_complete(layout, fam)
+    _check_experts(layout, cfg, fam, kind)
+    _check_norms(layout, weights, fam, cfg, root)
+    _check_policy(layout, cfg)
+
+
+def _check_placement(layout: MTPLayout, weights: Weights, kind: str) -> None:
+    if kind != "mlx":
+        return  # a Hugging Face checkpoint keeps its head in its shards; that is its format
+    in_trunk = sorted({i.file for c, i in layout.tensors.items() if i.file in weights.trunk_files})
+    for file in in_trunk:
+        count = sum(1 for i in layout.tensors.values() if i.file == file)
+        layout.findings.append(finding(
+            "mtp.in_trunk", f"{count} MTP tensors inside trunk shard {file}: stock mlx-lm fails "
+            "strict load on them and MTP runtimes look for a sidecar", file))
+    sidecar = weights.sidecar_file
+    if sidecar and fnmatch(sidecar, "model*.safetensors"):
+        layout.findings.append(finding(
+            "mtp.in_trunk", f"sidecar {sidecar} matches model*.safetensors, so mlx-lm loads it "
+            "as trunk weights and fails strict load", sidecar))
+
+
+def _has(layout: MTPLayout, prefix: str) -> bool:
+    return any(c.startswith(prefix) for c in layout.tensors)
+
+
+def _check_complete(layout: MTPLayout, fam: Family) -> None:
+    n = max(layout.declared_layers, layout.blocks)
+    per_block_heads = fam.head_roles != {}
+    missing: list[str] = []
+    for k in range(n):
+        scope = "mtp." if k == 0 else f"mtp.heads.{k}."
+        if k == 0 or per_block_heads:
+            missing += [scope + r for r in HEAD_ROLES if f"{scope}{r}.weight" not in layout.tensors]
+        layer = f"mtp.layers.{k}."
+        for part in ("input_layernorm.", "post_attention_layernorm.", "self_attn.", "mlp."):
+            if not _has(layout, layer + part):
+                missing.append(layer + part.rstrip("."))
+        if _has(layout, layer + "self_attn.") and not _has(layout, layer + "self_attn.o_proj."):
+            missing.append(layer + "self_attn.o_proj")
+    if missing:
+        shown = ", ".join(missing[:6]) + (f" (+{len(missing) - 6} more)" if len(missing) > 6 else "")
+        layout.findings.append(finding("mtp.incomplete", f"missing {shown}",
+                                       missing[0]))
+
+
+def _check_experts(layout: MTPLayout, cfg: ModelConfig, fam: Family, kind: str) -> None:
+    layouts: dict[str, set[int]] = {}
+    stacked_counts: set[int] = set()
+    for canon, info in layout.tensors.items():
+        hit = expert_layout(canon)
+        if not hit:
+            continue
+        name, m = hit
+        layouts.setdefault(name, set())
+        if name == "numbered":
+            layouts[name].add(int(m["expert"]))
+        elif len(info.shape) >= 3:
+            stacked_counts.add(info.shape[0])
+    if not layouts:
+        return
+    layout.expert_layout = "mixed" if len(layouts) > 1 else next(iter(layouts))
+    expected = cfg.dim(fam.experts_key) or cfg.dim("num_experts") or cfg.dim("n_routed_experts")
+    counts = {len(layouts["numbered"])} if "numbered" in layouts else set()
+    counts |= stacked_counts
+    layout.num_experts = max(counts) if counts else None
+    if expected and counts and counts != {expected}:
+        layout.findings.append(finding(
+            "mtp.incomplete", f"MTP MoE holds {sorted(counts)} experts; config says {expected}",
+            "mtp.layers.0.mlp"))
+    unstacked = set(layouts) - {"stacked"}
+    if kind == "mlx" and unstacked:
+        layout.findings.append(finding(
+            "mtp.experts_unstacked",
+            f"MTP experts stored {'/'.join(sorted(unstacked))} "
+            f"({sum(1 for c in layout.tensors if '.experts.' in c)} tensors); MLX runtimes "
+            "expect them stacked as mlp.switch_mlp.* and some leave them at random values",
+            layout.source_names[next(c for c in layout.tensors if ".experts." in c)]))
+
+
+def _norm_level(root: Path, infos: list[TensorInfo]) -> tuple[int, float] | None:
+    means = [float(v.mean()) for i in infos if (v := read_small(root, i)) is not None and v.size]
+    if not means:
+        return None
+    centre = statistics.median(means)
+    return min(2, max(0, round(centre))), centre
+
+
+def _check_norms(layout: MTPLayout, weights: Weights, fam: Family, cfg: ModelConfig,
+                 root: Path) -> None:
+    """Compare the MTP norms' encoding with the trunk's (needs only the 1-D norm vectors)."""
+    if not fam.zero_centred_norms:
+        return
+    trunk_norms = [i for n, i in weights.trunk.items()
+                   if is_shifted_norm(n) and n not in layout.source_names.values()
+                   and len(i.shape) == 1]
+    mtp_norms = [i for c, i in layout.tensors.items() if is_shifted_norm(c) and len(i.shape) == 1]
+    trunk, head = _norm_level(root, trunk_norms), _norm_level(root, mtp_norms)
+    if trunk is None or head is None:
+        return
+    declared = (cfg.mtp_quantization or {}).get("norm_encoding")
+    delta = str(declared).strip().lower() in DELTA_ENCODINGS
+    effective = head[0] + (1 if delta else 0)
+    layout.norm_encoding = "delta" if head[0] == 0 else "absolute"
+    if effective != trunk[0]:
+        how = (f"MTP norms are {LEVEL_NAMES[head[0]]} (median mean {head[1]:.2f})"
+               + (" and declared delta, so a runtime adds +1 again" if delta and head[0] else "")
+               + f" next to {LEVEL_NAMES[trunk[0]]} trunk norms (median mean {trunk[1]:.2f})")
+        layout.findings.append(finding("mtp.norm_encoding", how,
+                                       layout.source_names.get("mtp.norm.weight", "mtp.norm")))
+
+
+def _check_policy(layout: MTPLayout, cfg: ModelConfig) -> None:
+    declared = cfg.mtp_quantization
+    if declared is None or "policy" not in declared:
+        return
+    policy = declared["policy"]
+    if not isinstance(policy, str | type(None)) or policy not in SIDECAR_POLICIES:
+        layout.findings.append(finding(
+            "mtp.unknown_policy", f"sidecar policy {policy!r} is not one MTP runtimes know "
+            f"({', '.join(repr(p) for p in SIDECAR_POLICIES)})",
+            "config.json:mtplx_mtp_quantization.policy"))

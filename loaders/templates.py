@@ -1,0 +1,223 @@
+"""Find chat templates where transformers looks, and test-render them in jinja2's sandbox.
+
+Templates are untrusted code. Before anything renders, the parsed template is searched for
+reaches into Python internals (underscore attributes, `attr('__...')`); such a template is
+reported, never executed. Rendering uses ImmutableSandboxedEnvironment as transformers does,
+with a wall-clock bound where the platform allows it.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2.nodes as nodes
+from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from mtpkit.loaders.config import read_json
+from mtpkit.loaders.findings import Finding, finding
+
+RENDER_SECONDS = 5
+STANDARD_CONVERSATION = [
+    {"role": "system", "content": "You are a careful assistant."},
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": "Paris."},
+    {"role": "user", "content": "And of Italy? Answer in one word."},
+]
+# Special tokens that mean "this tokenizer speaks a chat format", so a template must exist.
+CHAT_MARKERS = ("<|im_start|>", "<|start_header_id|>", "<start_of_turn>", "<｜User｜>",
+                "<|user|>", "[INST]", "<|turn>", "<|start|>")
+
+
+class _RaisedByTemplate(Exception):
+    """The template called raise_exception(): it rejects the conversation, it is not broken."""
+
+
+@dataclass
+class TemplateReport:
+    source: str | None = None  # where the default template came from
+    named: list[str] = field(default_factory=list)
+    text: str | None = None
+    renders: bool | None = None
+    rendered: str | None = None
+    dropped_system: bool = False
+    thinking: bool = False  # reads enable_thinking
+    opens_reasoning: bool = False  # generation prompt ends inside <think>
+    findings: list[Finding] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"source": self.source, "named": self.named, "renders": self.renders,
+                "dropped_system": self.dropped_system, "supports_thinking": self.thinking,
+                "generation_prompt_opens_reasoning": self.opens_reasoning}
+
+
+def _from_tokenizer_config(value: Any) -> tuple[str | None, dict[str, str]]:
+    if isinstance(value, str):
+        return value, {}
+    if isinstance(value, list):
+        named = {t["name"]: t["template"] for t in value
+                 if isinstance(t, dict) and isinstance(t.get("name"), str)
+                 and isinstance(t.get("template"), str)}
+        return named.pop("default", None), named
+    return None, {}
+
+
+def locate(root: Path, tokenizer_config: dict[str, Any]) -> tuple[str | None, str | None,
+                                                                  dict[str, str]]:
+    """(source, default template, named templates) with transformers' precedence:
+    chat_template.jinja, then tokenizer_config.json, then the legacy chat_template.json."""
+    named = {p.stem: p.read_text("utf-8")
+             for p in sorted((root / "additional_chat_templates").glob("*.jinja"))}
+    jinja_file = root / "chat_template.jinja"
+    if jinja_file.is_file():
+        return "chat_template.jinja", jinja_file.read_text("utf-8"), named
+    default, more = _from_tokenizer_config(tokenizer_config.get("chat_template"))
+    named = {**more, **named}
+    if default is not None:
+        return "tokenizer_config.json", default, named
+    legacy = root / "chat_template.json"
+    if legacy.is_file():
+        try:
+            value = read_json(legacy)
+        except (ValueError, OSError, UnicodeDecodeError):
+            value = None
+        if isinstance(value, dict) and isinstance(value.get("chat_template"), str):
+            return "chat_template.json", value["chat_template"], named
+    return None, None, named
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols])
+
+    def raise_exception(message: str) -> None:
+        raise _RaisedByTemplate(message)
+
+    def tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False,
+               sort_keys: bool = False) -> str:
+        return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def unsafe_reach(source: str) -> str | None:
+    """The first reach into Python internals in the template, or None. Raises on bad syntax."""
+    tree = _environment().parse(source)
+    for node in tree.find_all((nodes.Getattr, nodes.Getitem, nodes.Filter)):
+        if isinstance(node, nodes.Getattr) and node.attr.startswith("_"):
+            return f".{node.attr}"
+        if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and str(
+                node.arg.value).startswith("_"):
+            return f"[{node.arg.value!r}]"
+        if isinstance(node, nodes.Filter) and node.name == "attr" and any(
+                isinstance(a, nodes.Const) and str(a.value).startswith("_") for a in node.args):
+            return "|attr(" + ", ".join(repr(a.value) for a in node.args
+                                        if isinstance(a, nodes.Const)) + ")"
+    return None
+
+
+@contextmanager
+def _time_limit(seconds: int) -> Iterator[None]:
+    """SIGALRM bound on the main thread; elsewhere the sandbox's own range limit must do."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal,
+                                                                                 "SIGALRM"):
+        yield
+        return
+
+    def expire(signum: int, frame: Any) -> None:
+        raise TimeoutError(f"rendering took longer than {seconds}s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def render(source: str, messages: list[dict[str, Any]], special: dict[str, str],
+           **kwargs: Any) -> str:
+    """Render a chat template in the sandbox (the caller has already checked unsafe_reach)."""
+    template = _environment().from_string(source)
+    with _time_limit(RENDER_SECONDS):
+        return template.render(messages=messages, add_generation_prompt=True, **special, **kwargs)
+
+
+def _try_render(report: TemplateReport, source: str, special: dict[str, str], where: str) -> None:
+    try:
+        try:
+            report.rendered = render(source, STANDARD_CONVERSATION, special)
+        except _RaisedByTemplate:
+            # Some formats reject a system turn (Gemma: "System role not supported").
+            report.rendered = render(source, STANDARD_CONVERSATION[1:], special)
+            report.dropped_system = True
+    except SecurityError as exc:
+        report.renders = False
+        report.findings.append(finding("template.unsafe", f"sandbox stopped it: {exc}", where))
+        return
+    except (_RaisedByTemplate, TemplateError, TimeoutError, TypeError, ValueError, KeyError,
+            AttributeError, IndexError, RecursionError) as exc:
+        report.renders = False
+        report.findings.append(finding("template.render_failed",
+                                       f"standard conversation fails: {type(exc).__name__}: "
+                                       f"{str(exc)[:200]}", where))
+        return
+    report.renders = True
+    if "Italy" not in report.rendered:
+        report.findings.append(finding("template.render_failed", "the rendered prompt does not "
+                                       "contain the last user message", where, severity="warning"))
+    report.opens_reasoning = report.rendered.rstrip().endswith("<think>")
+
+
+def check_template(root: Path, tokenizer_config: dict[str, Any], special: dict[str, str],
+                   vocab_has_chat_markers: bool) -> TemplateReport:
+    report = TemplateReport()
+    try:
+        source, text, named = locate(root, tokenizer_config)
+    except (OSError, UnicodeDecodeError) as exc:
+        report.findings.append(finding("template.invalid", f"unreadable: {exc}", "chat_template"))
+        return report
+    report.source, report.text, report.named = source, text, sorted(named)
+    if text is None:
+        if vocab_has_chat_markers:
+            report.findings.append(finding(
+                "template.missing", "the tokenizer has chat special tokens but no chat template "
+                "exists (chat_template.jinja, tokenizer_config.json); apply_chat_template fails "
+                "and mlx-lm's server silently concatenates roles", "chat_template.jinja"))
+        return report
+    if source == "chat_template.json":
+        report.findings.append(finding("template.legacy_location", "the only template is in the "
+                                       "legacy processor file chat_template.json",
+                                       "chat_template.json"))
+    for where, body in [(source, text), *((f"additional_chat_templates/{n}.jinja", b)
+                                          for n, b in sorted(named.items()))]:
+        try:
+            reach = unsafe_reach(body)
+        except TemplateSyntaxError as exc:
+            report.findings.append(finding("template.invalid", f"line {exc.lineno}: {exc.message}",
+                                           where))
+            report.renders = False if where == source else report.renders
+            continue
+        if reach:
+            report.findings.append(finding("template.unsafe", f"reaches into Python internals "
+                                           f"({reach}); not rendered", where))
+            report.renders = False if where == source else report.renders
+            continue
+        if where == source:
+            report.thinking = "enable_thinking" in body
+            _try_render(report, body, special, where)
+    return report
+

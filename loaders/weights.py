@@ -1,0 +1,147 @@
+"""Find a bundle's weight files the way real readers do, and read every header.
+
+Trunk: mlx-lm loads every `model*.safetensors` by glob; transformers and MTP runtimes follow
+`model.safetensors.index.json`. Both views are checked against each other. Sidecar: MTPLX's
+lookup order (config `mlx_lm_extra_tensors.mtp_file`, then the usual file names). No path from
+the bundle's own files is trusted to stay inside the bundle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mtpkit.loaders.config import ModelConfig, read_json
+from mtpkit.loaders.findings import Finding, finding
+from mtpkit.loaders.safetensors_header import SafetensorsHeader, TensorInfo, read_header
+
+INDEX_FILE = "model.safetensors.index.json"
+SIDECAR_NAMES = ("mtp.safetensors", "mtp/weights.safetensors", "model-mtp.safetensors")
+
+
+@dataclass
+class Weights:
+    trunk_files: list[str] = field(default_factory=list)
+    sidecar_file: str | None = None
+    headers: dict[str, SafetensorsHeader] = field(default_factory=dict)
+    trunk: dict[str, TensorInfo] = field(default_factory=dict)
+    sidecar: dict[str, TensorInfo] = field(default_factory=dict)
+    index: dict[str, str] | None = None
+    findings: list[Finding] = field(default_factory=list)
+
+
+def inside(root: Path, relative: str) -> Path | None:
+    """`root/relative` if it stays inside root after resolving links, else None."""
+    if not relative or relative.startswith(("/", "\\")) or "\\" in relative or "\x00" in relative:
+        return None
+    candidate = (root / relative).resolve()
+    try:
+        candidate.relative_to(root.resolve())
+    except ValueError:
+        return None
+    return candidate
+
+
+def _read_index(root: Path, out: Weights) -> None:
+    path = root / INDEX_FILE
+    if not path.is_file():
+        return
+    try:
+        data = read_json(path)
+    except (ValueError, UnicodeDecodeError, OSError) as exc:
+        out.findings.append(finding("index.invalid", f"unreadable: {exc}", INDEX_FILE))
+        return
+    wmap = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(wmap, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in wmap.items()
+    ):
+        out.findings.append(finding("index.invalid", "weight_map must map tensor names to file "
+                                    "names", INDEX_FILE))
+        return
+    out.index = wmap
+
+
+def _shard_names(root: Path, out: Weights) -> list[str]:
+    """Shards named by the index (validated) plus every file mlx-lm's glob picks up."""
+    names: list[str] = []
+    for shard in sorted(set((out.index or {}).values())):
+        target = inside(root, shard)
+        if target is None:
+            out.findings.append(finding("index.path_escape",
+                                        f"shard path {shard!r} leaves the bundle", INDEX_FILE))
+        elif not target.is_file():
+            out.findings.append(finding("index.missing_shard", f"shard {shard!r} is not present",
+                                        INDEX_FILE))
+        else:
+            names.append(shard)
+    globbed = sorted(p.name for p in root.glob("model*.safetensors") if p.is_file())
+    for name in globbed:
+        if name in names:
+            continue
+        if out.index is not None and name not in SIDECAR_NAMES:
+            out.findings.append(finding(
+                "index.tensor_mismatch",
+                f"{name} is not in the index, yet mlx-lm loads every model*.safetensors",
+                name, severity="warning"))
+        names.append(name)
+    return names
+
+
+def _sidecar_name(root: Path, config: ModelConfig, out: Weights) -> str | None:
+    extra = config.raw.get("mlx_lm_extra_tensors")
+    declared = extra.get("mtp_file") if isinstance(extra, dict) else None
+    if isinstance(declared, str):
+        target = inside(root, declared)
+        if target is None:
+            out.findings.append(finding("index.path_escape",
+                                        f"mlx_lm_extra_tensors.mtp_file {declared!r} leaves the "
+                                        "bundle", "config.json"))
+            return None
+        if target.is_file():
+            return target.relative_to(root.resolve()).as_posix()
+        out.findings.append(finding("mtp.missing", f"config names sidecar {declared!r} but it "
+                                    "is not present", "config.json"))
+    for name in SIDECAR_NAMES:
+        target = inside(root, name)
+        if target is not None and target.is_file():
+            return name
+    return None
+
+
+def _check_index(out: Weights) -> None:
+    if out.index is None:
+        return
+    listed = set(out.index)
+    for name, shard in sorted(out.index.items()):
+        header = out.headers.get(shard)
+        if header is not None and header.readable and name not in header.tensors:
+            out.findings.append(finding("index.tensor_mismatch",
+                                        f"index puts it in {shard} but that shard lacks it", name))
+    for shard in set(out.index.values()):
+        header = out.headers.get(shard)
+        for name in sorted(set(header.tensors) - listed) if header else ():
+            out.findings.append(finding("index.tensor_mismatch",
+                                        f"in {shard} but not in the index", name))
+
+
+def read_weights(root: Path, config: ModelConfig) -> Weights:
+    out = Weights()
+    _read_index(root, out)
+    out.sidecar_file = _sidecar_name(root, config, out)
+    out.trunk_files = [n for n in _shard_names(root, out) if n != out.sidecar_file]
+    for name in [*out.trunk_files, *([out.sidecar_file] if out.sidecar_file else [])]:
+        header = read_header(root / name, label=name)
+        out.headers[name] = header
+        out.findings.extend(header.findings)
+        target = out.sidecar if name == out.sidecar_file else out.trunk
+        for tname, info in header.tensors.items():
+            if tname in target:
+                out.findings.append(finding("index.tensor_mismatch",
+                                            f"stored twice: in {target[tname].file} and {name}",
+                                            tname))
+            target[tname] = info
+    if not out.trunk_files and not any(f.code.startswith("index.") for f in out.findings):
+        out.findings.append(finding("files.missing_weights", "no model*.safetensors files",
+                                    str(root.name)))
+    _check_index(out)
+    return out

