@@ -1,0 +1,1 @@
+"""Checks that consume a BundleView: doctor (header checks + deep data scan)."""

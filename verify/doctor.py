@@ -1,0 +1,104 @@
+"""mtpkit doctor: run the header checks (and optionally the deep scan), build the report
+document, and render it for people."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mtpkit import __version__
+from mtpkit.loaders.bundle import BundleView, open_bundle
+from mtpkit.loaders.findings import SEVERITY_ORDER, Finding, finding
+from mtpkit.loaders.source import NotABundle
+from mtpkit.verify.deep import Progress, deep_scan
+
+
+def exit_code(findings: list[Finding], bundle: BundleView | None) -> int:
+    if bundle is None:
+        return 2
+    return 1 if any(f.severity == "error" for f in findings) else 0
+
+
+def report(target: str | Path, deep: bool = False,
+           progress: Progress | None = None, on_open: Any = None) -> dict[str, Any]:
+    """The doctor report for `target` as a dict valid against doctor_report.schema.json.
+
+    on_open(view) is called once the headers are read (the CLI sizes its progress bar there).
+    """
+    try:
+        view = open_bundle(target)
+    except NotABundle as exc:
+        findings = [finding("files.missing_config", str(exc), str(target), hint=exc.hint)]
+        return _document(str(target), deep, None, findings)
+    findings = list(view.findings)
+    if deep:
+        if on_open:
+            on_open(view)
+        findings += deep_scan(view, progress or (lambda n: None))
+        findings.sort(key=lambda f: (SEVERITY_ORDER[f.severity], f.code, f.location))
+    return _document(str(target), deep, view, findings)
+
+
+def _document(target: str, deep: bool, view: BundleView | None,
+              findings: list[Finding]) -> dict[str, Any]:
+    count = {s: sum(1 for f in findings if f.severity == s) for s in SEVERITY_ORDER}
+    code = exit_code(findings, view)
+    return {
+        "tool": "mtpkit", "version": __version__, "command": "doctor", "target": target,
+        "deep": deep, "bundle": view.summary() if view else None,
+        "findings": [f.to_dict() for f in findings],
+        "summary": {"errors": count["error"], "warnings": count["warning"],
+                    "info": count["info"], "fixable": sum(1 for f in findings if f.fixable),
+                    "ok": code == 0, "exit_code": code},
+    }
+
+
+def _describe(bundle: dict[str, Any]) -> list[str]:
+    mtp, tpl, q = bundle["mtp"], bundle["template"], bundle["quantization"]
+    trunk_q = ", ".join(f"{k} x{v}" for k, v in q["trunk"].items()) or "none (float)"
+    side_q = ", ".join(f"{k} x{v}" for k, v in q["sidecar"].items()) or "none (float)"
+    lines = [
+        f"bundle    {bundle['kind']} checkpoint, model_type {bundle['model_type']} "
+        f"(family {bundle['family']}); trunk {len(bundle['files']['trunk'])} file(s), "
+        f"{bundle['tensors']['trunk']} tensors",
+        f"quant     trunk: {trunk_q}",
+    ]
+    if mtp["present"]:
+        lines.append(f"mtp       {mtp['tensor_count']} tensors in {mtp['location']}"
+                     f" ({bundle['files']['sidecar'] or 'trunk shards'}), "
+                     f"{mtp['blocks']} layer(s) (config: {mtp['declared_layers']})"
+                     + (f", experts {mtp['expert_layout']} x{mtp['num_experts']}"
+                        if mtp["expert_layout"] else "")
+                     + (f", norms {mtp['norm_encoding']}" if mtp["norm_encoding"] else "")
+                     + f"; quant: {side_q}")
+    else:
+        lines.append(f"mtp       none (config declares {mtp['declared_layers']})")
+    if tpl["source"]:
+        lines.append(f"template  {tpl['source']}: "
+                     + ("renders" if tpl["renders"] else "does not render")
+                     + (", thinking switch" if tpl["supports_thinking"] else "")
+                     + (", generation prompt opens <think>"
+                        if tpl["generation_prompt_opens_reasoning"] else ""))
+    else:
+        lines.append("template  none")
+    return lines
+
+
+def render_text(doc: dict[str, Any]) -> str:
+    lines = [f"mtpkit doctor {doc['target']}" + (" --deep" if doc["deep"] else "")]
+    if doc["bundle"]:
+        lines += ["  " + line for line in _describe(doc["bundle"])]
+    findings = doc["findings"]
+    if findings:
+        width = max(len(f["code"]) for f in findings)
+        lines.append("")
+        for f in findings:
+            loc = f" [{f['location']}]" if f["location"] else ""
+            lines.append(f"  {f['severity']:<7} {f['code']:<{width}}  {f['message']}{loc}")
+            if f["severity"] != "info":
+                lines.append(f"  {'':<7} {'':<{width}}  hint: {f['hint']}")
+    s = doc["summary"]
+    verdict = "OK" if s["ok"] else ("NOT A MODEL FOLDER" if s["exit_code"] == 2 else "PROBLEMS")
+    lines += ["", f"{verdict}: {s['errors']} error(s), {s['warnings']} warning(s), "
+              f"{s['info']} note(s); {s['fixable']} fixable"]
+    return "\n".join(lines)
