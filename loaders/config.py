@@ -66,7 +66,7 @@ def _flatten(raw: dict[str, Any]) -> dict[str, Any]:
     nested = raw.get("text_config")
     if isinstance(nested, dict):
         text.update(nested)
-        text["model_type"] = raw.get("model_type", nested.get("model_type"))
+        text["model_type"] = raw.get("model_type")  # mlx-lm picks the class by the top level
     return text
 
 

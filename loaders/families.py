@@ -112,6 +112,18 @@ def expert_layout(name: str) -> tuple[str, re.Match[str]] | None:
     return None
 
 
+def stacked_modules(path: str) -> tuple[str, ...]:
+    """The stacked switch_mlp module(s) an expert module belongs to, so layouts compare equal:
+    `X.experts.3.up_proj` -> (`X.switch_mlp.up_proj`,), fused gate_up -> gate and up."""
+    hit = expert_layout(path + ".weight")
+    if hit is None or hit[0] == "stacked":
+        return (path,)
+    proj = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}.get(hit[1]["proj"],
+                                                                          hit[1]["proj"])
+    projs = ("gate_proj", "up_proj") if proj == "gate_up_proj" else (proj,)
+    return tuple(f"{hit[1]['moe']}.switch_mlp.{p}" for p in projs)
+
+
 # RMSNorm gains that Qwen3-Next / Qwen3.5 checkpoints store zero-centred (the gated
 # linear_attn.norm is not among them: mlx-lm's sanitize leaves it alone).
 SHIFTED_NORM_SUFFIXES = (

@@ -8,6 +8,7 @@ from collections import defaultdict
 from typing import Any
 
 from mtpkit.loaders.config import ModelConfig
+from mtpkit.loaders.families import stacked_modules
 from mtpkit.loaders.findings import Finding, finding
 from mtpkit.loaders.quant import (
     MODE_DEFAULTS,
@@ -155,8 +156,8 @@ def _policy_findings(declared: dict[str, Any], quantized: dict[str, ModuleQuant]
                            f"{len(quantized)} quantized modules", where))
     listed = declared.get("quantized_modules")
     if isinstance(listed, list) and modules:
-        strip = {str(m).removeprefix("mtp.") for m in listed}
-        actual = {p.removeprefix("mtp.") for p in quantized}
+        strip = {m.removeprefix("mtp.") for s in listed for m in stacked_modules(str(s))}
+        actual = {m.removeprefix("mtp.") for p in quantized for m in stacked_modules(p)}
         if strip != actual:
             diff = sorted(strip ^ actual)
             out.append(finding("mtp.group_mismatch", "quantized_modules lists "

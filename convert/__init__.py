@@ -1,0 +1,1 @@
+"""Writers: everything that produces bundle files (manifest now; the converter builds on it)."""

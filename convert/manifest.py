@@ -1,0 +1,96 @@
+"""Build the mtpkit.json manifest from a BundleView: every claim measured from the files."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from mtpkit import __version__
+from mtpkit.loaders.bundle import BundleView
+from mtpkit.loaders.manifest import MANIFEST_FILE
+from mtpkit.loaders.quant import ModuleQuant, Quant
+from mtpkit.loaders.weights import INDEX_FILE
+
+# Drafting deeper than the head's layer count chains the head on its own output; the reference
+# decoder is tested to depth 4, so that is the depth a manifest promises.
+MAX_CHAINED_DEPTH = 4
+ROLE_BY_NAME = {
+    "config.json": "config", INDEX_FILE: "index", "README.md": "card",
+    "chat_template.jinja": "template", "tokenizer.json": "tokenizer",
+    "tokenizer_config.json": "tokenizer", "tokenizer.model": "tokenizer",
+    "special_tokens_map.json": "tokenizer", "vocab.json": "tokenizer", "merges.txt": "tokenizer",
+    "added_tokens.json": "tokenizer",
+}
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(16 * 1024 * 1024):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _role(rel: str, view: BundleView) -> str:
+    if rel in view.weights.trunk_files:
+        return "trunk"
+    if rel == view.weights.sidecar_file:
+        return "sidecar"
+    if rel.startswith("additional_chat_templates/"):
+        return "template"
+    return ROLE_BY_NAME.get(rel, "other")
+
+
+def _quant_section(measured: dict[str, ModuleQuant]) -> dict[str, Any]:
+    quants: dict[str, Quant] = {p: mq.quant for p, mq in measured.items() if mq.quant}
+    if not quants:
+        return {"default": None, "modules": {}, "quantized_modules": 0}
+    default = Counter(quants.values()).most_common(1)[0][0]
+    return {"default": default.to_dict(),
+            "modules": {p: q.to_dict() for p, q in sorted(quants.items()) if q != default},
+            "quantized_modules": len(quants)}
+
+
+def _policy(measured: dict[str, ModuleQuant]) -> str | None:
+    quantized = [p for p, mq in measured.items() if mq.quant]
+    if not measured:
+        return None
+    if any(p == "mtp.fc" for p in quantized):
+        return "all"
+    return "layers" if quantized else "keep"
+
+
+def build_manifest(view: BundleView, source: dict[str, Any],
+                   template_provenance: str | None = None) -> dict[str, Any]:
+    root = view.root
+    files = []
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = path.relative_to(root).as_posix()
+        if rel == MANIFEST_FILE:
+            continue
+        files.append({"path": rel, "role": _role(rel, view), "bytes": path.stat().st_size,
+                      "sha256": sha256_file(path)})
+    mtp = view.mtp
+    return {
+        "format_version": 1,
+        "tool": {"name": "mtpkit", "version": __version__},
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+        "source": source,
+        "family": view.family.name,
+        "model_type": view.config.model_type,
+        "files": files,
+        "quantization": {"trunk": _quant_section(view.quantization),
+                         "sidecar": _quant_section(view.mtp_quantization)},
+        "mtp": {
+            "present": bool(mtp.tensors), "file": view.weights.sidecar_file,
+            "layers": max(mtp.declared_layers, mtp.blocks),
+            "max_depth": MAX_CHAINED_DEPTH if mtp.tensors else 0,
+            "hidden_feed": "post_norm", "next_hidden": "post_mtp_norm",
+            "concat_order": view.family.concat_order, "norm_encoding": mtp.norm_encoding,
+            "policy": _policy(view.mtp_quantization), "source_family": view.family.name,
+        },
+        "chat_template": {"source": view.template.source, "provenance": template_provenance},
+    }

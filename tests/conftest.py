@@ -1,0 +1,44 @@
+"""Shared fixtures: healthy bundles are built once per session and copied per test."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from fixtures.factory import Sidecar, build_hf, build_mlx  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """built(family, sidecar=Sidecar(), hf=False, **kw) -> a cached, read-only healthy bundle."""
+    root = tmp_path_factory.mktemp("bundles")
+    cache: dict[tuple, Path] = {}
+
+    def get(family: str, sidecar: Sidecar | None = Sidecar(), hf: bool = False,
+            **kw: object) -> Path:
+        key = (family, sidecar, hf, tuple(sorted(kw.items())))
+        if key not in cache:
+            out = root / f"b{len(cache)}-{family}"
+            cache[key] = (build_hf(family, out, **kw) if hf
+                          else build_mlx(family, out, sidecar=sidecar, **kw))
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture
+def bundle_copy(built: Callable[..., Path], tmp_path: Path) -> Callable[..., Path]:
+    """A private, writable copy of a healthy bundle."""
+    def get(family: str, sidecar: Sidecar | None = Sidecar(), **kw: object) -> Path:
+        dst = tmp_path / "bundle"
+        shutil.copytree(built(family, sidecar, **kw), dst)
+        return dst
+
+    return get

@@ -1,0 +1,77 @@
+"""Every finding code has a fixture that triggers it: a healthy bundle, one pathology, and
+doctor must name exactly that code (and the JSON report must stay schema-valid)."""
+
+from __future__ import annotations
+
+import pytest
+
+from fixtures.breaker import BREAKERS
+from mtpkit.schemas import finding_codes, validate
+from mtpkit.verify.doctor import report
+
+# Codes produced by healthy inputs rather than by damage, each with its own test below.
+NOT_DAMAGE = {"mtp.absent"}
+
+
+def test_every_catalog_code_has_a_fixture():
+    assert set(finding_codes()) - NOT_DAMAGE == set(BREAKERS)
+
+
+@pytest.mark.parametrize("code", sorted(BREAKERS))
+def test_breaker_triggers_its_code(bundle_copy, code):
+    breaker, (family, sidecar), deep = BREAKERS[code]
+    path = bundle_copy(family, sidecar)
+    assert report(path, deep=deep)["summary"]["ok"], "the base must be healthy"
+    breaker(path)
+    doc = report(path, deep=deep)
+    validate(doc, "doctor_report")
+    hits = [f for f in doc["findings"] if f["code"] == code]
+    assert hits, f"{code} not reported; got {[f['code'] for f in doc['findings']]}"
+    for f in hits:
+        assert f["message"] and f["hint"] and f["severity"] in ("error", "warning", "info")
+    expected_exit = 2 if code == "files.missing_config" and not (path / "model.safetensors").exists() else None
+    if finding_codes()[code]["severity"] == "error":
+        assert doc["summary"]["exit_code"] in (1, 2)
+    if expected_exit:
+        assert doc["summary"]["exit_code"] == expected_exit
+
+
+def test_llama_without_head_is_noted_not_failed(built):
+    doc = report(built("llama", None))
+    assert [f["code"] for f in doc["findings"]] == ["mtp.absent"]
+    assert doc["summary"]["exit_code"] == 0
+
+
+def test_group_mismatch_names_the_measured_truth(bundle_copy):
+    breaker, (family, sidecar), _ = BREAKERS["mtp.group_mismatch"]
+    path = bundle_copy(family, sidecar)
+    breaker(path)
+    [hit] = [f for f in report(path)["findings"] if f["code"] == "mtp.group_mismatch"]
+    assert "affine 4-bit g64" in hit["message"] and "affine 4-bit g32" in hit["message"]
+
+
+def test_per_module_lie_is_an_error_top_level_lie_a_warning(bundle_copy):
+    breaker, (family, sidecar), _ = BREAKERS["quant.config_mismatch"]
+    path = bundle_copy(family, sidecar)
+    breaker(path)
+    hits = [f for f in report(path)["findings"] if f["code"] == "quant.config_mismatch"]
+    assert {f["severity"] for f in hits} == {"error", "warning"}
+    [error] = [f for f in hits if f["severity"] == "error"]
+    assert "g128" in error["message"] and "1 module" in error["message"]
+    [warning] = [f for f in hits if f["severity"] == "warning"]
+    assert "g32" in warning["message"]
+
+
+def test_norms_shifted_twice_are_caught(bundle_copy):
+    """A delta declaration on a sidecar whose norms were already shifted: +1 applied twice."""
+    import json
+
+    path = bundle_copy("qwen3_5", None)
+    from fixtures.factory import Sidecar, write_sidecar
+
+    write_sidecar(path, "qwen3_5", Sidecar(norms="absolute"))
+    config = json.loads((path / "config.json").read_text())
+    config["mtplx_mtp_quantization"]["norm_encoding"] = "delta"
+    (path / "config.json").write_text(json.dumps(config))
+    [hit] = [f for f in report(path)["findings"] if f["code"] == "mtp.norm_encoding"]
+    assert "shifted (+1)" in hit["message"] and "adds +1 again" in hit["message"]
