@@ -14,6 +14,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from fixtures.factory import Sidecar, build_hf, build_mlx  # noqa: E402
 
+DEFAULT_SIDECAR = Sidecar()
+
 
 @pytest.fixture(scope="session")
 def built(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
@@ -21,7 +23,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     root = tmp_path_factory.mktemp("bundles")
     cache: dict[tuple, Path] = {}
 
-    def get(family: str, sidecar: Sidecar | None = Sidecar(), hf: bool = False,
+    def get(family: str, sidecar: Sidecar | None = DEFAULT_SIDECAR, hf: bool = False,
             **kw: object) -> Path:
         key = (family, sidecar, hf, tuple(sorted(kw.items())))
         if key not in cache:
@@ -36,7 +38,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
 @pytest.fixture
 def bundle_copy(built: Callable[..., Path], tmp_path: Path) -> Callable[..., Path]:
     """A private, writable copy of a healthy bundle."""
-    def get(family: str, sidecar: Sidecar | None = Sidecar(), **kw: object) -> Path:
+    def get(family: str, sidecar: Sidecar | None = DEFAULT_SIDECAR, **kw: object) -> Path:
         dst = tmp_path / "bundle"
         shutil.copytree(built(family, sidecar, **kw), dst)
         return dst
