@@ -9,6 +9,7 @@ with a wall-clock bound where the platform allows it.
 from __future__ import annotations
 
 import json
+import re
 import signal
 import threading
 from collections.abc import Iterator
@@ -19,14 +20,16 @@ from pathlib import Path
 from typing import Any
 
 import jinja2.nodes as nodes
-from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
-from jinja2.ext import loopcontrols
+from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError, UndefinedError
+from jinja2.ext import Extension, loopcontrols
+from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from mtpkit.loaders.config import read_json
 from mtpkit.loaders.findings import Finding, finding
 
 RENDER_SECONDS = 5
+MAX_EXTRA_VARIABLES = 3
 STANDARD_CONVERSATION = [
     {"role": "system", "content": "You are a careful assistant."},
     {"role": "user", "content": "What is the capital of France?"},
@@ -36,6 +39,18 @@ STANDARD_CONVERSATION = [
 # Special tokens that mean "this tokenizer speaks a chat format", so a template must exist.
 CHAT_MARKERS = ("<|im_start|>", "<|start_header_id|>", "<start_of_turn>", "<｜User｜>",
                 "<|user|>", "[INST]", "<|turn>", "<|start|>")
+
+
+class GenerationBlocks(Extension):
+    """transformers' `{% generation %}...{% endgeneration %}` (it marks assistant spans for
+    training masks); for rendering, the block is its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Parser) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body, lineno=lineno)
 
 
 class _RaisedByTemplate(Exception):
@@ -73,15 +88,17 @@ def _from_tokenizer_config(value: Any) -> tuple[str | None, dict[str, str]]:
 
 def locate(root: Path, tokenizer_config: dict[str, Any]) -> tuple[str | None, str | None,
                                                                   dict[str, str]]:
-    """(source, default template, named templates) with transformers' precedence:
-    chat_template.jinja, then tokenizer_config.json, then the legacy chat_template.json."""
+    """(source, default template, named templates) as transformers loads them: template files
+    (chat_template.jinja, additional_chat_templates/*.jinja), when any exist, replace the
+    tokenizer_config.json entries entirely; the legacy chat_template.json is the last resort."""
     named = {p.stem: p.read_text("utf-8")
              for p in sorted((root / "additional_chat_templates").glob("*.jinja"))}
     jinja_file = root / "chat_template.jinja"
     if jinja_file.is_file():
         return "chat_template.jinja", jinja_file.read_text("utf-8"), named
-    default, more = _from_tokenizer_config(tokenizer_config.get("chat_template"))
-    named = {**more, **named}
+    if named:
+        return None, None, named
+    default, named = _from_tokenizer_config(tokenizer_config.get("chat_template"))
     if default is not None:
         return "tokenizer_config.json", default, named
     legacy = root / "chat_template.json"
@@ -97,7 +114,7 @@ def locate(root: Path, tokenizer_config: dict[str, Any]) -> tuple[str | None, st
 
 def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[loopcontrols])
+                                        extensions=[loopcontrols, GenerationBlocks])
 
     def raise_exception(message: str) -> None:
         raise _RaisedByTemplate(message)
@@ -156,14 +173,31 @@ def render(source: str, messages: list[dict[str, Any]], special: dict[str, str],
         return template.render(messages=messages, add_generation_prompt=True, **special, **kwargs)
 
 
-def _try_render(report: TemplateReport, source: str, special: dict[str, str], where: str) -> None:
+def _render_standard(report: TemplateReport, source: str, context: dict[str, Any]) -> str:
     try:
-        try:
-            report.rendered = render(source, STANDARD_CONVERSATION, special)
-        except _RaisedByTemplate:
-            # Some formats reject a system turn (Gemma: "System role not supported").
-            report.rendered = render(source, STANDARD_CONVERSATION[1:], special)
-            report.dropped_system = True
+        return render(source, STANDARD_CONVERSATION, context)
+    except _RaisedByTemplate:
+        # Some formats reject a system turn (Gemma: "System role not supported").
+        report.dropped_system = True
+        return render(source, STANDARD_CONVERSATION[1:], context)
+
+
+def _try_render(report: TemplateReport, source: str, special: dict[str, str], where: str) -> None:
+    context: dict[str, Any] = dict(special)
+    needed: list[str] = []
+    try:
+        for _ in range(MAX_EXTRA_VARIABLES + 1):
+            try:
+                report.rendered = _render_standard(report, source, context)
+                break
+            except UndefinedError as exc:
+                # A template written for one runtime may expect a variable such as `functions`;
+                # give it an empty one and say so, rather than call the template broken.
+                name = re.match(r"'(\w+)' is undefined", str(exc))
+                if not name or name[1] in context or len(needed) == MAX_EXTRA_VARIABLES:
+                    raise
+                needed.append(name[1])
+                context[name[1]] = ""  # empty, iterable, concatenable
     except SecurityError as exc:
         report.renders = False
         report.findings.append(finding("template.unsafe", f"sandbox stopped it: {exc}", where))
@@ -176,6 +210,11 @@ def _try_render(report: TemplateReport, source: str, special: dict[str, str], wh
                                        f"{str(exc)[:200]}", where))
         return
     report.renders = True
+    if needed:
+        report.findings.append(finding(
+            "template.render_failed", "renders only when the caller passes "
+            + ", ".join(f"`{n}`" for n in needed) + " (not a standard chat-template variable)",
+            where, severity="warning"))
     if "Italy" not in report.rendered:
         report.findings.append(finding("template.render_failed", "the rendered prompt does not "
                                        "contain the last user message", where, severity="warning"))

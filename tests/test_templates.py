@@ -1,0 +1,121 @@
+"""Chat templates: transformers' precedence, sandboxed rendering of ~70 real published
+templates without false alarms, and hostile templates reported without being executed."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from fixtures.tokenizer import CHATML_THINKING
+from mtpkit.loaders import templates
+from mtpkit.loaders.templates import check_template
+
+REAL = Path(os.environ.get("MTPKIT_REAL_TEMPLATES",
+                           Path(__file__).resolve().parents[1] / ".venv" / "real-templates"))
+SPECIAL = {"bos_token": "<s>", "eos_token": "</s>"}
+
+
+def _real() -> list[Path]:
+    found = sorted(REAL.glob("*.jinja"))
+    assert len(found) >= 60, f"real templates missing in {REAL}: run bash scripts/test.sh"
+    return found
+
+
+def _check(tmp_path: Path, text: str, **tokenizer_config):
+    (tmp_path / "chat_template.jinja").write_text(text)
+    return check_template(tmp_path, tokenizer_config, SPECIAL, True)
+
+
+def test_every_real_template_renders_without_error(tmp_path):
+    failures = {}
+    for path in _real():
+        folder = tmp_path / path.stem
+        folder.mkdir()
+        report = _check(folder, path.read_text())
+        errors = [f.message for f in report.findings if f.severity == "error"]
+        if errors or not report.renders:
+            failures[path.name] = errors
+    assert failures == {}
+
+
+def test_real_templates_known_behaviours(tmp_path):
+    by_name = {p.name: p for p in _real()}
+    qwen = _check(tmp_path, by_name["Qwen3.5-4B.jinja"].read_text())
+    assert qwen.thinking and qwen.opens_reasoning  # the reasoning-channel trap
+    gemma_dir = tmp_path / "g"
+    gemma_dir.mkdir()
+    gemma = _check(gemma_dir, by_name["google-gemma-2-2b-it.jinja"].read_text())
+    assert gemma.renders and gemma.dropped_system and gemma.findings == []
+
+
+def test_renders_exactly(tmp_path):
+    report = _check(tmp_path, CHATML_THINKING)
+    assert report.rendered == (
+        "<|im_start|>system\nYou are a careful assistant.<|im_end|>\n"
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
+        "<|im_start|>assistant\nParis.<|im_end|>\n"
+        "<|im_start|>user\nAnd of Italy? Answer in one word.<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\n")
+    assert templates.render(CHATML_THINKING, [{"role": "user", "content": "x"}], {},
+                            enable_thinking=False).endswith("<think>\n\n</think>\n\n")
+
+
+def test_precedence_follows_transformers(tmp_path):
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": "legacy"}))
+    assert templates.locate(tmp_path, {})[:2] == ("chat_template.json", "legacy")
+    listed = [{"name": "default", "template": "from-config"}, {"name": "tool_use", "template": "t"}]
+    source, text, named = templates.locate(tmp_path, {"chat_template": listed})
+    assert (source, text, sorted(named)) == ("tokenizer_config.json", "from-config", ["tool_use"])
+    # template files, once any exist, replace the tokenizer_config entries entirely
+    (tmp_path / "additional_chat_templates").mkdir()
+    (tmp_path / "additional_chat_templates" / "rag.jinja").write_text("r")
+    assert templates.locate(tmp_path, {"chat_template": listed}) == (None, None, {"rag": "r"})
+    (tmp_path / "chat_template.jinja").write_text("file")
+    source, text, named = templates.locate(tmp_path, {"chat_template": listed})
+    assert (source, text, sorted(named)) == ("chat_template.jinja", "file", ["rag"])
+
+
+HOSTILE = [
+    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "{{ messages['__class__'] }}",
+    "{{ messages|attr('__init__') }}",
+    "{{ cycler.__init__.__globals__.os.popen('id').read() }}",
+    "{% set x = namespace() %}{{ x._TemplateReference__context }}",
+]
+
+
+@pytest.mark.parametrize("text", HOSTILE)
+def test_hostile_templates_are_reported_not_run(tmp_path, text, monkeypatch):
+    calls = []
+    monkeypatch.setattr(templates, "render", lambda *a, **k: calls.append(a))
+    report = _check(tmp_path, text)
+    assert [f.code for f in report.findings] == ["template.unsafe"]
+    assert calls == []
+
+
+def test_sandbox_stops_what_static_check_cannot_see(tmp_path):
+    report = _check(tmp_path, "{% set l = [] %}{{ l.append(1) }}{{ messages[0].content }}")
+    assert [f.code for f in report.findings] == ["template.unsafe"]
+
+
+def test_runaway_template_is_bounded(tmp_path, monkeypatch):
+    monkeypatch.setattr(templates, "RENDER_SECONDS", 1)
+    report = _check(tmp_path, "{% for a in range(100000) %}{% for b in range(100000) %}"
+                              "{% endfor %}{% endfor %}")
+    assert [f.code for f in report.findings] == ["template.render_failed"]
+    assert "TimeoutError" in report.findings[0].message
+
+
+def test_template_that_rejects_everything_is_render_failed(tmp_path):
+    report = _check(tmp_path, "{{ raise_exception('no') }}")
+    assert [f.code for f in report.findings] == ["template.render_failed"]
+
+
+def test_generation_blocks_and_loop_controls(tmp_path):
+    text = ("{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}"
+            "{% generation %}{{ m.content }}{% endgeneration %}|{% endfor %}")
+    report = _check(tmp_path, text)
+    assert report.findings == [] and report.rendered.startswith("What is the capital")
