@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from mtpkit.loaders.findings import Finding, finding
+from mtpkit.loaders.paths import bundle_file
 
 MAX_JSON_BYTES = 64 * 1024 * 1024
 # Keys that carry the number of MTP layers, in the order readers look for them.
@@ -89,9 +90,9 @@ def mlx_lm_supports(model_type: str) -> bool:
 
 
 def read_config(root: Path) -> ModelConfig:
-    path = root / "config.json"
     cfg = ModelConfig()
-    if not path.is_file():
+    path = bundle_file(root, "config.json", cfg.findings)
+    if path is None:
         cfg.findings.append(finding("files.missing_config", "no config.json", "config.json"))
         return cfg
     try:

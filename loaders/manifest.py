@@ -10,7 +10,7 @@ import jsonschema
 
 from mtpkit.loaders.config import read_json
 from mtpkit.loaders.findings import Finding, finding
-from mtpkit.loaders.weights import inside
+from mtpkit.loaders.paths import bundle_file, inside
 from mtpkit.schemas import validate
 
 MANIFEST_FILE = "mtpkit.json"
@@ -27,8 +27,8 @@ class ManifestReport:
 
 def check_manifest(root: Path) -> ManifestReport:
     report = ManifestReport()
-    path = root / MANIFEST_FILE
-    if not path.is_file():
+    path = bundle_file(root, MANIFEST_FILE, report.findings)
+    if path is None:
         return report
     try:
         data = read_json(path)

@@ -27,6 +27,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from mtpkit.loaders.config import read_json
 from mtpkit.loaders.findings import Finding, finding
+from mtpkit.loaders.paths import bundle_file
 
 RENDER_SECONDS = 5
 MAX_EXTRA_VARIABLES = 3
@@ -86,23 +87,25 @@ def _from_tokenizer_config(value: Any) -> tuple[str | None, dict[str, str]]:
     return None, {}
 
 
-def locate(root: Path, tokenizer_config: dict[str, Any]) -> tuple[str | None, str | None,
-                                                                  dict[str, str]]:
+def locate(root: Path, tokenizer_config: dict[str, Any],
+           findings: list[Finding] | None = None) -> tuple[str | None, str | None, dict[str, str]]:
     """(source, default template, named templates) as transformers loads them: template files
     (chat_template.jinja, additional_chat_templates/*.jinja), when any exist, replace the
     tokenizer_config.json entries entirely; the legacy chat_template.json is the last resort."""
-    named = {p.stem: p.read_text("utf-8")
-             for p in sorted((root / "additional_chat_templates").glob("*.jinja"))}
-    jinja_file = root / "chat_template.jinja"
-    if jinja_file.is_file():
+    seen = [] if findings is None else findings
+    extra = sorted((root / "additional_chat_templates").glob("*.jinja"))
+    named = {p.stem: path.read_text("utf-8") for p in extra
+             if (path := bundle_file(root, f"additional_chat_templates/{p.name}", seen))}
+    jinja_file = bundle_file(root, "chat_template.jinja", seen)
+    if jinja_file is not None:
         return "chat_template.jinja", jinja_file.read_text("utf-8"), named
     if named:
         return None, None, named
     default, named = _from_tokenizer_config(tokenizer_config.get("chat_template"))
     if default is not None:
         return "tokenizer_config.json", default, named
-    legacy = root / "chat_template.json"
-    if legacy.is_file():
+    legacy = bundle_file(root, "chat_template.json", seen)
+    if legacy is not None:
         try:
             value = read_json(legacy)
         except (ValueError, OSError, UnicodeDecodeError):
@@ -225,7 +228,7 @@ def check_template(root: Path, tokenizer_config: dict[str, Any], special: dict[s
                    vocab_has_chat_markers: bool) -> TemplateReport:
     report = TemplateReport()
     try:
-        source, text, named = locate(root, tokenizer_config)
+        source, text, named = locate(root, tokenizer_config, report.findings)
     except (OSError, UnicodeDecodeError) as exc:
         report.findings.append(finding("template.invalid", f"unreadable: {exc}", "chat_template"))
         return report

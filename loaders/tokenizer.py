@@ -8,6 +8,7 @@ from typing import Any
 
 from mtpkit.loaders.config import ModelConfig, read_json
 from mtpkit.loaders.findings import Finding, finding
+from mtpkit.loaders.paths import bundle_file
 from mtpkit.loaders.safetensors_header import TensorInfo
 from mtpkit.loaders.templates import CHAT_MARKERS
 
@@ -67,29 +68,31 @@ def embedding_rows(trunk: dict[str, TensorInfo]) -> int | None:
 def check_tokenizer(root: Path, cfg: ModelConfig, trunk: dict[str, TensorInfo]) -> TokenizerReport:
     rep = TokenizerReport(embedding_rows=embedding_rows(trunk))
     add = rep.findings.append
-    tc_path = root / "tokenizer_config.json"
-    if tc_path.is_file():
+    tc_path = bundle_file(root, "tokenizer_config.json", rep.findings)
+    if tc_path is not None:
         try:
             tc = read_json(tc_path)
             rep.config = tc if isinstance(tc, dict) else {}
         except (ValueError, OSError, UnicodeDecodeError) as exc:
             add(finding("tokenizer.invalid", f"unreadable: {exc}", "tokenizer_config.json"))
-    if (root / "tokenizer.json").is_file():
+    files = {n: bundle_file(root, n, rep.findings)
+             for n in ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt")}
+    if files["tokenizer.json"]:
         rep.kind = "tokenizer.json"
         try:
-            rep.vocab = _vocab_of(read_json(root / "tokenizer.json"))
-        except (ValueError, OSError, UnicodeDecodeError) as exc:
+            rep.vocab = _vocab_of(read_json(files["tokenizer.json"]))
+        except (ValueError, OSError, UnicodeDecodeError, AttributeError) as exc:
             add(finding("tokenizer.invalid", f"unreadable: {exc}", "tokenizer.json"))
             return rep
         if not rep.vocab:
             add(finding("tokenizer.invalid", "no vocabulary in model.vocab", "tokenizer.json"))
             return rep
-    elif (root / "tokenizer.model").is_file():
+    elif files["tokenizer.model"]:
         rep.kind = "tokenizer.model"
-    elif (root / "vocab.json").is_file() and (root / "merges.txt").is_file():
+    elif files["vocab.json"] and files["merges.txt"]:
         rep.kind = "vocab.json"
         try:
-            vocab = read_json(root / "vocab.json")
+            vocab = read_json(files["vocab.json"])
             rep.vocab = {k: v for k, v in vocab.items() if isinstance(v, int)}
         except (ValueError, OSError, UnicodeDecodeError, AttributeError) as exc:
             add(finding("tokenizer.invalid", f"unreadable: {exc}", "vocab.json"))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from mtpkit.loaders.config import ModelConfig, read_json
 from mtpkit.loaders.findings import Finding, finding
+from mtpkit.loaders.paths import inside
 from mtpkit.loaders.safetensors_header import SafetensorsHeader, TensorInfo, read_header
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -28,18 +29,6 @@ class Weights:
     sidecar: dict[str, TensorInfo] = field(default_factory=dict)
     index: dict[str, str] | None = None
     findings: list[Finding] = field(default_factory=list)
-
-
-def inside(root: Path, relative: str) -> Path | None:
-    """`root/relative` if it stays inside root after resolving links, else None."""
-    if not relative or relative.startswith(("/", "\\")) or "\\" in relative or "\x00" in relative:
-        return None
-    candidate = (root / relative).resolve()
-    try:
-        candidate.relative_to(root.resolve())
-    except ValueError:
-        return None
-    return candidate
 
 
 def _read_index(root: Path, out: Weights) -> None:
@@ -78,6 +67,10 @@ def _shard_names(root: Path, out: Weights) -> list[str]:
     for name in globbed:
         if name in names:
             continue
+        if inside(root, name) is None:
+            out.findings.append(finding("index.path_escape",
+                                        f"{name} links outside the bundle; not read", name))
+            continue
         if out.index is not None and name not in SIDECAR_NAMES:
             out.findings.append(finding(
                 "index.tensor_mismatch",
@@ -98,7 +91,7 @@ def _sidecar_name(root: Path, config: ModelConfig, out: Weights) -> str | None:
                                         "bundle", "config.json"))
             return None
         if target.is_file():
-            return target.relative_to(root.resolve()).as_posix()
+            return declared
         out.findings.append(finding("mtp.missing", f"config names sidecar {declared!r} but it "
                                     "is not present", "config.json"))
     for name in SIDECAR_NAMES:

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from mtpkit import open_bundle
 from mtpkit.loaders.config import read_config
-from mtpkit.loaders.weights import inside, read_weights
+from mtpkit.loaders.paths import inside
+from mtpkit.loaders.weights import read_weights
 
 
 def test_inside_rejects_escapes(tmp_path):
@@ -22,7 +23,7 @@ def test_inside_rejects_escapes(tmp_path):
         assert inside(root, bad) is None, bad
     os.symlink(tmp_path / "secret", root / "link.safetensors")
     assert inside(root, "link.safetensors") is None
-    assert inside(root, "sub/ok.safetensors") == (root / "sub/ok.safetensors").resolve()
+    assert inside(root, "sub/ok.safetensors") == root / "sub/ok.safetensors"
 
 
 def test_symlinked_shard_outside_bundle_is_not_read(bundle_copy, tmp_path):
@@ -30,8 +31,9 @@ def test_symlinked_shard_outside_bundle_is_not_read(bundle_copy, tmp_path):
     outside = tmp_path / "outside.safetensors"
     (path / "model.safetensors").rename(outside)
     os.symlink(outside, path / "model.safetensors")
-    codes = {f.code for f in open_bundle(path).findings}
-    assert "index.path_escape" in codes
+    view = open_bundle(path)
+    assert "index.path_escape" in {f.code for f in view.findings}
+    assert view.weights.trunk == {}  # nothing was read through the link
 
 
 def test_unindexed_shard_that_mlx_lm_would_glob(bundle_copy):
@@ -91,3 +93,14 @@ def test_fuzz_garbage_index_bytes(bundle_copy):
     path = bundle_copy("llama", None)
     (path / "model.safetensors.index.json").write_bytes(b"\xff\xfe{not json")
     assert "index.invalid" in {f.code for f in open_bundle(path).findings}
+
+
+def test_symlinked_metadata_files_are_not_followed(bundle_copy, tmp_path):
+    path = bundle_copy("llama", None)
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"model_type": "llama", "hidden_size": 1}')
+    for name in ("config.json", "tokenizer.json", "chat_template.jinja"):
+        (path / name).unlink()
+        os.symlink(secret, path / name)
+    escapes = {f.location for f in open_bundle(path).findings if f.code == "index.path_escape"}
+    assert escapes == {"config.json", "tokenizer.json", "chat_template.jinja"}

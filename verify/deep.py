@@ -12,9 +12,9 @@ import numpy as np
 
 from mtpkit.loaders.bundle import BundleView
 from mtpkit.loaders.findings import Finding, finding
+from mtpkit.loaders.paths import inside
 from mtpkit.loaders.safetensors_header import FLOAT_DTYPES, TensorInfo
 from mtpkit.loaders.tensor_data import iter_chunks
-from mtpkit.loaders.weights import inside
 
 Progress = Callable[[int], None]
 
