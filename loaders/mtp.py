@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
 import re
 import statistics
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from mtpkit.loaders.config import ModelConfig
 from mtpkit.loaders.families import (
@@ -176,7 +179,11 @@ def _check_experts(layout: MTPLayout, cfg: ModelConfig, fam: Family, kind: str) 
 
 
 def _norm_level(root: Path, infos: list[TensorInfo]) -> tuple[int, float] | None:
-    means = [float(v.mean()) for i in infos if (v := read_small(root, i)) is not None and v.size]
+    means = [float(v.astype(np.float64).mean()) for i in infos
+             if (v := read_small(root, i)) is not None and v.size]
+    # RMSNorm gains sit near 0 (delta) or 1 (absolute); anything far outside is damaged data,
+    # which --deep reports, not an encoding.
+    means = [m for m in means if math.isfinite(m) and -0.5 < m < 2.5]
     if not means:
         return None
     centre = statistics.median(means)

@@ -72,3 +72,15 @@ def test_norms_shifted_twice_are_caught(bundle_copy):
     (path / "config.json").write_text(json.dumps(config))
     [hit] = [f for f in report(path)["findings"] if f["code"] == "mtp.norm_encoding"]
     assert "shifted (+1)" in hit["message"] and "adds +1 again" in hit["message"]
+
+
+def test_nan_norms_do_not_crash_the_header_pass(bundle_copy):
+    from fixtures.breaker import _poke_first
+
+    path = bundle_copy("qwen3_5", None)
+    from fixtures.factory import Sidecar, write_sidecar
+
+    write_sidecar(path, "qwen3_5", Sidecar())
+    _poke_first(path, "mtp.safetensors", lambda k, v: k.endswith("norm.weight"), b"\xc0\x7f")
+    assert report(path)["summary"]["ok"]
+    assert "weights.nonfinite" in {f["code"] for f in report(path, deep=True)["findings"]}

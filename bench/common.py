@@ -1,0 +1,57 @@
+"""Shared benchmark plumbing: machine/version record, isolated timed runs, result files."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> dict[str, Any]:
+    def version(pkg: str) -> str | None:
+        try:
+            return metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            return None
+
+    cpu = "unknown"
+    if Path("/proc/cpuinfo").exists():
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return {"platform": platform.platform(), "cpu": cpu, "cores": os.cpu_count(),
+            "python": platform.python_version(),
+            "versions": {p: version(p) for p in ("mtpkit", "mlx", "mlx-lm", "safetensors",
+                                                  "numpy")}}
+
+
+def run_isolated(code: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run `code` in a fresh interpreter; it must print one JSON object as its last line.
+    Peak RSS of that process (ru_maxrss, KiB on Linux) is added as peak_rss_mb."""
+    wrapper = code + "\nimport resource as _r, json as _j\n" \
+        "print(_j.dumps({**RESULT, 'peak_rss_mb': _r.getrusage(_r.RUSAGE_SELF).ru_maxrss / 1024}))"
+    proc = subprocess.run([sys.executable, "-c", wrapper], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def summary(samples: list[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+    p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+    return {"median": statistics.median(ordered), "p95": p95, "min": ordered[0], "n": len(ordered)}
+
+
+def save(name: str, payload: dict[str, Any]) -> Path:
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({"machine": machine(), **payload}, indent=2))
+    return path
