@@ -31,6 +31,10 @@ class Family:
     zero_centred_norms: bool = False
     concat_order: str = "embedding_first"
     experts_key: str = "num_experts"
+    # Run the trunk model's own sanitize over the MTP decoder layer (renamed to trunk layer k):
+    # for families whose layer needs it (DeepSeek's MLA kv_b_proj split, FP8 dequant) and whose
+    # sanitize does not depend on trunk-wide signals.
+    sanitize_mtp_layer: bool = False
 
 
 # Canonical MTP names are Qwen's: mtp.fc, mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden,
@@ -48,7 +52,7 @@ FAMILIES: tuple[Family, ...] = (
            head_roles={"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden",
                        "eh_proj": "fc", "shared_head.norm": "norm",
                        "shared_head.head": "shared_head", "embed_tokens": "embed_tokens"},
-           experts_key="n_routed_experts"),
+           experts_key="n_routed_experts", sanitize_mtp_layer=True),
     Family("mimo", ("mimo",), r"^model\.mtp_layers\.(?P<block>\d+)\.(?P<rest>.+)$",
            head_roles={"token_layernorm": "pre_fc_norm_embedding",
                        "hidden_layernorm": "pre_fc_norm_hidden", "input_proj": "fc",

@@ -1,0 +1,165 @@
+"""`mtpkit convert`: any supported source -> a publishable bundle with its MTP sidecar.
+
+Everything is written into a staging folder beside OUT, checked with doctor, and only then
+renamed into place; the source is never modified."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from mtpkit.convert.card import model_card
+from mtpkit.convert.manifest import build_manifest
+from mtpkit.convert.sidecar import SidecarOptions, build_sidecar
+from mtpkit.convert.trunk import QuantOptions, build_trunk
+from mtpkit.convert.writer import staged_output, write_safetensors, write_shards, write_text
+from mtpkit.loaders.bundle import BundleView, open_bundle
+from mtpkit.loaders.findings import Finding
+from mtpkit.loaders.paths import bundle_file
+
+SIDECAR_FILE = "mtp.safetensors"
+# Files carried over as the source had them (weights, configs and cards are written anew).
+CARRIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+                 "chat_template.jinja", "chat_template.json", "generation_config.json")
+# Source problems convert cannot work around (the rest are repaired by converting).
+BLOCKING = ("files.", "config.", "index.missing_shard", "index.path_escape", "safetensors.",
+            "quant.incomplete", "quant.unsupported", "mtp.incomplete")
+# Findings a fresh bundle may inherit from its source without the conversion being wrong.
+INHERITED = ("template.", "tokenizer.", "mtp.absent")
+
+
+class ConvertError(Exception):
+    def __init__(self, code: str, message: str, hint: str) -> None:
+        super().__init__(message)
+        self.code, self.hint = code, hint
+
+
+@dataclass
+class ConvertOptions:
+    quant: QuantOptions = field(default_factory=QuantOptions)
+    sidecar: SidecarOptions | None = None  # None: layers when the trunk is quantized, else keep
+    force: bool = False
+    command: str = "mtpkit convert"
+
+
+@dataclass
+class ConvertResult:
+    out: Path
+    manifest: dict[str, Any]
+    findings: list[Finding]
+
+
+def _source_record(view: BundleView, src: str) -> dict[str, Any]:
+    """Where the bundle came from; the fingerprint hashes each weight file's name, size and
+    header (cheap, and changes whenever a tensor's layout, dtype or placement changes)."""
+    digest = hashlib.sha256()
+    for name in sorted(view.weights.headers):
+        path = view.root / name
+        with open(path, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            digest.update(f"{name}\0{path.stat().st_size}\0".encode())
+            digest.update(fh.read(min(n, 100_000_000)))
+    record: dict[str, Any] = {"kind": view.kind, "path": str(view.root),
+                              "fingerprint": digest.hexdigest()}
+    snapshot = view.root.resolve()
+    if snapshot.parent.name == "snapshots" and snapshot.parent.parent.name.startswith("models--"):
+        record.update(kind="hf_cache", repo_id=snapshot.parent.parent.name[len("models--"):]
+                      .replace("--", "/"), revision=snapshot.name)
+    elif not Path(src).exists():
+        record["repo_id"] = src
+    return record
+
+
+def _base_model(view: BundleView, source: dict[str, Any]) -> str | None:
+    name = source.get("repo_id") or view.config.raw.get("_name_or_path")
+    return name if isinstance(name, str) and name else None
+
+
+def _carry_files(view: BundleView, stage: Path) -> None:
+    skipped: list[Finding] = []
+    for name in CARRIED_FILES:
+        path = bundle_file(view.root, name, skipped)
+        if path is not None:
+            shutil.copyfile(path, stage / name)
+    extra = view.root / "additional_chat_templates"
+    for p in sorted(extra.glob("*.jinja")):
+        path = bundle_file(view.root, f"additional_chat_templates/{p.name}", skipped)
+        if path is not None:
+            (stage / "additional_chat_templates").mkdir(exist_ok=True)
+            shutil.copyfile(path, stage / "additional_chat_templates" / p.name)
+    if view.template.text is not None and not (stage / "chat_template.jinja").exists():
+        write_text(stage / "chat_template.jinja", view.template.text)
+
+
+def _write_config(stage: Path, config: dict[str, Any], mtp_record: dict[str, Any] | None,
+                  num_mtp_layers: int) -> None:
+    from mlx_lm.utils import save_config
+
+    config = dict(config)
+    config.pop("mtplx_mtp_quantization", None)
+    config.pop("mlx_lm_extra_tensors", None)
+    if mtp_record is not None:
+        config["mtplx_mtp_quantization"] = mtp_record
+        scope = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+        if not any(k in scope for k in ("mtp_num_hidden_layers", "num_nextn_predict_layers")):
+            scope["mtp_num_hidden_layers"] = num_mtp_layers
+    save_config(config, stage / "config.json")
+
+
+def _check_source(view: BundleView) -> None:
+    for f in view.errors:
+        if f.code.startswith(BLOCKING):
+            raise ConvertError(f.code, f"source: {f.message} [{f.location}]", f.hint)
+
+
+def convert(src: str, out: Path, options: ConvertOptions,
+            progress: Callable[[int], None] = lambda n: None,
+            on_plan: Callable[[int], None] = lambda total: None) -> ConvertResult:
+    """Convert `src` into the bundle folder `out`; raises ConvertError for bad input."""
+    view = open_bundle(src)
+    _check_source(view)
+    source = _source_record(view, src)
+    quant = options.quant
+    sidecar_opts = options.sidecar or SidecarOptions(policy="layers" if quant.quantize else "keep")
+    with staged_output(out, force=options.force) as stage:
+        model, trunk, config = build_trunk(view, quant)
+        mtp_record = None
+        sidecar: dict[str, mx.array] = {}
+        if view.mtp.tensors:
+            hidden = view.config.dim("hidden_size") or 0
+            sidecar, mtp_record = build_sidecar(view, sidecar_opts, model, hidden)
+        on_plan(sum(t.nbytes for t in trunk.values()) + sum(t.nbytes for t in sidecar.values()))
+        # Drop the model's own references so each tensor is freed right after it is written.
+        del model
+        write_shards(stage, trunk, progress=progress)
+        if sidecar:
+            write_safetensors(stage / SIDECAR_FILE, sidecar, sorted(sidecar), progress=progress)
+        _write_config(stage, config, mtp_record, max(view.mtp.declared_layers, view.mtp.blocks))
+        _carry_files(view, stage)
+        written = open_bundle(stage)
+        bad = [f for f in written.errors if not f.code.startswith(INHERITED)]
+        if bad:
+            raise ConvertError(bad[0].code, "the converted bundle fails its own check: "
+                               f"{bad[0].message} [{bad[0].location}]",
+                               "this is a bug in mtpkit convert; please report it with the source")
+        manifest = build_manifest(written, source=source,
+                                  template_provenance=view.template.source and
+                                  f"source {view.template.source}")
+        write_text(stage / "README.md", model_card(out.name, _base_model(view, source), manifest,
+                                                   options.command))
+        manifest = build_manifest(open_bundle(stage), source=source,
+                                  template_provenance=manifest["chat_template"]["provenance"])
+        write_text(stage / "mtpkit.json", json.dumps(manifest, indent=2))
+    final = open_bundle(out)
+    return ConvertResult(out, manifest, final.findings)
+
+
+__all__ = ["ConvertError", "ConvertOptions", "ConvertResult", "convert"]

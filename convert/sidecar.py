@@ -1,0 +1,116 @@
+"""The MTP sidecar: canonical `mtp.` names, experts stacked, norms encoded like the trunk's
+(absolute, never shifted twice), and its own quantization policy."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mtpkit.convert.experts import stack_experts
+from mtpkit.loaders.bundle import BundleView
+from mtpkit.loaders.families import is_shifted_norm
+
+POLICIES = ("keep", "layers", "all")
+
+
+@dataclass(frozen=True)
+class SidecarOptions:
+    """keep: full precision; layers: quantize the decoder layer only (fc, norms and heads stay
+    full precision: what published packs call cyankiwi / prequantized-int4); all: every linear."""
+
+    policy: str = "layers"
+    bits: int = 4
+    group_size: int = 64
+    mode: str = "affine"
+    dtype: mx.Dtype | None = mx.bfloat16
+
+
+def _source_arrays(view: BundleView) -> dict[str, mx.array]:
+    """Canonical name -> lazy array, read from wherever the head is stored."""
+    loaded: dict[str, dict[str, mx.array]] = {}
+    out = {}
+    for canon, info in view.mtp.tensors.items():
+        if info.file not in loaded:
+            loaded[info.file] = mx.load(str(view.root / info.file))
+        out[canon] = loaded[info.file][view.mtp.source_names[canon]]
+    return out
+
+
+def _sanitize_layers(arrays: dict[str, mx.array], model: nn.Module) -> dict[str, mx.array]:
+    """Let the trunk model's sanitize convert the MTP decoder layers (as trunk layers k)."""
+    renamed = {}
+    for name, arr in arrays.items():
+        m = re.match(r"^mtp\.layers\.(\d+)\.(.+)$", name)
+        renamed[f"model.layers.{m[1]}.{m[2]}" if m else name] = arr
+    sanitized = model.sanitize(renamed)
+    return {re.sub(r"^model\.layers\.(\d+)\.", r"mtp.layers.\1.", k): v
+            for k, v in sanitized.items()}
+
+
+def _needs_shift(view: BundleView) -> bool:
+    if not view.family.zero_centred_norms:
+        return False
+    if view.mtp.norm_encoding is not None:
+        return view.mtp.norm_encoding == "delta"
+    return view.kind == "hf"  # Hugging Face checkpoints of these families store them zero-centred
+
+
+def _quantizable(name: str, arr: mx.array, options: SidecarOptions) -> bool:
+    if options.policy == "keep" or not name.endswith(".weight") or arr.ndim < 2:
+        return False
+    if options.policy == "layers" and not name.startswith("mtp.layers."):
+        return False
+    return arr.shape[-1] % options.group_size == 0 and mx.issubdtype(arr.dtype, mx.floating)
+
+
+def build_sidecar(view: BundleView, options: SidecarOptions, trunk_model: nn.Module | None,
+                  hidden_size: int) -> tuple[dict[str, mx.array], dict[str, Any]]:
+    """(lazy sidecar tensors, the `mtplx_mtp_quantization` record describing them)."""
+    arrays = _source_arrays(view)
+    if any(n.endswith(".scales") for n in arrays):
+        arrays = _dequantize(arrays, view)
+    if view.family.sanitize_mtp_layer and trunk_model is not None:
+        arrays = _sanitize_layers(arrays, trunk_model)
+    arrays = stack_experts(arrays, hidden_size)
+    if _needs_shift(view):
+        arrays = {k: (v + 1.0 if v.ndim == 1 and is_shifted_norm(k) else v)
+                  for k, v in arrays.items()}
+    out: dict[str, mx.array] = {}
+    modules = []
+    for name, arr in sorted(arrays.items()):
+        if options.dtype is not None and mx.issubdtype(arr.dtype, mx.floating):
+            arr = arr.astype(options.dtype)
+        if not _quantizable(name, arr, options):
+            out[name] = arr
+            continue
+        module = name[: -len(".weight")]
+        parts = mx.quantize(arr, group_size=options.group_size, bits=options.bits,
+                            mode=options.mode)
+        for suffix, part in zip(("weight", "scales", "biases"), parts, strict=False):
+            out[f"{module}.{suffix}"] = part
+        modules.append(module)
+    record = {
+        "policy": options.policy, "bits": options.bits if modules else None,
+        "group_size": options.group_size if modules else None, "mode": options.mode,
+        "prequantized": bool(modules), "source_format": "mtpkit",
+        "quantized_modules": modules, "norm_encoding": "absolute",
+    }
+    return out, record
+
+
+def _dequantize(arrays: dict[str, mx.array], view: BundleView) -> dict[str, mx.array]:
+    """A quantized source sidecar is dequantized (with its measured parameters) so it can be
+    re-encoded under the requested policy."""
+    out = dict(arrays)
+    for module, mq in view.mtp_quantization.items():
+        if mq.quant is None:
+            continue
+        w, s = out.pop(f"{module}.weight"), out.pop(f"{module}.scales")
+        b = out.pop(f"{module}.biases", None)
+        out[f"{module}.weight"] = mx.dequantize(w, s, b, group_size=mq.quant.group_size,
+                                                bits=mq.quant.bits, mode=mq.quant.mode)
+    return out

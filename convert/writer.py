@@ -1,0 +1,132 @@
+"""Streaming safetensors writer and atomic output folders.
+
+The header of a safetensors file lists every tensor's byte range before any data, and lazy MLX
+arrays know their shapes and dtypes before they are computed, so a shard is written by laying
+out the header first and then evaluating, writing and releasing one tensor at a time: peak
+memory is one tensor (plus whatever the caller keeps), never a whole shard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+ST_DTYPES = {mx.bool_: "BOOL", mx.uint8: "U8", mx.int8: "I8", mx.uint16: "U16", mx.int16: "I16",
+             mx.uint32: "U32", mx.int32: "I32", mx.uint64: "U64", mx.int64: "I64",
+             mx.float16: "F16", mx.bfloat16: "BF16", mx.float32: "F32"}
+SHARD_BYTES = 5 << 30  # mlx-lm's limit
+Release = Callable[[str], None]
+
+
+class OutputExists(Exception):
+    pass
+
+
+def _raw_bytes(array: mx.array) -> bytes:
+    if array.dtype == mx.bfloat16:
+        array = array.view(mx.uint16)
+    return np.asarray(array).tobytes()
+
+
+def plan_shards(tensors: dict[str, mx.array], limit: int = SHARD_BYTES) -> list[list[str]]:
+    """Group names (sorted) into shards of at most `limit` bytes, as mlx-lm does."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in sorted(tensors):
+        n = tensors[name].nbytes
+        if shards[-1] and size + n > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
+    return shards
+
+
+def write_safetensors(path: Path, tensors: dict[str, mx.array], names: list[str],
+                      release: Release = lambda name: None,
+                      progress: Callable[[int], None] = lambda n: None) -> None:
+    """Write `names` from `tensors` (lazy arrays) to `path`, evaluating one at a time.
+    release(name) is called after each tensor is written so the caller can drop it."""
+    header: dict[str, object] = {"__metadata__": {"format": "mlx"}}
+    offset = 0
+    for name in names:
+        arr = tensors[name]
+        header[name] = {"dtype": ST_DTYPES[arr.dtype], "shape": list(arr.shape),
+                        "data_offsets": [offset, offset + arr.nbytes]}
+        offset += arr.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(raw)) + raw)
+        for name in names:
+            arr = tensors.pop(name)
+            mx.eval(arr)
+            fh.write(_raw_bytes(arr))
+            progress(arr.nbytes)
+            del arr
+            release(name)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def write_shards(out: Path, tensors: dict[str, mx.array], prefix: str = "model",
+                 release: Release = lambda name: None,
+                 progress: Callable[[int], None] = lambda n: None) -> dict[str, str]:
+    """mlx-lm's shard naming and index; returns the weight_map (tensor -> file)."""
+    shards = plan_shards(tensors)
+    total = sum(t.nbytes for t in tensors.values())
+    weight_map: dict[str, str] = {}
+    for i, names in enumerate(shards):
+        fname = (f"{prefix}.safetensors" if len(shards) == 1
+                 else f"{prefix}-{i + 1:05d}-of-{len(shards):05d}.safetensors")
+        weight_map.update(dict.fromkeys(names, fname))
+        write_safetensors(out / fname, tensors, names, release, progress)
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    write_text(out / f"{prefix}.safetensors.index.json", json.dumps(index, indent=4))
+    return weight_map
+
+
+def write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+@contextmanager
+def staged_output(out: Path, force: bool = False) -> Iterator[Path]:
+    """Yield a staging folder beside `out`; on success rename it into place (replacing `out`
+    only with force=True); on failure remove it. `out` is never left half-written."""
+    out = out.resolve()
+    if out.exists() and not force:
+        raise OutputExists(f"{out} already exists")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = out.parent / f".{out.name}.mtpkit-{uuid.uuid4().hex[:8]}"
+    stage.mkdir()
+    try:
+        yield stage
+        dirfd = os.open(stage, os.O_RDONLY)
+        try:
+            os.fsync(dirfd)
+        finally:
+            os.close(dirfd)
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+            out.rename(old)
+            stage.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            stage.rename(out)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
