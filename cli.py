@@ -4,11 +4,26 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import click
 
 from mtpkit import __version__
+from mtpkit.convert.sidecar import POLICIES, SidecarOptions
+from mtpkit.convert.trunk import MODES, RECIPES, QuantOptions, parse_override
 from mtpkit.verify import doctor as doctor_mod
+
+EXAMPLES_CONVERT = """
+\b
+Examples:
+  mtpkit convert ./Qwen3.5-27B ./Qwen3.5-27B-mtp-4bit -q
+  mtpkit convert Qwen/Qwen3.6-35B-A3B ./q36-4bit -q --mtp-policy layers --mtp-bits 8
+  mtpkit convert ./bundle-4bit ./bundle-6bit -q --q-bits 6 --force      # requantize
+  mtpkit convert ./src ./out -q --quant-recipe mixed_3_6 --quant-override "*.lm_head=8:64"
+  mtpkit convert ./src ./out -q --upload-repo me/Model-MTP-4bit --dry-run
+\b
+Exit codes: 0 written, 2 bad input or usage (nothing is written).
+"""
 
 EXAMPLES_DOCTOR = """
 \b
@@ -56,6 +71,86 @@ def doctor(bundle: str, as_json: bool, deep: bool) -> None:
     else:
         click.echo(doctor_mod.render_text(doc))
     sys.exit(doc["summary"]["exit_code"])
+
+
+def _fail(code: str, message: str, hint: str) -> None:
+    click.echo(f"error [{code}]: {message}\n  hint: {hint}", err=True)
+    sys.exit(2)
+
+
+@main.command(epilog=EXAMPLES_CONVERT)
+@click.argument("src")
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("-q", "--quantize", is_flag=True, help="Quantize the trunk (mlx-lm's meaning).")
+@click.option("--q-bits", type=click.IntRange(2, 8), help="Trunk bits (default: 4 for affine).")
+@click.option("--q-group-size", type=click.Choice(["16", "32", "64", "128"]), help="Trunk group size.")
+@click.option("--q-mode", type=click.Choice(MODES), default="affine", show_default=True)
+@click.option("--quant-recipe", type=click.Choice(RECIPES), help="mlx-lm mixed-bit recipe.")
+@click.option("--quant-override", "overrides", multiple=True, metavar="PATTERN=BITS[:GROUP]",
+              help="Per-module override by fnmatch pattern; PATTERN=float keeps it unquantized. "
+              "Repeatable; first match wins.")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]),
+              help="Float dtype of unquantized tensors (default: the source's torch_dtype).")
+@click.option("--mtp-policy", type=click.Choice(POLICIES),
+              help="Sidecar quantization: keep (full precision), layers (decoder layer only), "
+              "all. Default: layers when -q, else keep.")
+@click.option("--mtp-bits", type=click.IntRange(2, 8), default=4, show_default=True)
+@click.option("--mtp-group-size", type=click.Choice(["32", "64", "128"]), default="64",
+              show_default=True)
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--upload-repo", metavar="ORG/NAME", help="Publish OUT with huggingface_hub.")
+@click.option("--dry-run", is_flag=True, help="With --upload-repo: print the upload plan only.")
+def convert(src: str, out: Path, quantize: bool, q_bits: int | None, q_group_size: str | None,
+            q_mode: str, quant_recipe: str | None, overrides: tuple[str, ...],
+            dtype: str | None, mtp_policy: str | None, mtp_bits: int, mtp_group_size: str,
+            force: bool, upload_repo: str | None, dry_run: bool) -> None:
+    """Convert SRC (HF folder, cached repo id, MLX/MTP bundle, or .gguf) into the bundle OUT."""
+    from mtpkit.convert.convert import ConvertError, ConvertOptions
+    from mtpkit.convert.convert import convert as run_convert
+    from mtpkit.convert.writer import OutputExists
+    from mtpkit.loaders.source import NotABundle
+
+    try:
+        quant = QuantOptions(quantize=quantize or bool(quant_recipe), bits=q_bits,
+                             group_size=int(q_group_size) if q_group_size else None, mode=q_mode,
+                             recipe=quant_recipe, overrides=[parse_override(o) for o in overrides],
+                             dtype=dtype)
+    except ValueError as exc:
+        _fail("usage", str(exc), "see mtpkit convert --help")
+    sidecar = SidecarOptions(policy=mtp_policy or ("layers" if quant.quantize else "keep"),
+                             bits=mtp_bits, group_size=int(mtp_group_size))
+    options = ConvertOptions(quant=quant, sidecar=sidecar, force=force,
+                             command="mtpkit convert " + " ".join(sys.argv[2:]))
+    bar = click.progressbar(length=1, label="writing", file=sys.stderr, width=30)
+    started = False
+
+    def on_plan(total: int) -> None:
+        nonlocal started
+        bar.length, started = max(total, 1), True
+        bar.__enter__()
+
+    try:
+        result = run_convert(src, out, options, progress=bar.update, on_plan=on_plan)
+    except NotABundle as exc:
+        _fail("files.missing_config", str(exc), exc.hint)
+    except OutputExists as exc:
+        _fail("output.exists", str(exc), "choose another OUT or pass --force")
+    except ConvertError as exc:
+        _fail(exc.code, str(exc), exc.hint)
+    finally:
+        if started:
+            bar.render_finish()
+    m = result.manifest
+    click.echo(f"wrote {result.out}: {len(m['files'])} files, "
+               f"MTP {'sidecar ' + m['mtp']['file'] if m['mtp']['present'] else 'none'}"
+               + (f" (policy {m['mtp']['policy']})" if m["mtp"]["present"] else ""))
+    for f in result.findings:
+        click.echo(f"  {f.severity} {f.code}: {f.message}")
+    if upload_repo:
+        from mtpkit.convert.upload import upload, upload_plan
+
+        plan = upload_plan(result.out, upload_repo)
+        click.echo(json.dumps(plan, indent=2) if dry_run else upload(result.out, upload_repo))
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ CARRIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.
                  "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
                  "chat_template.jinja", "chat_template.json", "generation_config.json")
 # Source problems convert cannot work around (the rest are repaired by converting).
-BLOCKING = ("files.", "config.", "index.missing_shard", "index.path_escape", "safetensors.",
+BLOCKING = ("files.", "config.", "index.path_escape", "index.missing_shard", "safetensors.",
             "quant.incomplete", "quant.unsupported", "mtp.incomplete")
 # Findings a fresh bundle may inherit from its source without the conversion being wrong.
 INHERITED = ("template.", "tokenizer.", "mtp.absent")
@@ -115,9 +115,12 @@ def _write_config(stage: Path, config: dict[str, Any], mtp_record: dict[str, Any
 
 
 def _check_source(view: BundleView) -> None:
-    for f in view.errors:
-        if f.code.startswith(BLOCKING):
-            raise ConvertError(f.code, f"source: {f.message} [{f.location}]", f.hint)
+    """Refuse sources convert cannot work around, naming the most fundamental problem first
+    (a truncated shard before the quantized module it cut in half)."""
+    for prefix in BLOCKING:
+        for f in view.errors:
+            if f.code.startswith(prefix):
+                raise ConvertError(f.code, f"source: {f.message} [{f.location}]", f.hint)
 
 
 def convert(src: str, out: Path, options: ConvertOptions,

@@ -54,9 +54,10 @@ def _quant_section(measured: dict[str, ModuleQuant]) -> dict[str, Any]:
             "quantized_modules": len(quants)}
 
 
-def _policy(measured: dict[str, ModuleQuant]) -> str | None:
-    quantized = [p for p, mq in measured.items() if mq.quant]
-    if not measured:
+def _policy(view: BundleView) -> str | None:
+    """The sidecar policy the tensors show: all (fc quantized), layers, keep; None: no head."""
+    quantized = [p for p, mq in view.mtp_quantization.items() if mq.quant]
+    if not view.mtp.tensors:
         return None
     if any(p == "mtp.fc" for p in quantized):
         return "all"
@@ -90,7 +91,7 @@ def build_manifest(view: BundleView, source: dict[str, Any],
             "max_depth": MAX_CHAINED_DEPTH if mtp.tensors else 0,
             "hidden_feed": "post_norm", "next_hidden": "post_mtp_norm",
             "concat_order": view.family.concat_order, "norm_encoding": mtp.norm_encoding,
-            "policy": _policy(view.mtp_quantization), "source_family": view.family.name,
+            "policy": _policy(view), "source_family": view.family.name,
         },
         "chat_template": {"source": view.template.source, "provenance": template_provenance},
     }
