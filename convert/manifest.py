@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import hashlib
-from collections import Counter
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from mtpkit import __version__
+from mtpkit.convert.quant_record import manifest_section, measured_policy
 from mtpkit.loaders.bundle import BundleView
 from mtpkit.loaders.manifest import MANIFEST_FILE
-from mtpkit.loaders.quant import ModuleQuant, Quant
 from mtpkit.loaders.weights import INDEX_FILE
 
 # Drafting deeper than the head's layer count chains the head on its own output; the reference
@@ -44,26 +43,6 @@ def _role(rel: str, view: BundleView) -> str:
     return ROLE_BY_NAME.get(rel, "other")
 
 
-def _quant_section(measured: dict[str, ModuleQuant]) -> dict[str, Any]:
-    quants: dict[str, Quant] = {p: mq.quant for p, mq in measured.items() if mq.quant}
-    if not quants:
-        return {"default": None, "modules": {}, "quantized_modules": 0}
-    default = Counter(quants.values()).most_common(1)[0][0]
-    return {"default": default.to_dict(),
-            "modules": {p: q.to_dict() for p, q in sorted(quants.items()) if q != default},
-            "quantized_modules": len(quants)}
-
-
-def _policy(view: BundleView) -> str | None:
-    """The sidecar policy the tensors show: all (fc quantized), layers, keep; None: no head."""
-    quantized = [p for p, mq in view.mtp_quantization.items() if mq.quant]
-    if not view.mtp.tensors:
-        return None
-    if any(p == "mtp.fc" for p in quantized):
-        return "all"
-    return "layers" if quantized else "keep"
-
-
 def build_manifest(view: BundleView, source: dict[str, Any],
                    template_provenance: str | None = None) -> dict[str, Any]:
     root = view.root
@@ -83,15 +62,16 @@ def build_manifest(view: BundleView, source: dict[str, Any],
         "family": view.family.name,
         "model_type": view.config.model_type,
         "files": files,
-        "quantization": {"trunk": _quant_section(view.quantization),
-                         "sidecar": _quant_section(view.mtp_quantization)},
+        "quantization": {"trunk": manifest_section(view.quantization),
+                         "sidecar": manifest_section(view.mtp_quantization)},
         "mtp": {
             "present": bool(mtp.tensors), "file": view.weights.sidecar_file,
             "layers": max(mtp.declared_layers, mtp.blocks),
             "max_depth": MAX_CHAINED_DEPTH if mtp.tensors else 0,
             "hidden_feed": "post_norm", "next_hidden": "post_mtp_norm",
             "concat_order": view.family.concat_order, "norm_encoding": mtp.norm_encoding,
-            "policy": _policy(view), "source_family": view.family.name,
+            "policy": measured_policy(view.mtp_quantization, bool(mtp.tensors)),
+            "source_family": view.family.name,
         },
         "chat_template": {"source": view.template.source, "provenance": template_provenance},
     }

@@ -43,6 +43,7 @@ class MTPLayout:
     expert_layout: str | None = None
     num_experts: int | None = None
     norm_encoding: str | None = None
+    norm_offset: int = 0  # what to add to the stored MTP norms to match the trunk's encoding
     findings: list[Finding] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -206,6 +207,7 @@ def _check_norms(layout: MTPLayout, weights: Weights, fam: Family, cfg: ModelCon
     delta = str(declared).strip().lower() in DELTA_ENCODINGS
     effective = head[0] + (1 if delta else 0)
     layout.norm_encoding = "delta" if head[0] == 0 else "absolute"
+    layout.norm_offset = trunk[0] - head[0]
     if effective != trunk[0]:
         how = (f"MTP norms are {LEVEL_NAMES[head[0]]} (median mean {head[1]:.2f})"
                + (" and declared delta, so a runtime adds +1 again" if delta and head[0] else "")

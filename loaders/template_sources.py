@@ -1,0 +1,97 @@
+"""Where a missing or broken chat template can be restored from, in order: what the user
+names (--template-from), the original model in the local Hugging Face cache, GGUF metadata,
+and last a plain template for a chat format the special tokens identify unambiguously."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from mtpkit.loaders.bundle import BundleView
+from mtpkit.loaders.chat_formats import identify
+from mtpkit.loaders.config import read_json
+from mtpkit.loaders.source import REPO_ID
+from mtpkit.loaders.templates import locate
+
+
+@dataclass(frozen=True)
+class FoundTemplate:
+    text: str
+    provenance: str
+
+
+class TemplateSourceError(Exception):
+    pass
+
+
+def from_gguf(path: Path) -> str | None:
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(path)).fields.get("tokenizer.chat_template")
+    return bytes(field.parts[field.data[0]]).decode("utf-8") if field else None
+
+
+def from_path(path: Path) -> str | None:
+    """A checkpoint folder, a tokenizer_config.json, a .jinja file or a .gguf file."""
+    if path.is_dir():
+        tc = path / "tokenizer_config.json"
+        config = read_json(tc) if tc.is_file() else {}
+        return locate(path, config if isinstance(config, dict) else {})[1]
+    if path.suffix == ".gguf":
+        return from_gguf(path)
+    if path.name.endswith(".json"):
+        data = read_json(path)
+        value = data.get("chat_template") if isinstance(data, dict) else None
+        if isinstance(value, list):
+            value = next((t.get("template") for t in value if isinstance(t, dict)
+                          and t.get("name") == "default"), None)
+        return value if isinstance(value, str) else None
+    return path.read_text("utf-8")
+
+
+def _named_base_models(view: BundleView) -> list[str]:
+    """Repo ids the bundle says it came from: its card's base_model, config _name_or_path."""
+    from huggingface_hub.repocard import metadata_load
+
+    names: list[str] = []
+    card = view.root / "README.md"
+    if card.is_file():
+        try:
+            base = (metadata_load(card) or {}).get("base_model")
+        except (ValueError, OSError):  # malformed front matter: not a source
+            base = None
+        names += base if isinstance(base, list) else [base]
+    names.append(view.config.raw.get("_name_or_path"))
+    return list(dict.fromkeys(n for n in names if isinstance(n, str) and REPO_ID.match(n)))
+
+
+def _from_cache(repo_id: str) -> str | None:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        folder = Path(snapshot_download(repo_id, local_files_only=True))
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        return None
+    return from_path(folder)
+
+
+def find_template(view: BundleView, template_from: Path | None = None) -> FoundTemplate | None:
+    if template_from is not None:
+        text = from_path(template_from)
+        if text is None:
+            raise TemplateSourceError(f"no chat template in {template_from}")
+        return FoundTemplate(text, f"--template-from {template_from}")
+    for repo_id in _named_base_models(view):
+        text = _from_cache(repo_id)
+        if text:
+            return FoundTemplate(text, f"original model {repo_id} (local Hugging Face cache)")
+    for gguf in sorted(view.root.glob("*.gguf")):
+        text = from_gguf(gguf)
+        if text:
+            return FoundTemplate(text, f"GGUF metadata of {gguf.name}")
+    fmt = identify(view.tokenizer.vocab)
+    if fmt is not None:
+        return FoundTemplate(fmt.template, f"plain {fmt.name} template (identified from the "
+                             "tokenizer's special tokens)")
+    return None
