@@ -31,6 +31,8 @@ Examples:
   mtpkit doctor ./Qwen3.6-35B-A3B-mlx-4bit
   mtpkit doctor mlx-community/Qwen3.5-27B-4bit --json     # repo id in the local HF cache
   mtpkit doctor ./bundle --deep                           # also scan tensor data for NaN/Inf
+  mtpkit doctor ./bundle --fix --out ./bundle-fixed       # repaired copy, then diagnose it
+  mtpkit doctor ./bundle --fix --out ./fixed --template-from ./original-checkpoint
 \b
 Exit codes: 0 no errors, 1 error findings, 2 not a model folder / bad usage.
 """
@@ -48,8 +50,24 @@ def main() -> None:
               "schema) instead of the table.")
 @click.option("--deep", is_flag=True, help="Stream all tensor data (bounded memory): NaN/Inf, "
               "all-zero scales, empty sidecar, manifest sha256.")
-def doctor(bundle: str, as_json: bool, deep: bool) -> None:
+@click.option("--fix", is_flag=True, help="Write a repaired copy to --out and diagnose the copy.")
+@click.option("--out", "out", type=click.Path(path_type=Path), help="Where --fix writes.")
+@click.option("--template-from", type=click.Path(exists=True, path_type=Path),
+              help="Chat template source for --fix: a checkpoint folder, tokenizer_config.json, "
+              ".jinja or .gguf file.")
+@click.option("--force", is_flag=True, help="With --fix: replace --out if it exists.")
+def doctor(bundle: str, as_json: bool, deep: bool, fix: bool, out: Path | None,
+           template_from: Path | None, force: bool) -> None:
     """Diagnose BUNDLE (a folder or a cached repo id) without loading its weights."""
+    repaired = None
+    if fix:
+        if out is None:
+            _fail("usage", "--fix needs --out DIR (the source is never modified)",
+                  "mtpkit doctor BUNDLE --fix --out FIXED")
+        repaired = _repair(bundle, out, template_from, force)
+        bundle = str(out)
+    elif out or template_from:
+        _fail("usage", "--out and --template-from go with --fix", "add --fix")
     bar = None
 
     def on_open(view) -> None:
@@ -66,6 +84,8 @@ def doctor(bundle: str, as_json: bool, deep: bool) -> None:
     finally:
         if bar is not None:
             bar.__exit__(None, None, None)
+    if repaired is not None:
+        doc = {**doc, "repair": repaired}
     if as_json:
         click.echo(json.dumps(doc, indent=2))
     else:
@@ -76,6 +96,27 @@ def doctor(bundle: str, as_json: bool, deep: bool) -> None:
 def _fail(code: str, message: str, hint: str) -> None:
     click.echo(f"error [{code}]: {message}\n  hint: {hint}", err=True)
     sys.exit(2)
+
+
+def _repair(bundle: str, out: Path, template_from: Path | None, force: bool) -> dict:
+    from mtpkit.convert.convert import ConvertError
+    from mtpkit.convert.repair import repair
+    from mtpkit.convert.writer import OutputExists
+    from mtpkit.loaders.source import NotABundle
+    from mtpkit.loaders.template_sources import TemplateSourceError
+
+    try:
+        result = repair(bundle, out, template_from=template_from, force=force)
+    except NotABundle as exc:
+        _fail("files.missing_config", str(exc), exc.hint)
+    except OutputExists as exc:
+        _fail("output.exists", str(exc), "choose another --out or pass --force")
+    except ConvertError as exc:
+        _fail(exc.code, str(exc), exc.hint)
+    except TemplateSourceError as exc:
+        _fail("template.missing", str(exc), "point --template-from at a file or folder with one")
+    return {"source": bundle, "out": str(result.out), "applied": result.applied,
+            "template_provenance": result.template_provenance}
 
 
 @main.command(epilog=EXAMPLES_CONVERT)

@@ -99,7 +99,7 @@ def _carry_files(view: BundleView, stage: Path) -> None:
         write_text(stage / "chat_template.jinja", view.template.text)
 
 
-def _write_config(stage: Path, config: dict[str, Any], mtp_record: dict[str, Any] | None,
+def write_config(stage: Path, config: dict[str, Any], mtp_record: dict[str, Any] | None,
                   num_mtp_layers: int) -> None:
     from mlx_lm.utils import save_config
 
@@ -114,12 +114,12 @@ def _write_config(stage: Path, config: dict[str, Any], mtp_record: dict[str, Any
     save_config(config, stage / "config.json")
 
 
-def _check_source(view: BundleView) -> None:
+def check_source(view: BundleView) -> None:
     """Refuse sources convert cannot work around, naming the most fundamental problem first
     (a truncated shard before the quantized module it cut in half)."""
     for prefix in BLOCKING:
         for f in view.errors:
-            if f.code.startswith(prefix):
+            if f.code.startswith(prefix) and not f.fixable:
                 raise ConvertError(f.code, f"source: {f.message} [{f.location}]", f.hint)
 
 
@@ -128,7 +128,7 @@ def convert(src: str, out: Path, options: ConvertOptions,
             on_plan: Callable[[int], None] = lambda total: None) -> ConvertResult:
     """Convert `src` into the bundle folder `out`; raises ConvertError for bad input."""
     view = open_bundle(src)
-    _check_source(view)
+    check_source(view)
     source = _source_record(view, src)
     quant = options.quant
     sidecar_opts = options.sidecar or SidecarOptions(policy="layers" if quant.quantize else "keep")
@@ -145,7 +145,7 @@ def convert(src: str, out: Path, options: ConvertOptions,
         write_shards(stage, trunk, progress=progress)
         if sidecar:
             write_safetensors(stage / SIDECAR_FILE, sidecar, sorted(sidecar), progress=progress)
-        _write_config(stage, config, mtp_record, max(view.mtp.declared_layers, view.mtp.blocks))
+        write_config(stage, config, mtp_record, max(view.mtp.declared_layers, view.mtp.blocks))
         _carry_files(view, stage)
         written = open_bundle(stage)
         bad = [f for f in written.errors if not f.code.startswith(INHERITED)]

@@ -11,6 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mtpkit.convert.experts import stack_experts
+from mtpkit.convert.norms import reencode_norms
 from mtpkit.loaders.bundle import BundleView
 from mtpkit.loaders.families import is_shifted_norm
 
@@ -51,14 +52,6 @@ def _sanitize_layers(arrays: dict[str, mx.array], model: nn.Module) -> dict[str,
             for k, v in sanitized.items()}
 
 
-def _needs_shift(view: BundleView) -> bool:
-    if not view.family.zero_centred_norms:
-        return False
-    if view.mtp.norm_encoding is not None:
-        return view.mtp.norm_encoding == "delta"
-    return view.kind == "hf"  # Hugging Face checkpoints of these families store them zero-centred
-
-
 def _quantizable(name: str, arr: mx.array, options: SidecarOptions) -> bool:
     if options.policy == "keep" or not name.endswith(".weight") or arr.ndim < 2:
         return False
@@ -76,9 +69,12 @@ def build_sidecar(view: BundleView, options: SidecarOptions, trunk_model: nn.Mod
     if view.family.sanitize_mtp_layer and trunk_model is not None:
         arrays = _sanitize_layers(arrays, trunk_model)
     arrays = stack_experts(arrays, hidden_size)
-    if _needs_shift(view):
+    if view.family.zero_centred_norms and view.kind == "hf":
+        # The HF convention, applied unconditionally as mlx-lm's sanitize does for the trunk.
         arrays = {k: (v + 1.0 if v.ndim == 1 and is_shifted_norm(k) else v)
                   for k, v in arrays.items()}
+    elif view.family.zero_centred_norms:
+        reencode_norms(arrays)  # MLX sidecars in the wild: either encoding, sometimes mixed
     out: dict[str, mx.array] = {}
     modules = []
     for name, arr in sorted(arrays.items()):

@@ -43,7 +43,7 @@ class MTPLayout:
     expert_layout: str | None = None
     num_experts: int | None = None
     norm_encoding: str | None = None
-    norm_offset: int = 0  # what to add to the stored MTP norms to match the trunk's encoding
+    trunk_norm_level: int | None = None  # see norm_level(); None when not measured
     findings: list[Finding] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -179,41 +179,52 @@ def _check_experts(layout: MTPLayout, cfg: ModelConfig, fam: Family, kind: str) 
             layout.source_names[next(c for c in layout.tensors if ".experts." in c)]))
 
 
-def _norm_level(root: Path, infos: list[TensorInfo]) -> tuple[int, float] | None:
-    means = [float(v.astype(np.float64).mean()) for i in infos
-             if (v := read_small(root, i)) is not None and v.size]
-    # RMSNorm gains sit near 0 (delta) or 1 (absolute); anything far outside is damaged data,
-    # which --deep reports, not an encoding.
-    means = [m for m in means if math.isfinite(m) and -0.5 < m < 2.5]
-    if not means:
-        return None
-    centre = statistics.median(means)
-    return min(2, max(0, round(centre))), centre
+def norm_level(mean: float) -> int | None:
+    """0 for zero-centred (delta) RMSNorm gains, 1 for shifted (absolute), 2 for shifted twice;
+    None for means far outside, which is damaged data (--deep reports it), not an encoding."""
+    return min(2, max(0, round(mean))) if math.isfinite(mean) and -0.5 < mean < 2.5 else None
+
+
+def _levels(root: Path, infos: list[TensorInfo]) -> list[tuple[int, float]]:
+    out = []
+    for info in infos:
+        values = read_small(root, info)
+        if values is not None and values.size:
+            mean = float(values.astype(np.float64).mean())
+            if (level := norm_level(mean)) is not None:
+                out.append((level, mean))
+    return out
 
 
 def _check_norms(layout: MTPLayout, weights: Weights, fam: Family, cfg: ModelConfig,
                  root: Path) -> None:
-    """Compare the MTP norms' encoding with the trunk's (needs only the 1-D norm vectors)."""
+    """Compare each MTP norm vector's encoding with the trunk's (reads only 1-D gains)."""
     if not fam.zero_centred_norms:
         return
     trunk_norms = [i for n, i in weights.trunk.items()
                    if is_shifted_norm(n) and n not in layout.source_names.values()
                    and len(i.shape) == 1]
     mtp_norms = [i for c, i in layout.tensors.items() if is_shifted_norm(c) and len(i.shape) == 1]
-    trunk, head = _norm_level(root, trunk_norms), _norm_level(root, mtp_norms)
-    if trunk is None or head is None:
+    trunk, head = _levels(root, trunk_norms), _levels(root, mtp_norms)
+    if not trunk or not head:
         return
+    target = round(statistics.median(level for level, _ in trunk))
     declared = (cfg.mtp_quantization or {}).get("norm_encoding")
     delta = str(declared).strip().lower() in DELTA_ENCODINGS
-    effective = head[0] + (1 if delta else 0)
-    layout.norm_encoding = "delta" if head[0] == 0 else "absolute"
-    layout.norm_offset = trunk[0] - head[0]
-    if effective != trunk[0]:
-        how = (f"MTP norms are {LEVEL_NAMES[head[0]]} (median mean {head[1]:.2f})"
-               + (" and declared delta, so a runtime adds +1 again" if delta and head[0] else "")
-               + f" next to {LEVEL_NAMES[trunk[0]]} trunk norms (median mean {trunk[1]:.2f})")
-        layout.findings.append(finding("mtp.norm_encoding", how,
-                                       layout.source_names.get("mtp.norm.weight", "mtp.norm")))
+    levels = sorted({level for level, _ in head})
+    layout.trunk_norm_level = target
+    layout.norm_encoding = ("delta" if levels == [0] else "absolute" if levels == [1]
+                            else "mixed")
+    wrong = [lv for lv, _ in head if lv + (1 if delta else 0) != target]
+    if not wrong:
+        return
+    counts = ", ".join(f"{sum(1 for lv, _ in head if lv == k)} {LEVEL_NAMES[k]}" for k in levels)
+    how = (f"MTP norm vectors are {counts}"
+           + (" and declared delta, so a runtime adds +1 again" if delta and 1 in levels else "")
+           + f"; the trunk's are {LEVEL_NAMES[target]} ({len(wrong)} of {len(head)} vectors "
+           "disagree)")
+    layout.findings.append(finding("mtp.norm_encoding", how,
+                                   layout.source_names.get("mtp.norm.weight", "mtp.norm")))
 
 
 def _check_policy(layout: MTPLayout, cfg: ModelConfig) -> None:

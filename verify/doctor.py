@@ -86,6 +86,12 @@ def _describe(bundle: dict[str, Any]) -> list[str]:
 
 def render_text(doc: dict[str, Any]) -> str:
     lines = [f"mtpkit doctor {doc['target']}" + (" --deep" if doc["deep"] else "")]
+    if "repair" in doc:
+        fix = doc["repair"]
+        lines.append(f"  repaired {fix['source']} -> {fix['out']} (source untouched)")
+        lines += [f"  fixed     {a['code']}: {a['action']}" for a in fix["applied"]] or [
+            "  fixed     nothing to repair; copied as is"]
+        lines.append("  the copy:")
     if doc["bundle"]:
         lines += ["  " + line for line in _describe(doc["bundle"])]
     findings = doc["findings"]
