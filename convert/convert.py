@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +20,13 @@ from mtpkit.convert.card import model_card
 from mtpkit.convert.manifest import build_manifest
 from mtpkit.convert.sidecar import SidecarOptions, build_sidecar
 from mtpkit.convert.trunk import QuantOptions, build_trunk
-from mtpkit.convert.writer import staged_output, write_safetensors, write_shards, write_text
+from mtpkit.convert.writer import (
+    OutputExists,
+    staged_output,
+    write_safetensors,
+    write_shards,
+    write_text,
+)
 from mtpkit.loaders.bundle import BundleView, open_bundle
 from mtpkit.loaders.findings import Finding
 from mtpkit.loaders.paths import bundle_file
@@ -127,9 +134,43 @@ def convert(src: str, out: Path, options: ConvertOptions,
             progress: Callable[[int], None] = lambda n: None,
             on_plan: Callable[[int], None] = lambda total: None) -> ConvertResult:
     """Convert `src` into the bundle folder `out`; raises ConvertError for bad input."""
+    if str(src).endswith(".gguf") and Path(src).is_file():
+        return _convert_gguf(Path(src), out, options, progress, on_plan)
+    return _convert(src, out, options, progress, on_plan)
+
+
+def _convert_gguf(src: Path, out: Path, options: ConvertOptions,
+                  progress: Callable[[int], None], on_plan: Callable[[int], None]) -> ConvertResult:
+    """Dequantize the GGUF into a temporary Hugging Face folder beside OUT, then convert that."""
+    from mtpkit.convert.gguf_import import GGUFError, gguf_to_hf
+
+    if out.exists() and not options.force:
+        raise OutputExists(f"{out.resolve()} already exists")
+    out.resolve().parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.resolve().parent, prefix=".mtpkit-gguf-") as tmp:
+        try:
+            hf = gguf_to_hf(src, Path(tmp) / "hf", dtype=options.quant.dtype or "bfloat16")
+        except GGUFError as exc:
+            raise ConvertError("gguf.unsupported", str(exc),
+                               "convert the original Hugging Face checkpoint instead") from None
+        source = {"kind": "gguf", "path": str(src.resolve()), "fingerprint": _sha256(src)}
+        return _convert(str(hf), out, options, progress, on_plan, source=source)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(16 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _convert(src: str, out: Path, options: ConvertOptions, progress: Callable[[int], None],
+             on_plan: Callable[[int], None], source: dict[str, Any] | None = None
+             ) -> ConvertResult:
     view = open_bundle(src)
     check_source(view)
-    source = _source_record(view, src)
+    source = source or _source_record(view, src)
     quant = options.quant
     sidecar_opts = options.sidecar or SidecarOptions(policy="layers" if quant.quantize else "keep")
     with staged_output(out, force=options.force) as stage:
