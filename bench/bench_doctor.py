@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import struct
 import sys
 import tempfile
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from common import run_isolated, save, summary  # noqa: E402
+from common import run_isolated, save, summary, write_safetensors  # noqa: E402
 
 SHAPES = {  # same layer count (tensor count), different widths
     "small": {"hidden_size": 128, "num_experts": 8, "moe_intermediate_size": 128,
@@ -32,8 +31,6 @@ SHAPES = {  # same layer count (tensor count), different widths
 }
 LAYERS = 72
 SHARD_BYTES = 1 << 30
-ONES_BF16 = b"\x80\x3f" * 4096  # 1-D bf16 tensors (norm gains) hold 1.0 like a real bundle
-DTYPES = {"uint32": "U32", "bfloat16": "BF16", "float32": "F32", "uint8": "U8"}
 
 
 def _config(size: str) -> dict:
@@ -73,32 +70,6 @@ def _shapes(cfg: dict) -> dict[str, tuple[tuple[int, ...], str]]:
             for k, v in tree_flatten(model.parameters())}
 
 
-def _write_safetensors(path: Path, tensors: dict[str, tuple[tuple[int, ...], str]],
-                       block: bytes, metadata: dict[str, str]) -> int:
-    header, offset = {"__metadata__": metadata}, 0
-    sizes = {"U32": 4, "BF16": 2, "F32": 4, "U8": 1}
-    for name, (shape, dtype) in sorted(tensors.items()):
-        st = DTYPES[dtype]
-        n = sizes[st]
-        for d in shape:
-            n *= d
-        header[name] = {"dtype": st, "shape": list(shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as fh:
-        fh.write(struct.pack("<Q", len(raw)) + raw)
-        for name, (shape, dtype) in sorted(tensors.items()):
-            begin, end = header[name]["data_offsets"]
-            fill = ONES_BF16 if len(shape) == 1 and dtype == "bfloat16" else block
-            left = end - begin
-            while left:
-                chunk = fill[: min(len(fill), left)]
-                fh.write(chunk)
-                left -= len(chunk)
-    return offset
-
-
 def build(size: str, out: Path) -> dict:
     import numpy as np
 
@@ -121,7 +92,7 @@ def build(size: str, out: Path) -> dict:
     total, weight_map = 0, {}
     for i, shard in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        total += _write_safetensors(out / fname, shard, block, {"format": "mlx"})
+        total += write_safetensors(out / fname, shard, block, {"format": "mlx"})
         weight_map.update(dict.fromkeys(shard, fname))
     (out / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}))
@@ -131,7 +102,7 @@ def build(size: str, out: Path) -> dict:
     mtp |= {"mtp.fc.weight": ((h, 2 * h), "bfloat16"), "mtp.norm.weight": ((h,), "bfloat16"),
             "mtp.pre_fc_norm_embedding.weight": ((h,), "bfloat16"),
             "mtp.pre_fc_norm_hidden.weight": ((h,), "bfloat16")}
-    _write_safetensors(out / "mtp.safetensors", mtp, block, {"format": "mlx"})
+    write_safetensors(out / "mtp.safetensors", mtp, block, {"format": "mlx"})
     quant = {"group_size": 64, "bits": 4, "mode": "affine"}
     for k in [*shapes, *mtp]:
         if k.endswith((".mlp.gate.scales", "shared_expert_gate.scales")):

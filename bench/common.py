@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import statistics
+import struct
 import subprocess
 import sys
 from importlib import metadata
@@ -32,6 +33,39 @@ def machine() -> dict[str, Any]:
             "python": platform.python_version(),
             "versions": {p: version(p) for p in ("mtpkit", "mlx", "mlx-lm", "safetensors",
                                                   "numpy")}}
+
+
+ONES_BF16 = b"\x80\x3f" * 4096  # 1-D bf16 tensors (norm gains) hold 1.0 like a real bundle
+DTYPES = {"uint32": "U32", "bfloat16": "BF16", "float32": "F32", "uint8": "U8"}
+
+
+def write_safetensors(path: Path, tensors: dict[str, tuple[tuple[int, ...], str]],
+                       block: bytes, metadata: dict[str, str]) -> int:
+    """Write a real (non-sparse) safetensors file of the given shapes: 1-D bf16 tensors hold
+    1.0, everything else repeats `block`. Returns the data size."""
+    header, offset = {"__metadata__": metadata}, 0
+    sizes = {"U32": 4, "BF16": 2, "F32": 4, "U8": 1}
+    for name, (shape, dtype) in sorted(tensors.items()):
+        st = DTYPES[dtype]
+        n = sizes[st]
+        for d in shape:
+            n *= d
+        header[name] = {"dtype": st, "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(raw)) + raw)
+        for name, (shape, dtype) in sorted(tensors.items()):
+            begin, end = header[name]["data_offsets"]
+            fill = ONES_BF16 if len(shape) == 1 and dtype == "bfloat16" else block
+            left = end - begin
+            while left:
+                chunk = fill[: min(len(fill), left)]
+                fh.write(chunk)
+                left -= len(chunk)
+    return offset
+
 
 
 def run_isolated(code: str, env: dict[str, str] | None = None) -> dict[str, Any]:

@@ -183,9 +183,10 @@ def _convert(src: str, out: Path, options: ConvertOptions, progress: Callable[[i
         on_plan(sum(t.nbytes for t in trunk.values()) + sum(t.nbytes for t in sidecar.values()))
         # Drop the model's own references so each tensor is freed right after it is written.
         del model
-        write_shards(stage, trunk, progress=progress)
+        hashes = write_shards(stage, trunk, progress=progress)
         if sidecar:
-            write_safetensors(stage / SIDECAR_FILE, sidecar, sorted(sidecar), progress=progress)
+            hashes[SIDECAR_FILE] = write_safetensors(stage / SIDECAR_FILE, sidecar,
+                                                     sorted(sidecar), progress=progress)
         write_config(stage, config, mtp_record, max(view.mtp.declared_layers, view.mtp.blocks))
         _carry_files(view, stage)
         written = open_bundle(stage)
@@ -194,13 +195,11 @@ def _convert(src: str, out: Path, options: ConvertOptions, progress: Callable[[i
             raise ConvertError(bad[0].code, "the converted bundle fails its own check: "
                                f"{bad[0].message} [{bad[0].location}]",
                                "this is a bug in mtpkit convert; please report it with the source")
-        manifest = build_manifest(written, source=source,
-                                  template_provenance=view.template.source and
-                                  f"source {view.template.source}")
+        provenance = view.template.source and f"source {view.template.source}"
+        manifest = build_manifest(written, source, provenance, known_sha256=hashes)
         write_text(stage / "README.md", model_card(out.name, _base_model(view, source), manifest,
                                                    options.command))
-        manifest = build_manifest(open_bundle(stage), source=source,
-                                  template_provenance=manifest["chat_template"]["provenance"])
+        manifest = build_manifest(open_bundle(stage), source, provenance, known_sha256=hashes)
         write_text(stage / "mtpkit.json", json.dumps(manifest, indent=2))
     final = open_bundle(out)
     return ConvertResult(out, manifest, final.findings)

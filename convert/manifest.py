@@ -44,15 +44,18 @@ def _role(rel: str, view: BundleView) -> str:
 
 
 def build_manifest(view: BundleView, source: dict[str, Any],
-                   template_provenance: str | None = None) -> dict[str, Any]:
+                   template_provenance: str | None = None,
+                   known_sha256: dict[str, str] | None = None) -> dict[str, Any]:
+    """known_sha256: digests the writer computed while writing (weights are not read again)."""
     root = view.root
+    known = known_sha256 or {}
     files = []
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         rel = path.relative_to(root).as_posix()
         if rel == MANIFEST_FILE:
             continue
         files.append({"path": rel, "role": _role(rel, view), "bytes": path.stat().st_size,
-                      "sha256": sha256_file(path)})
+                      "sha256": known.get(rel) or sha256_file(path)})
     mtp = view.mtp
     return {
         "format_version": 1,

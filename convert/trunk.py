@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import fnmatch
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -98,10 +99,34 @@ def build_trunk(view: BundleView, options: QuantOptions) -> tuple[
         model.update(tree_map_with_path(
             lambda k, v: v.astype(dtype) if cast(k) and mx.issubdtype(v.dtype, mx.floating) else v,
             model.parameters()))
+    sources = dict(tree_flatten(model.parameters()))
     if options.quantize:
         group = options.group_size or (64 if options.mode == "affine" else None)
         with contextlib.redirect_stdout(sys.stderr):  # mlx-lm prints its bpw line to stdout
             model, config = quantize_model(model, config, group_size=options.group_size,
                                            bits=options.bits, mode=options.mode,
                                            quant_predicate=_predicate(model, options, group or 32))
-    return model, dict(tree_flatten(model.parameters())), config
+    tensors = dict(tree_flatten(model.parameters()))
+    if options.quantize and mx.default_device() == mx.cpu:
+        _spread_over_cpu_streams(model, sources, tensors)
+    return model, tensors, config
+
+
+def _spread_over_cpu_streams(model: nn.Module, sources: dict[str, mx.array],
+                             tensors: dict[str, mx.array]) -> None:
+    """MLX's CPU quantize runs on one thread per stream, so mlx-lm's conversion uses one core.
+    Re-issue each module's quantization -- the very call mlx's quantized layers make,
+    mx.quantize(weight, group_size, bits, mode=mode) -- round-robin on one CPU stream per core.
+    The result is bit-identical to mlx-lm's (tests compare every tensor)."""
+    streams = [mx.new_stream(mx.cpu) for _ in range(max(1, min(os.cpu_count() or 1, 8)))]
+    spread = 0
+    for path, module in model.named_modules():
+        source = sources.get(f"{path}.weight")
+        if source is None or "scales" not in module or module.get("global_scale") is not None:
+            continue  # not quantized here, or nvfp4 experts with per-expert global scales
+        with mx.stream(streams[spread % len(streams)]):
+            parts = mx.quantize(source, module.group_size, module.bits, mode=module.mode)
+        spread += 1
+        tensors[f"{path}.weight"], tensors[f"{path}.scales"] = parts[0], parts[1]
+        if len(parts) > 2:
+            tensors[f"{path}.biases"] = parts[2]

@@ -8,6 +8,7 @@ memory is one tensor (plus whatever the caller keeps), never a whole shard.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -24,6 +25,7 @@ ST_DTYPES = {mx.bool_: "BOOL", mx.uint8: "U8", mx.int8: "I8", mx.uint16: "U16", 
              mx.uint32: "U32", mx.int32: "I32", mx.uint64: "U64", mx.int64: "I64",
              mx.float16: "F16", mx.bfloat16: "BF16", mx.float32: "F32"}
 SHARD_BYTES = 5 << 30  # mlx-lm's limit
+BATCH_BYTES = 128 << 20  # output bytes evaluated together (two batches are in flight)
 Release = Callable[[str], None]
 
 
@@ -31,10 +33,23 @@ class OutputExists(Exception):
     pass
 
 
-def _raw_bytes(array: mx.array) -> bytes:
+def _raw(array: mx.array) -> memoryview:
+    """The array's bytes without a copy (bf16 goes through a uint16 view: numpy has no bf16)."""
     if array.dtype == mx.bfloat16:
         array = array.view(mx.uint16)
-    return np.asarray(array).tobytes()
+    return memoryview(np.asarray(array)).cast("B")
+
+
+def _batches(tensors: dict[str, mx.array], names: list[str], budget: int) -> list[list[str]]:
+    out: list[list[str]] = [[]]
+    size = 0
+    for name in names:
+        if out[-1] and size + tensors[name].nbytes > budget:
+            out.append([])
+            size = 0
+        out[-1].append(name)
+        size += tensors[name].nbytes
+    return out
 
 
 def plan_shards(tensors: dict[str, mx.array], limit: int = SHARD_BYTES) -> list[list[str]]:
@@ -53,9 +68,12 @@ def plan_shards(tensors: dict[str, mx.array], limit: int = SHARD_BYTES) -> list[
 
 def write_safetensors(path: Path, tensors: dict[str, mx.array], names: list[str],
                       release: Release = lambda name: None,
-                      progress: Callable[[int], None] = lambda n: None) -> None:
-    """Write `names` from `tensors` (lazy arrays) to `path`, evaluating one at a time.
-    release(name) is called after each tensor is written so the caller can drop it."""
+                      progress: Callable[[int], None] = lambda n: None) -> str:
+    """Write `names` from `tensors` (lazy arrays) to `path` and return the file's sha256.
+
+    Tensors are evaluated in batches of at most BATCH_BYTES of output; the next batch computes
+    (mx.async_eval) while the current one is written, so memory stays bounded by about two
+    batches and their inputs. release(name) runs after each tensor is written."""
     header: dict[str, object] = {"__metadata__": {"format": "mlx"}}
     offset = 0
     for name in names:
@@ -65,34 +83,45 @@ def write_safetensors(path: Path, tensors: dict[str, mx.array], names: list[str]
         offset += arr.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
+    digest = hashlib.sha256()
+    batches = _batches(tensors, names, BATCH_BYTES)
     with open(path, "wb") as fh:
-        fh.write(struct.pack("<Q", len(raw)) + raw)
-        for name in names:
-            arr = tensors.pop(name)
-            mx.eval(arr)
-            fh.write(_raw_bytes(arr))
-            progress(arr.nbytes)
-            del arr
-            release(name)
+        head = struct.pack("<Q", len(raw)) + raw
+        fh.write(head)
+        digest.update(head)
+        mx.async_eval([tensors[n] for n in batches[0]])
+        for i, batch in enumerate(batches):
+            if i + 1 < len(batches):
+                mx.async_eval([tensors[n] for n in batches[i + 1]])
+            for name in batch:
+                arr = tensors.pop(name)
+                data = _raw(arr)
+                fh.write(data)
+                digest.update(data)
+                progress(arr.nbytes)
+                del arr, data
+                release(name)
         fh.flush()
         os.fsync(fh.fileno())
+    return digest.hexdigest()
 
 
 def write_shards(out: Path, tensors: dict[str, mx.array], prefix: str = "model",
                  release: Release = lambda name: None,
                  progress: Callable[[int], None] = lambda n: None) -> dict[str, str]:
-    """mlx-lm's shard naming and index; returns the weight_map (tensor -> file)."""
+    """mlx-lm's shard naming and index; returns {shard file: sha256}."""
     shards = plan_shards(tensors)
     total = sum(t.nbytes for t in tensors.values())
     weight_map: dict[str, str] = {}
+    hashes: dict[str, str] = {}
     for i, names in enumerate(shards):
         fname = (f"{prefix}.safetensors" if len(shards) == 1
                  else f"{prefix}-{i + 1:05d}-of-{len(shards):05d}.safetensors")
         weight_map.update(dict.fromkeys(names, fname))
-        write_safetensors(out / fname, tensors, names, release, progress)
+        hashes[fname] = write_safetensors(out / fname, tensors, names, release, progress)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     write_text(out / f"{prefix}.safetensors.index.json", json.dumps(index, indent=4))
-    return weight_map
+    return hashes
 
 
 def write_text(path: Path, text: str) -> None:

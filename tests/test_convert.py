@@ -207,3 +207,21 @@ def test_cli_convert_and_upload_plan(built, tmp_path):
                           "--quant-override", "nonsense"], capture_output=True, text=True)
     assert bad.returncode == 2 and "PATTERN=BITS" in bad.stderr
     shutil.rmtree(out)
+
+
+def test_convert_from_a_repo_id_in_the_local_hf_cache(built, tmp_path):
+    src = built("qwen3_5", hf=True)
+    rev = "0" * 40
+    snap = tmp_path / "hub" / "models--acme--Tiny" / "snapshots" / rev
+    shutil.copytree(src, snap)
+    (snap.parent.parent / "refs").mkdir()
+    (snap.parent.parent / "refs" / "main").write_text(rev)
+    exe = os.path.join(os.path.dirname(sys.executable), "mtpkit")
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([exe, "convert", "acme/Tiny", str(tmp_path / "out"), "-q"],
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    manifest = json.loads((tmp_path / "out" / "mtpkit.json").read_text())
+    assert manifest["source"]["kind"] == "hf_cache"
+    assert (manifest["source"]["repo_id"], manifest["source"]["revision"]) == ("acme/Tiny", rev)
+    assert "base_model: acme/Tiny" in (tmp_path / "out" / "README.md").read_text()
