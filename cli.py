@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -98,6 +99,23 @@ def _fail(code: str, message: str, hint: str) -> None:
     sys.exit(2)
 
 
+def _as_command(ctx: click.Context) -> str:
+    """The command line as parsed (for the model card): arguments, then non-default options."""
+    parts = ["mtpkit", ctx.info_name or "convert"]
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        if isinstance(param, click.Argument):
+            parts.append(str(value))
+            continue
+        if value in (None, False, ()) or value == param.default:
+            continue
+        flag = max(param.opts, key=len)
+        values = value if isinstance(value, tuple) else (value,)
+        for v in values:
+            parts += [flag] if v is True else [flag, str(v)]
+    return shlex.join(parts)
+
+
 def _repair(bundle: str, out: Path, template_from: Path | None, force: bool) -> dict:
     from mtpkit.convert.convert import ConvertError
     from mtpkit.convert.repair import repair
@@ -161,7 +179,7 @@ def convert(src: str, out: Path, quantize: bool, q_bits: int | None, q_group_siz
     sidecar = SidecarOptions(policy=mtp_policy or ("layers" if quant.quantize else "keep"),
                              bits=mtp_bits, group_size=int(mtp_group_size))
     options = ConvertOptions(quant=quant, sidecar=sidecar, force=force,
-                             command="mtpkit convert " + " ".join(sys.argv[2:]))
+                             command=_as_command(click.get_current_context()))
     bar = click.progressbar(length=1, label="writing", file=sys.stderr, width=30)
     started = False
 

@@ -25,7 +25,10 @@ ST_DTYPES = {mx.bool_: "BOOL", mx.uint8: "U8", mx.int8: "I8", mx.uint16: "U16", 
              mx.uint32: "U32", mx.int32: "I32", mx.uint64: "U64", mx.int64: "I64",
              mx.float16: "F16", mx.bfloat16: "BF16", mx.float32: "F32"}
 SHARD_BYTES = 5 << 30  # mlx-lm's limit
-BATCH_BYTES = 128 << 20  # output bytes evaluated together (two batches are in flight)
+# Output bytes evaluated together, and how many batches compute ahead of the one being written:
+# in flight ~ (depth + 1) x batch of output plus its inputs (bf16 sources are 4x a 4-bit output).
+BATCH_BYTES = 32 << 20
+PIPELINE_DEPTH = 2
 Release = Callable[[str], None]
 
 
@@ -37,7 +40,7 @@ def _raw(array: mx.array) -> memoryview:
     """The array's bytes without a copy (bf16 goes through a uint16 view: numpy has no bf16)."""
     if array.dtype == mx.bfloat16:
         array = array.view(mx.uint16)
-    return memoryview(np.asarray(array)).cast("B")
+    return memoryview(np.ascontiguousarray(np.asarray(array))).cast("B")  # copies only views
 
 
 def _batches(tensors: dict[str, mx.array], names: list[str], budget: int) -> list[list[str]]:
@@ -71,9 +74,9 @@ def write_safetensors(path: Path, tensors: dict[str, mx.array], names: list[str]
                       progress: Callable[[int], None] = lambda n: None) -> str:
     """Write `names` from `tensors` (lazy arrays) to `path` and return the file's sha256.
 
-    Tensors are evaluated in batches of at most BATCH_BYTES of output; the next batch computes
-    (mx.async_eval) while the current one is written, so memory stays bounded by about two
-    batches and their inputs. release(name) runs after each tensor is written."""
+    Tensors are evaluated in batches of at most BATCH_BYTES of output; the next PIPELINE_DEPTH
+    batches compute (mx.async_eval) while the current one is written, so memory stays bounded
+    by a few batches and their inputs. release(name) runs after each tensor is written."""
     header: dict[str, object] = {"__metadata__": {"format": "mlx"}}
     offset = 0
     for name in names:
@@ -89,10 +92,11 @@ def write_safetensors(path: Path, tensors: dict[str, mx.array], names: list[str]
         head = struct.pack("<Q", len(raw)) + raw
         fh.write(head)
         digest.update(head)
-        mx.async_eval([tensors[n] for n in batches[0]])
+        for ahead in batches[:PIPELINE_DEPTH]:
+            mx.async_eval([tensors[n] for n in ahead])
         for i, batch in enumerate(batches):
-            if i + 1 < len(batches):
-                mx.async_eval([tensors[n] for n in batches[i + 1]])
+            if i + PIPELINE_DEPTH < len(batches):
+                mx.async_eval([tensors[n] for n in batches[i + PIPELINE_DEPTH]])
             for name in batch:
                 arr = tensors.pop(name)
                 data = _raw(arr)

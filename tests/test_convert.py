@@ -198,6 +198,7 @@ def test_cli_convert_and_upload_plan(built, tmp_path):
                                                   "config.json", "mtpkit.json", "README.md"}
     card = (out / "README.md").read_text()
     assert card.startswith("---\nlibrary_name: mlx\n") and "- mtp" in card
+    assert f"mtpkit convert {src} {out} --quantize --mtp-bits 8 --upload-repo me/Tiny-MTP" in card
     exe = os.path.join(os.path.dirname(sys.executable), "mtpkit")
     again = subprocess.run([exe, "convert", str(src), str(out), "-q"], capture_output=True,
                            text=True)
