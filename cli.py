@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
@@ -116,23 +118,31 @@ def _as_command(ctx: click.Context) -> str:
     return shlex.join(parts)
 
 
-def _repair(bundle: str, out: Path, template_from: Path | None, force: bool) -> dict:
+@contextmanager
+def _user_errors(out_flag: str) -> Iterator[None]:
+    """Turn bad-input exceptions into one-line errors with their code and a hint (exit 2)."""
     from mtpkit.convert.convert import ConvertError
-    from mtpkit.convert.repair import repair
     from mtpkit.convert.writer import OutputExists
     from mtpkit.loaders.source import NotABundle
     from mtpkit.loaders.template_sources import TemplateSourceError
 
     try:
-        result = repair(bundle, out, template_from=template_from, force=force)
+        yield
     except NotABundle as exc:
         _fail("files.missing_config", str(exc), exc.hint)
     except OutputExists as exc:
-        _fail("output.exists", str(exc), "choose another --out or pass --force")
+        _fail("output.exists", str(exc), f"choose another {out_flag} or pass --force")
     except ConvertError as exc:
         _fail(exc.code, str(exc), exc.hint)
     except TemplateSourceError as exc:
         _fail("template.missing", str(exc), "point --template-from at a file or folder with one")
+
+
+def _repair(bundle: str, out: Path, template_from: Path | None, force: bool) -> dict:
+    from mtpkit.convert.repair import repair
+
+    with _user_errors("--out"):
+        result = repair(bundle, out, template_from=template_from, force=force)
     return {"source": bundle, "out": str(result.out), "applied": result.applied,
             "template_provenance": result.template_provenance}
 
@@ -164,10 +174,8 @@ def convert(src: str, out: Path, quantize: bool, q_bits: int | None, q_group_siz
             dtype: str | None, mtp_policy: str | None, mtp_bits: int, mtp_group_size: str,
             force: bool, upload_repo: str | None, dry_run: bool) -> None:
     """Convert SRC (HF folder, cached repo id, MLX/MTP bundle, or .gguf) into the bundle OUT."""
-    from mtpkit.convert.convert import ConvertError, ConvertOptions
+    from mtpkit.convert.convert import ConvertOptions
     from mtpkit.convert.convert import convert as run_convert
-    from mtpkit.convert.writer import OutputExists
-    from mtpkit.loaders.source import NotABundle
 
     try:
         quant = QuantOptions(quantize=quantize or bool(quant_recipe), bits=q_bits,
@@ -189,13 +197,8 @@ def convert(src: str, out: Path, quantize: bool, q_bits: int | None, q_group_siz
         bar.__enter__()
 
     try:
-        result = run_convert(src, out, options, progress=bar.update, on_plan=on_plan)
-    except NotABundle as exc:
-        _fail("files.missing_config", str(exc), exc.hint)
-    except OutputExists as exc:
-        _fail("output.exists", str(exc), "choose another OUT or pass --force")
-    except ConvertError as exc:
-        _fail(exc.code, str(exc), exc.hint)
+        with _user_errors("OUT"):
+            result = run_convert(src, out, options, progress=bar.update, on_plan=on_plan)
     finally:
         if started:
             bar.render_finish()

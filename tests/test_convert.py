@@ -3,7 +3,6 @@ for every family in the canonical sidecar, metadata is true, and output is atomi
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -16,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from fixtures.configs import FAMILIES
-from fixtures.factory import Sidecar, mlx_weights
+from fixtures.factory import Sidecar, mlx_weights, tree_hash
 from mtpkit import open_bundle
 from mtpkit.cli import main
 from mtpkit.convert.convert import ConvertError, ConvertOptions, convert
@@ -28,14 +27,6 @@ from mtpkit.schemas import validate
 Q4 = ConvertOptions(quant=QuantOptions(quantize=True))
 
 
-def _tree_hash(path):
-    digest = hashlib.sha256()
-    for p in sorted(path.rglob("*")):
-        if p.is_file():
-            digest.update(p.relative_to(path).as_posix().encode() + p.read_bytes())
-    return digest.hexdigest()
-
-
 def _load(path, name="model.safetensors"):
     return mx.load(str(path / name))
 
@@ -43,9 +34,9 @@ def _load(path, name="model.safetensors"):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_trunk_is_bit_identical_to_stock_mlx_lm(built, tmp_path, family):
     src = built(family, hf=True)
-    before = _tree_hash(src)
+    before = tree_hash(src)
     result = convert(str(src), tmp_path / "out", Q4)
-    assert _tree_hash(src) == before, "the source must not change"
+    assert tree_hash(src) == before, "the source must not change"
     ours, stock = _load(result.out), _load(built(family, None))
     assert sorted(ours) == sorted(stock)
     for name in stock:

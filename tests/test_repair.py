@@ -4,7 +4,6 @@ tensors equal the healthy originals."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -16,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from fixtures.breaker import BREAKERS
-from fixtures.factory import Sidecar
+from fixtures.factory import Sidecar, tree_hash
 from mtpkit import open_bundle
 from mtpkit.cli import main
 from mtpkit.convert.convert import ConvertError
@@ -24,14 +23,6 @@ from mtpkit.convert.repair import repair
 from mtpkit.schemas import finding_codes, validate
 
 FIXABLE = sorted(c for c, e in finding_codes().items() if e["fixable"] and c in BREAKERS)
-
-
-def _tree_hash(path):
-    digest = hashlib.sha256()
-    for p in sorted(path.rglob("*")):
-        if p.is_file():
-            digest.update(p.relative_to(path).as_posix().encode() + p.read_bytes())
-    return digest.hexdigest()
 
 
 def _same_tensors(a, b):
@@ -53,7 +44,7 @@ def test_fix_repairs_its_code(built, bundle_copy, tmp_path, code):
     breaker, (family, sidecar), deep = BREAKERS[code]
     path = bundle_copy(family, sidecar)
     breaker(path)
-    before = _tree_hash(path)
+    before = tree_hash(path)
     result = CliRunner().invoke(main, ["doctor", str(path), "--fix", "--out",
                                        str(tmp_path / "fixed"), "--json"]
                                 + (["--deep"] if deep else []))
@@ -62,7 +53,7 @@ def test_fix_repairs_its_code(built, bundle_copy, tmp_path, code):
     validate(doc, "doctor_report")
     assert code in {a["code"] for a in doc["repair"]["applied"]}
     assert [f for f in doc["findings"] if f["severity"] != "info"] == []
-    assert _tree_hash(path) == before, "the source must never change"
+    assert tree_hash(path) == before, "the source must never change"
     mlx_lm.load(str(tmp_path / "fixed"))  # strict
 
 
