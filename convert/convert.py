@@ -28,10 +28,11 @@ from mtpkit.convert.writer import (
     write_text,
 )
 from mtpkit.loaders.bundle import BundleView, open_bundle
+from mtpkit.loaders.digest import sha256_file
 from mtpkit.loaders.findings import Finding
 from mtpkit.loaders.paths import bundle_file
+from mtpkit.loaders.weights import SIDECAR_FILE
 
-SIDECAR_FILE = "mtp.safetensors"
 # Files carried over as the source had them (weights, configs and cards are written anew).
 CARRIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                  "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
@@ -153,16 +154,8 @@ def _convert_gguf(src: Path, out: Path, options: ConvertOptions,
         except GGUFError as exc:
             raise ConvertError("gguf.unsupported", str(exc),
                                "convert the original Hugging Face checkpoint instead") from None
-        source = {"kind": "gguf", "path": str(src.resolve()), "fingerprint": _sha256(src)}
+        source = {"kind": "gguf", "path": str(src.resolve()), "fingerprint": sha256_file(src)}
         return _convert(str(hf), out, options, progress, on_plan, source=source)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(16 << 20):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _convert(src: str, out: Path, options: ConvertOptions, progress: Callable[[int], None],

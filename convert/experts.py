@@ -3,7 +3,6 @@ scales / biases alike (the step the real 35B sidecar never got)."""
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 
 import mlx.core as mx
@@ -46,8 +45,3 @@ def stack_experts(tensors: dict[str, mx.array], hidden_size: int) -> dict[str, m
         out[f"{moe}.switch_mlp.{proj}.{param}"] = mx.stack([experts[i] for i in order])
     return out
 
-
-def strip_block(name: str) -> tuple[int, str] | None:
-    """(k, rest) for a canonical `mtp.layers.k.rest` name."""
-    m = re.match(r"^mtp\.layers\.(\d+)\.(.+)$", name)
-    return (int(m[1]), m[2]) if m else None

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 from mtpkit import __version__
 from mtpkit.convert.quant_record import manifest_section, measured_policy
 from mtpkit.loaders.bundle import BundleView
+from mtpkit.loaders.digest import sha256_file
 from mtpkit.loaders.manifest import MANIFEST_FILE
 from mtpkit.loaders.weights import INDEX_FILE
 
@@ -23,14 +22,6 @@ ROLE_BY_NAME = {
     "special_tokens_map.json": "tokenizer", "vocab.json": "tokenizer", "merges.txt": "tokenizer",
     "added_tokens.json": "tokenizer",
 }
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(16 * 1024 * 1024):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _role(rel: str, view: BundleView) -> str:

@@ -30,7 +30,7 @@ class SidecarOptions:
     dtype: mx.Dtype | None = mx.bfloat16
 
 
-def _source_arrays(view: BundleView) -> dict[str, mx.array]:
+def source_arrays(view: BundleView) -> dict[str, mx.array]:
     """Canonical name -> lazy array, read from wherever the head is stored."""
     loaded: dict[str, dict[str, mx.array]] = {}
     out = {}
@@ -63,7 +63,7 @@ def _quantizable(name: str, arr: mx.array, options: SidecarOptions) -> bool:
 def build_sidecar(view: BundleView, options: SidecarOptions, trunk_model: nn.Module | None,
                   hidden_size: int) -> tuple[dict[str, mx.array], dict[str, Any]]:
     """(lazy sidecar tensors, the `mtplx_mtp_quantization` record describing them)."""
-    arrays = _source_arrays(view)
+    arrays = source_arrays(view)
     if any(n.endswith(".scales") for n in arrays):
         arrays = _dequantize(arrays, view)
     if view.family.sanitize_mtp_layer and trunk_model is not None:

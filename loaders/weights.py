@@ -17,7 +17,8 @@ from mtpkit.loaders.paths import inside
 from mtpkit.loaders.safetensors_header import SafetensorsHeader, TensorInfo, read_header
 
 INDEX_FILE = "model.safetensors.index.json"
-SIDECAR_NAMES = ("mtp.safetensors", "mtp/weights.safetensors", "model-mtp.safetensors")
+SIDECAR_FILE = "mtp.safetensors"  # what mtpkit writes; the first name MTP runtimes look for
+SIDECAR_NAMES = (SIDECAR_FILE, "mtp/weights.safetensors", "model-mtp.safetensors")
 
 
 @dataclass

@@ -4,13 +4,13 @@ the manifest."""
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from mtpkit.loaders.bundle import BundleView
+from mtpkit.loaders.digest import sha256_file
 from mtpkit.loaders.findings import Finding, finding
 from mtpkit.loaders.paths import inside
 from mtpkit.loaders.safetensors_header import FLOAT_DTYPES, TensorInfo
@@ -26,15 +26,6 @@ def _scan_tensor(root: Path, info: TensorInfo) -> tuple[int, bool]:
         bad += int(chunk.size - np.count_nonzero(np.isfinite(chunk)))
         nonzero = nonzero or bool(np.any(chunk != 0))
     return bad, nonzero
-
-
-def _file_sha256(path: Path, advance: Progress) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(16 * 1024 * 1024):
-            digest.update(block)
-            advance(len(block))
-    return digest.hexdigest()
 
 
 def deep_bytes(view: BundleView) -> int:
@@ -66,7 +57,7 @@ def deep_scan(view: BundleView, advance: Progress = lambda n: None) -> list[Find
         path = inside(view.root, entry["path"])
         if path is None or not path.is_file():
             continue  # already reported by the header pass
-        if _file_sha256(path, advance) != entry["sha256"]:
+        if sha256_file(path, advance) != entry["sha256"]:
             out.append(finding("manifest.stale", "sha256 differs from mtpkit.json",
                                entry["path"]))
     return out
