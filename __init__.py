@@ -1,7 +1,19 @@
 """mtpkit: convert, diagnose, repair and verify MLX bundles for MTP speculative decoding."""
 
+from typing import Any
+
 from mtpkit.loaders.bundle import BundleView, open_bundle
 from mtpkit.loaders.source import NotABundle
 
 __version__ = "0.1.0"
-__all__ = ["BundleView", "NotABundle", "__version__", "open_bundle"]
+__all__ = ["BundleView", "NotABundle", "Result", "Runner", "__version__", "load", "open_bundle"]
+_DECODER = {"load", "Runner", "Result"}
+
+
+def __getattr__(name: str) -> Any:
+    """The decoder pulls in mlx-lm (seconds to import): load it only when asked for."""
+    if name in _DECODER:
+        from mtpkit.decoder import runner
+
+        return getattr(runner, name)
+    raise AttributeError(name)

@@ -121,8 +121,8 @@ def _as_command(ctx: click.Context) -> str:
 @contextmanager
 def _user_errors(out_flag: str) -> Iterator[None]:
     """Turn bad-input exceptions into one-line errors with their code and a hint (exit 2)."""
-    from mtpkit.convert.convert import ConvertError
     from mtpkit.convert.writer import OutputExists
+    from mtpkit.loaders.findings import UserError
     from mtpkit.loaders.source import NotABundle
     from mtpkit.loaders.template_sources import TemplateSourceError
 
@@ -132,7 +132,7 @@ def _user_errors(out_flag: str) -> Iterator[None]:
         _fail("files.missing_config", str(exc), exc.hint)
     except OutputExists as exc:
         _fail("output.exists", str(exc), f"choose another {out_flag} or pass --force")
-    except ConvertError as exc:
+    except UserError as exc:
         _fail(exc.code, str(exc), exc.hint)
     except TemplateSourceError as exc:
         _fail("template.missing", str(exc), "point --template-from at a file or folder with one")

@@ -29,7 +29,7 @@ from mtpkit.convert.writer import (
 )
 from mtpkit.loaders.bundle import BundleView, open_bundle
 from mtpkit.loaders.digest import sha256_file
-from mtpkit.loaders.findings import Finding
+from mtpkit.loaders.findings import Finding, UserError
 from mtpkit.loaders.paths import bundle_file
 from mtpkit.loaders.weights import SIDECAR_FILE
 
@@ -44,10 +44,8 @@ BLOCKING = ("files.", "config.", "index.path_escape", "index.missing_shard", "sa
 INHERITED = ("template.", "tokenizer.", "mtp.absent")
 
 
-class ConvertError(Exception):
-    def __init__(self, code: str, message: str, hint: str) -> None:
-        super().__init__(message)
-        self.code, self.hint = code, hint
+class ConvertError(UserError):
+    """A source that cannot be converted as asked."""
 
 
 @dataclass

@@ -20,8 +20,8 @@ from mtpkit.convert.experts import stack_experts
 from mtpkit.convert.manifest import build_manifest
 from mtpkit.convert.norms import reencode_norms
 from mtpkit.convert.quant_record import config_entries, measured_policy, sidecar_record
-from mtpkit.convert.sidecar import source_arrays
 from mtpkit.convert.writer import staged_output, write_safetensors, write_shards, write_text
+from mtpkit.loaders.arrays import mtp_arrays
 from mtpkit.loaders.bundle import BundleView, open_bundle
 from mtpkit.loaders.findings import Finding
 from mtpkit.loaders.manifest import MANIFEST_FILE
@@ -78,7 +78,7 @@ def _sidecar(view: BundleView, stage: Path, codes: set[str], result: RepairResul
     """Write the canonical sidecar; return whether anything in it changed."""
     if not view.mtp.tensors:
         return False
-    arrays = source_arrays(view)
+    arrays = mtp_arrays(view)
     changed = (view.weights.sidecar_file != SIDECAR_FILE or view.mtp.location != "sidecar"
                or any(c != s for c, s in view.mtp.source_names.items()))
     if "mtp.experts_unstacked" in codes:

@@ -12,6 +12,7 @@ import mlx.nn as nn
 
 from mtpkit.convert.experts import stack_experts
 from mtpkit.convert.norms import reencode_norms
+from mtpkit.loaders.arrays import mtp_arrays
 from mtpkit.loaders.bundle import BundleView
 from mtpkit.loaders.families import is_shifted_norm
 
@@ -28,17 +29,6 @@ class SidecarOptions:
     group_size: int = 64
     mode: str = "affine"
     dtype: mx.Dtype | None = mx.bfloat16
-
-
-def source_arrays(view: BundleView) -> dict[str, mx.array]:
-    """Canonical name -> lazy array, read from wherever the head is stored."""
-    loaded: dict[str, dict[str, mx.array]] = {}
-    out = {}
-    for canon, info in view.mtp.tensors.items():
-        if info.file not in loaded:
-            loaded[info.file] = mx.load(str(view.root / info.file))
-        out[canon] = loaded[info.file][view.mtp.source_names[canon]]
-    return out
 
 
 def _sanitize_layers(arrays: dict[str, mx.array], model: nn.Module) -> dict[str, mx.array]:
@@ -63,7 +53,7 @@ def _quantizable(name: str, arr: mx.array, options: SidecarOptions) -> bool:
 def build_sidecar(view: BundleView, options: SidecarOptions, trunk_model: nn.Module | None,
                   hidden_size: int) -> tuple[dict[str, mx.array], dict[str, Any]]:
     """(lazy sidecar tensors, the `mtplx_mtp_quantization` record describing them)."""
-    arrays = source_arrays(view)
+    arrays = mtp_arrays(view)
     if any(n.endswith(".scales") for n in arrays):
         arrays = _dequantize(arrays, view)
     if view.family.sanitize_mtp_layer and trunk_model is not None:

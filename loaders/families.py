@@ -35,6 +35,15 @@ class Family:
     # for families whose layer needs it (DeepSeek's MLA kv_b_proj split, FP8 dequant) and whose
     # sanitize does not depend on trunk-wide signals.
     sanitize_mtp_layer: bool = False
+    # The MTP contract (recorded in the manifest, overridable at load): which trunk hidden feeds
+    # the head, which head output feeds the next chained draft step, and which trunk layer kind
+    # the head's decoder layer is ("full_attention": like the trunk's softmax-attention layers;
+    # "after_trunk": built as trunk layer num_hidden_layers, as DeepSeek numbers it).
+    hidden_feed: str = "post_norm"
+    next_hidden: str = "post_mtp_norm"
+    mtp_layer_kind: str = "full_attention"
+    # MiMo zeroes the token embedding of the MTP input at sequence position 0.
+    zero_first_embedding: bool = False
 
 
 # Canonical MTP names are Qwen's: mtp.fc, mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden,
@@ -52,12 +61,13 @@ FAMILIES: tuple[Family, ...] = (
            head_roles={"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden",
                        "eh_proj": "fc", "shared_head.norm": "norm",
                        "shared_head.head": "shared_head", "embed_tokens": "embed_tokens"},
-           experts_key="n_routed_experts", sanitize_mtp_layer=True),
+           experts_key="n_routed_experts", sanitize_mtp_layer=True,
+           next_hidden="pre_mtp_norm", mtp_layer_kind="after_trunk"),
     Family("mimo", ("mimo",), r"^model\.mtp_layers\.(?P<block>\d+)\.(?P<rest>.+)$",
            head_roles={"token_layernorm": "pre_fc_norm_embedding",
                        "hidden_layernorm": "pre_fc_norm_hidden", "input_proj": "fc",
                        "final_layernorm": "norm"},
-           concat_order="hidden_first"),
+           concat_order="hidden_first", zero_first_embedding=True),
     Family("llama", ("llama", "mistral", "smollm3")),
 )
 GENERIC = Family("generic", (), CANONICAL_PATTERN)

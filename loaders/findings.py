@@ -44,3 +44,11 @@ def finding(
         hint=hint or entry["hint"],
         fixable=entry["fixable"] if fixable is None else fixable,
     )
+
+
+class UserError(Exception):
+    """Bad input stated as one line: a stable code, what is wrong, and what to do about it."""
+
+    def __init__(self, code: str, message: str, hint: str) -> None:
+        super().__init__(message)
+        self.code, self.hint = code, hint

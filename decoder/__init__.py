@@ -1,0 +1,1 @@
+"""The reference MTP decoder: exact speculative decoding over a converted bundle."""

@@ -1,0 +1,132 @@
+"""The MTP head, built from the sidecar with its own quantization.
+
+One module for every family: the canonical roles (fc over the concat of the normed embedding and
+the normed trunk hidden, decoder layer(s) of the trunk's own class, final norm, and optionally
+DeepSeek's own embedding and shared head). Family differences are the contract knobs (concat
+order, which hidden is chained, zeroed first embedding), read from the family table.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import KVCache
+
+from mtpkit.decoder.trunk import Trunk
+from mtpkit.loaders.quant import ModuleQuant
+
+HIDDEN_FEEDS = ("post_norm", "pre_norm")
+NEXT_HIDDENS = ("post_mtp_norm", "pre_mtp_norm")
+CONCAT_ORDERS = ("embedding_first", "hidden_first")
+
+
+@dataclass(frozen=True)
+class Contract:
+    """How the head is wired to the trunk (recorded in mtpkit.json; overridable at load)."""
+
+    hidden_feed: str = "post_norm"
+    next_hidden: str = "post_mtp_norm"
+    concat_order: str = "embedding_first"
+    zero_first_embedding: bool = False
+
+    def __post_init__(self) -> None:
+        for value, allowed in ((self.hidden_feed, HIDDEN_FEEDS), (self.next_hidden, NEXT_HIDDENS),
+                               (self.concat_order, CONCAT_ORDERS)):
+            if value not in allowed:
+                raise ValueError(f"{value!r} is not one of {', '.join(allowed)}")
+
+    def override(self, **values: Any) -> Contract:
+        return replace(self, **{k: v for k, v in values.items() if v is not None})
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _Roles(nn.Module):
+    """The head-level modules around one decoder layer."""
+
+    def __init__(self, hidden: int, eps: float, names: set[str], vocab: int) -> None:
+        super().__init__()
+        self.pre_fc_norm_embedding = nn.RMSNorm(hidden, eps=eps)
+        self.pre_fc_norm_hidden = nn.RMSNorm(hidden, eps=eps)
+        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        self.norm = nn.RMSNorm(hidden, eps=eps)
+        if "shared_head" in names:
+            self.shared_head = nn.Linear(hidden, vocab, bias=False)
+        if "embed_tokens" in names:
+            self.embed_tokens = nn.Embedding(vocab, hidden)
+
+
+def _module_name(canonical: str) -> str:
+    """Canonical sidecar name -> this module's parameter path."""
+    name = canonical[len("mtp."):]
+    if name.startswith("layers."):
+        return name
+    m = re.match(r"^heads\.(\d+)\.(.+)$", name)
+    return f"roles.{m[1]}.{m[2]}" if m else f"roles.0.{name}"
+
+
+def _role_names(names: list[str], block: int) -> set[str]:
+    scope = "roles.0." if block == 0 else f"roles.{block}."
+    return {n[len(scope):].split(".")[0] for n in names if n.startswith(scope)}
+
+
+class MTPHead(nn.Module):
+    """Predicts token t+2 from the trunk hidden at t and token t+1; chains on its own output."""
+
+    def __init__(self, trunk: Trunk, weights: dict[str, mx.array], contract: Contract,
+                 layer_kind: str, quant: dict[str, ModuleQuant]) -> None:
+        super().__init__()
+        args = trunk.args
+        self.contract = contract
+        self._trunk = trunk
+        names = [_module_name(n) for n in weights]
+        blocks = 1 + max((int(m[1]) for n in names if (m := re.match(r"^layers\.(\d+)\.", n))),
+                         default=0)
+        role_sets = 1 + max((int(m[1]) for n in names if (m := re.match(r"^roles\.(\d+)\.", n))),
+                            default=0)
+        build = trunk.layer_factory(layer_kind)
+        self.layers = [build() for _ in range(blocks)]
+        self.roles = [_Roles(args.hidden_size, args.rms_norm_eps, _role_names(names, k),
+                             args.vocab_size) for k in range(role_sets)]
+        specs = {_module_name(p): q.quant for p, q in quant.items() if q.quant is not None}
+        if specs:
+            nn.quantize(self, class_predicate=lambda path, _m: (
+                {"group_size": specs[path].group_size, "bits": specs[path].bits,
+                 "mode": specs[path].mode} if path in specs else False))
+        self.load_weights([(_module_name(n), w) for n, w in weights.items()], strict=True)
+
+    @property
+    def blocks(self) -> int:
+        return len(self.layers)
+
+    def make_cache(self) -> list[KVCache]:
+        return [KVCache() for _ in self.layers]
+
+    def __call__(self, hidden: mx.array, tokens: mx.array, cache: list[KVCache],
+                 step: int) -> tuple[mx.array, mx.array]:
+        """hidden (1, S, H) paired with the next tokens (1, S) -> (logits, hidden to chain).
+
+        Chained draft step k uses block k mod blocks, each block with its own KV cache.
+        """
+        block = step % self.blocks
+        roles = self.roles[block] if len(self.roles) > 1 else self.roles[0]
+        layer_cache = cache[block]
+        embed = roles.embed_tokens(tokens) if "embed_tokens" in roles else self._trunk.embed(tokens)
+        if self.contract.zero_first_embedding and layer_cache.offset == 0:
+            first = mx.arange(tokens.shape[1])[None, :, None] == 0
+            embed = mx.where(first, mx.zeros_like(embed), embed)
+        parts = [roles.pre_fc_norm_embedding(embed), roles.pre_fc_norm_hidden(hidden)]
+        if self.contract.concat_order == "hidden_first":
+            parts.reverse()
+        x = roles.fc(mx.concatenate(parts, axis=-1))
+        x = self.layers[block](x, create_attention_mask(x, layer_cache, return_array=True),
+                               layer_cache)
+        post = roles.norm(x)
+        logits = roles.shared_head(post) if "shared_head" in roles else self._trunk.logits(post)
+        return logits, post if self.contract.next_hidden == "post_mtp_norm" else x

@@ -1,0 +1,206 @@
+"""`mtpkit.load`: a bundle made runnable, and `generate` / `stream` over it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_map
+from mlx_lm.models.switch_layers import SwitchLinear
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+from mlx_lm.utils import dequantize_model, load_model
+
+from mtpkit.decoder.head import Contract, MTPHead
+from mtpkit.decoder.sampling import SamplingParams
+from mtpkit.decoder.session import Session, generate_ids
+from mtpkit.decoder.stats import Stats
+from mtpkit.decoder.trunk import Trunk
+from mtpkit.loaders.arrays import mtp_arrays
+from mtpkit.loaders.bundle import BundleView, open_bundle
+from mtpkit.loaders.families import is_shifted_norm
+from mtpkit.loaders.findings import UserError
+from mtpkit.loaders.mtp import DELTA_ENCODINGS
+from mtpkit.loaders.templates import render, unsafe_reach
+
+Prompt = str | list[int] | list[dict[str, Any]]
+# Findings that do not stop the weights from running: the template and tokenizer only matter for
+# text and chat prompts (checked when used), a stale manifest is reported by doctor, and a
+# declared-but-missing head still allows plain decoding.
+NON_BLOCKING = ("template.", "tokenizer.", "manifest.", "mtp.missing")
+
+
+@dataclass
+class Result:
+    tokens: list[int]
+    text: str
+    stats: Stats
+    finish_reason: str  # "stop" (EOS) or "length"
+
+
+@dataclass
+class Piece:
+    """Text committed by one step; the last piece of a stream carries the whole result."""
+
+    text: str
+    tokens: list[int]
+    result: Result | None = None
+
+
+def _dequantize(module: nn.Module) -> None:
+    """MLX's CPU backend runs bf16 matmuls far faster than quantized ones, and its gather_mm
+    (MoE experts) only in float32: dequantize, then widen the experts."""
+    dequantize_model(module)
+    wide = [(name, m) for name, m in module.named_modules()
+            if isinstance(m, SwitchLinear) and m.weight.dtype != mx.float32]
+    for _, m in wide:
+        m.weight = m.weight.astype(mx.float32)
+
+
+def _wants_dequantize(dequantize: bool | str) -> bool:
+    if dequantize == "auto":
+        return mx.default_device().type == mx.DeviceType.cpu
+    if isinstance(dequantize, bool):
+        return dequantize
+    raise ValueError("dequantize must be 'auto', True or False")
+
+
+def _contract(view: BundleView, overrides: dict[str, Any]) -> Contract:
+    fam = view.family
+    base = Contract(fam.hidden_feed, fam.next_hidden, fam.concat_order, fam.zero_first_embedding)
+    recorded = (view.manifest.data or {}).get("mtp") or {}
+    base = base.override(**{k: recorded.get(k) for k in ("hidden_feed", "next_hidden",
+                                                           "concat_order")})
+    return base.override(**overrides)
+
+
+def _head_arrays(view: BundleView) -> dict[str, mx.array]:
+    arrays = mtp_arrays(view)
+    declared = str((view.config.mtp_quantization or {}).get("norm_encoding", "")).lower()
+    if view.mtp.norm_encoding == "delta" and declared in DELTA_ENCODINGS:
+        # Zero-centred gains declared as such (MTPLX's delta encoding): +1 as MTPLX does.
+        arrays = {n: a + 1.0 if is_shifted_norm(n) and a.ndim == 1 else a
+                  for n, a in arrays.items()}
+    return arrays
+
+
+class Runner:
+    """A trunk, its MTP head (if any), the tokenizer and the chat template of one bundle."""
+
+    def __init__(self, trunk: Trunk, head: MTPHead | None, tokenizer: TokenizerWrapper | None,
+                 template: str | None = None, special: dict[str, str] | None = None) -> None:
+        self.trunk, self.head, self.tokenizer = trunk, head, tokenizer
+        self.template, self.special = template, special or {}
+
+    @property
+    def max_depth(self) -> int:
+        return 0 if self.head is None else 4 * self.head.blocks
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Text as is, token ids as given, chat messages through the bundle's template."""
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        if self.tokenizer is None:
+            raise UserError("tokenizer.missing", "this runner has no tokenizer",
+                            "pass token ids instead of text")
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt))
+        if self.template is None:
+            raise UserError("template.missing", "chat messages given but the bundle has no chat "
+                            "template", "mtpkit doctor BUNDLE --fix --out DIR restores one")
+        text = render(self.template, prompt, self.special)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def stream(self, prompt: Prompt, max_tokens: int = 256, temperature: float = 0.0,
+               top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+               depth: int | None = None, seed: int | None = None) -> Iterator[Piece]:
+        """Yield text as it is committed; the last piece carries the Result."""
+        depth = (self.head.blocks if self.head is not None else 0) if depth is None else depth
+        if depth < 0:
+            raise ValueError("depth must be >= 0")
+        ids = self.encode(prompt)
+        if not ids:
+            raise ValueError("empty prompt")
+        params = SamplingParams(temperature, top_p, top_k, min_p)
+        session = Session(self.trunk, self.head, params, depth, seed)
+        eos = set(self.tokenizer.eos_token_ids) if self.tokenizer is not None else set()
+        detok = self.tokenizer.detokenizer if self.tokenizer is not None else None
+        if detok is not None:
+            detok.reset()
+        tokens: list[int] = []
+        for batch in generate_ids(session, ids, max_tokens, eos):
+            tokens += batch
+            text = ""
+            if detok is not None:
+                for t in batch:
+                    detok.add_token(t)
+                text = detok.last_segment
+            yield Piece(text, batch)
+        tail = ""
+        if detok is not None:
+            detok.finalize()
+            tail = detok.last_segment
+        text = self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
+        reason = "length" if len(tokens) >= max_tokens else "stop"
+        yield Piece(tail, [], Result(tokens, text, session.stats, reason))
+
+    def generate(self, prompt: Prompt, max_tokens: int = 256, **options: Any) -> Result:
+        """Tokens, text and statistics of one generation; depth=0 is plain decoding."""
+        for piece in self.stream(prompt, max_tokens, **options):
+            if piece.result is not None:
+                return piece.result
+        raise AssertionError("stream ended without a result")
+
+
+def _cast(module: nn.Module, dtype: mx.Dtype) -> None:
+    module.update(tree_map(lambda a: a.astype(dtype) if mx.issubdtype(a.dtype, mx.floating)
+                           else a, module.parameters()))
+
+
+def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None = None,
+         hidden_feed: str | None = None, next_hidden: str | None = None,
+         concat_order: str | None = None) -> Runner:
+    """Load a converted bundle: trunk through mlx-lm's own classes, MTP head from the sidecar.
+
+    dequantize="auto" runs quantized weights as bf16 (and MoE experts as float32) on MLX's CPU
+    backend, where that is much faster. dtype="float32" widens every float weight: verify passes
+    over K+1 positions then round like one-token steps to ~1e-6, so greedy identity with plain
+    decoding holds even where bf16 rounding would flip a near-tie. The contract knobs override
+    the family/manifest values.
+    """
+    view = open_bundle(path)
+    if view.kind != "mlx":
+        raise UserError("load.not_converted", f"{path} is a Hugging Face checkpoint, not an MLX "
+                        "bundle", "mtpkit convert it first")
+    blocking = [f for f in view.errors if not f.code.startswith(NON_BLOCKING)]
+    if blocking:
+        first = blocking[0]
+        raise UserError(first.code, f"{path}: {first.message}", first.hint or
+                        "mtpkit doctor BUNDLE shows every finding")
+    contract = _contract(view, {"hidden_feed": hidden_feed, "next_hidden": next_hidden,
+                                "concat_order": concat_order})
+    model, _ = load_model(view.root, lazy=True)
+    flat = _wants_dequantize(dequantize) or dtype is not None
+    if flat:
+        _dequantize(model)
+    if dtype is not None:
+        _cast(model, getattr(mx, dtype))
+    trunk = Trunk(model, contract.hidden_feed)
+    head = None
+    if view.mtp.tensors:
+        head = MTPHead(trunk, _head_arrays(view), contract, view.family.mtp_layer_kind,
+                       view.mtp_quantization)
+        if flat:
+            _dequantize(head)
+        if dtype is not None:
+            _cast(head, getattr(mx, dtype))
+    mx.eval(model.parameters(), head.parameters() if head is not None else [])
+    tokenizer = load_tokenizer(view.root) if view.tokenizer.kind else None
+    template = view.template.text
+    if template is not None and (unsafe_reach(template) or not view.template.renders):
+        template = None  # doctor reports why; never render an unsafe or broken template
+    return Runner(trunk, head, tokenizer, template, view.tokenizer.special_tokens())

@@ -1,0 +1,44 @@
+"""Rolling the trunk's caches back to the last accepted token.
+
+Attention KV caches are trimmed. Recurrent caches (GatedDeltaNet conv and recurrent state in
+mlx-lm's ArraysCache) cannot be trimmed: they are restored from a snapshot taken before the
+verify pass and the accepted tokens are replayed. MLX arrays are immutable, so a snapshot is a
+copy of references, not of data.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+Snapshot = list[list[Any] | None]
+
+
+def trimmable(cache: list[Any]) -> bool:
+    return all(c.is_trimmable() for c in cache)
+
+
+def snapshot(cache: list[Any]) -> Snapshot:
+    return [None if c.is_trimmable() else list(c.cache) for c in cache]
+
+
+def rewind(cache: list[Any], saved: Snapshot, verified: int, keep: int) -> bool:
+    """Undo the last `verified` positions except the first `keep`. Returns True when the caller
+    must replay those `keep` tokens (recurrent state restored to before the verify pass)."""
+    if keep == verified:
+        return False
+    if trimmable(cache):
+        for c in cache:
+            c.trim(verified - keep)
+        return False
+    for c, state in zip(cache, saved, strict=True):
+        if state is None:
+            c.trim(verified)
+        else:
+            c.cache = state
+    return keep > 0
+
+
+def trim(cache: list[Any], counts: list[int]) -> None:
+    for c, n in zip(cache, counts, strict=False):
+        if n:
+            c.trim(n)

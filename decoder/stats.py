@@ -1,0 +1,57 @@
+"""What a generation measured: speculation counters and honest timings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Stats:
+    """Counters are per generation. Decode tok/s is measured over the decode window (first
+    committed token to last), so prefill and time-to-first-token never inflate it."""
+
+    depth: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    verify_calls: int = 0
+    proposed: list[int] = field(default_factory=list)  # per draft position
+    accepted: list[int] = field(default_factory=list)
+    bonus: int = 0  # rounds where every draft was kept
+    corrections: int = 0  # rounds ended by a rejection
+    ttft_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_window_s: float = 0.0
+    peak_memory_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        self.proposed = self.proposed or [0] * self.depth
+        self.accepted = self.accepted or [0] * self.depth
+
+    @property
+    def acceptance_by_depth(self) -> list[float]:
+        """Share of rounds proposing a draft at position i whose draft i was kept."""
+        return [a / p if p else 0.0 for a, p in zip(self.accepted, self.proposed, strict=True)]
+
+    @property
+    def mean_accepted(self) -> float:
+        return sum(self.accepted) / self.verify_calls if self.verify_calls else 0.0
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        n = self.generated_tokens - 1
+        return n / self.decode_window_s if n > 0 and self.decode_window_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "depth": self.depth, "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens, "verify_calls": self.verify_calls,
+            "acceptance_by_depth": self.acceptance_by_depth, "mean_accepted": self.mean_accepted,
+            "bonus": self.bonus, "corrections": self.corrections, "ttft_s": self.ttft_s,
+            "prefill_tps": self.prefill_tps, "decode_tps": self.decode_tps,
+            "decode_window_s": self.decode_window_s, "peak_memory_bytes": self.peak_memory_bytes,
+        }

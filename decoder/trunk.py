@@ -1,0 +1,87 @@
+"""The trunk: mlx-lm's own model, with the hidden states the MTP head needs.
+
+mlx-lm's inner text model returns the final-normed hidden state and the outer model turns it into
+logits; calling the two halves separately gives the post-norm hidden without re-implementing any
+layer. The pre-norm hidden (for heads trained on it) is read by wrapping the final norm module.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+
+
+class _NormTap(nn.Module):
+    """The trunk's final norm, remembering its input (the pre-norm hidden state)."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.norm = norm
+        self.last_input: mx.array | None = None
+
+    def __call__(self, x: mx.array) -> mx.array:
+        self.last_input = x
+        return self.norm(x)
+
+
+class Trunk:
+    """Forward passes over an mlx-lm model that return (hidden for the head, logits)."""
+
+    def __init__(self, model: nn.Module, hidden_feed: str = "post_norm") -> None:
+        self.model = model
+        self.text = getattr(model, "language_model", model)
+        self.inner = self.text.model
+        self.args = self.text.args
+        self.hidden_feed = hidden_feed
+        self._tap: _NormTap | None = None
+        if hidden_feed == "pre_norm":
+            self._tap = _NormTap(self.inner.norm)
+            self.inner.norm = self._tap
+
+    @property
+    def tied(self) -> bool:
+        return not hasattr(self.text, "lm_head")
+
+    def make_cache(self) -> list[Any]:
+        return make_prompt_cache(self.model)
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        return self.inner.embed_tokens(tokens)
+
+    def logits(self, post_norm: mx.array) -> mx.array:
+        if self.tied:
+            return self.inner.embed_tokens.as_linear(post_norm)
+        return self.text.lm_head(post_norm)
+
+    def __call__(self, tokens: mx.array, cache: list[Any],
+                 logits_for: int | None = None) -> tuple[mx.array, mx.array | None]:
+        """tokens (1, S) -> (hidden fed to the MTP head (1, S, H), logits (1, S', V)) where
+        logits cover the last `logits_for` positions (all when None, none when 0)."""
+        post = self.inner(tokens, cache=cache)
+        hidden = self._tap.last_input if self._tap is not None else post
+        if logits_for == 0:
+            return hidden, None
+        return hidden, self.logits(post if logits_for is None else post[:, -logits_for:])
+
+    def layer_factory(self, kind: str) -> Callable[[], nn.Module]:
+        """A constructor for one more decoder layer of the trunk's own class and kind: the MTP
+        layer is "full_attention" (like the trunk's softmax-attention layers) or "after_trunk"
+        (built as layer num_hidden_layers, e.g. DeepSeek's MoE nextn layer)."""
+        layers = list(self.inner.layers)
+        if kind == "after_trunk":
+            index, template = len(layers), layers[-1]
+        else:
+            index, template = next((i, layer) for i, layer in enumerate(layers)
+                                   if not getattr(layer, "is_linear", False))
+        cls = type(template)
+        takes_index = "layer_idx" in inspect.signature(cls.__init__).parameters
+
+        def build() -> nn.Module:
+            return cls(self.args, layer_idx=index) if takes_index else cls(self.args)
+
+        return build
