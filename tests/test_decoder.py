@@ -10,14 +10,14 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from fixtures.breaker import BREAKERS
-from fixtures.decoder_models import OracleHead, tiny_runner
-from fixtures.factory import Sidecar
 from mlx_lm.models.cache import KVCache
 from mlx_lm.sample_utils import make_sampler
 from scipy.stats import chisquare
 
 import mtpkit
+from fixtures.breaker import BREAKERS
+from fixtures.decoder_models import OracleHead, tiny_runner
+from fixtures.factory import Sidecar
 from mtpkit.decoder import acceptance
 from mtpkit.decoder.runner import Runner
 from mtpkit.decoder.sampling import SamplingParams, draw, probabilities
