@@ -92,9 +92,11 @@ class Runner:
     """A trunk, its MTP head (if any), the tokenizer and the chat template of one bundle."""
 
     def __init__(self, trunk: Trunk, head: MTPHead | None, tokenizer: TokenizerWrapper | None,
-                 template: str | None = None, special: dict[str, str] | None = None) -> None:
+                 template: str | None = None, special: dict[str, str] | None = None,
+                 rollback: str = "record") -> None:
         self.trunk, self.head, self.tokenizer = trunk, head, tokenizer
         self.template, self.special = template, special or {}
+        self.rollback = rollback
 
     @property
     def max_depth(self) -> int:
@@ -126,7 +128,7 @@ class Runner:
         if not ids:
             raise ValueError("empty prompt")
         params = SamplingParams(temperature, top_p, top_k, min_p)
-        session = Session(self.trunk, self.head, params, depth, seed)
+        session = Session(self.trunk, self.head, params, depth, seed, self.rollback)
         eos = set(self.tokenizer.eos_token_ids) if self.tokenizer is not None else set()
         detok = self.tokenizer.detokenizer if self.tokenizer is not None else None
         if detok is not None:
@@ -163,14 +165,15 @@ def _cast(module: nn.Module, dtype: mx.Dtype) -> None:
 
 def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None = None,
          hidden_feed: str | None = None, next_hidden: str | None = None,
-         concat_order: str | None = None) -> Runner:
+         concat_order: str | None = None, rollback: str = "record") -> Runner:
     """Load a converted bundle: trunk through mlx-lm's own classes, MTP head from the sidecar.
 
     dequantize="auto" runs quantized weights as bf16 (and MoE experts as float32) on MLX's CPU
     backend, where that is much faster. dtype="float32" widens every float weight: verify passes
     over K+1 positions then round like one-token steps to ~1e-6, so greedy identity with plain
     decoding holds even where bf16 rounding would flip a near-tie. The contract knobs override
-    the family/manifest values.
+    the family/manifest values. rollback: how recurrent (GatedDeltaNet) state returns to the last
+    kept token: "record" (states recorded per position during verify) or "replay".
     """
     view = open_bundle(path)
     if view.kind != "mlx":
@@ -203,4 +206,4 @@ def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None
     template = view.template.text
     if template is not None and (unsafe_reach(template) or not view.template.renders):
         template = None  # doctor reports why; never render an unsafe or broken template
-    return Runner(trunk, head, tokenizer, template, view.tokenizer.special_tokens())
+    return Runner(trunk, head, tokenizer, template, view.tokenizer.special_tokens(), rollback)

@@ -18,11 +18,12 @@ import numpy as np
 from mtpkit.decoder import acceptance
 from mtpkit.decoder.head import MTPHead
 from mtpkit.decoder.sampling import SamplingParams, draw, greedy_tokens, probabilities, tempered
-from mtpkit.decoder.state import rewind, snapshot, trim
+from mtpkit.decoder.state import commit_recorded, rewind, snapshot, trim
 from mtpkit.decoder.stats import Stats
 from mtpkit.decoder.trunk import Trunk
 
 PREFILL_STEP = 2048
+ROLLBACKS = ("record", "replay")
 
 
 class Session:
@@ -30,9 +31,12 @@ class Session:
     the head. `prefill` returns the first token; each `round` returns the tokens it commits."""
 
     def __init__(self, trunk: Trunk, head: MTPHead | None, params: SamplingParams, depth: int,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, rollback: str = "record") -> None:
         if depth > 0 and head is None:
             raise ValueError("depth > 0 needs an MTP head; this bundle has none")
+        if rollback not in ROLLBACKS:
+            raise ValueError(f"rollback must be one of {', '.join(ROLLBACKS)}")
+        self.recorders = trunk.recorders if rollback == "record" else []
         self.trunk, self.head, self.params, self.depth = trunk, head, params, depth
         self.cache = trunk.make_cache()
         self.mtp_cache = head.make_cache() if head is not None and depth > 0 else []
@@ -123,7 +127,13 @@ class Session:
         drafts, q, chained = self._draft(depth) if depth > 0 else ([], None, [])
         tokens = mx.array([[self.last, *drafts]])
         saved = snapshot(self.cache)
-        hidden, logits = self.trunk(tokens, self.cache)
+        for recorder in self.recorders:
+            recorder.recording = True
+        try:
+            hidden, logits = self.trunk(tokens, self.cache)
+        finally:
+            for recorder in self.recorders:
+                recorder.recording = False
         if self.params.greedy:
             verdict = acceptance.accept_greedy(drafts, greedy_tokens(logits[0]))
         else:
@@ -131,7 +141,9 @@ class Session:
             verdict = acceptance.accept_sampled(drafts, q if q is not None else p[:0], p,
                                                 self.rng)
         kept = verdict.accepted
-        if rewind(self.cache, saved, depth + 1, kept + 1):
+        if self.recorders:
+            commit_recorded(self.cache, self.recorders, depth + 1, kept + 1)
+        elif rewind(self.cache, saved, depth + 1, kept + 1):
             self.trunk(tokens[:, :kept + 1], self.cache, logits_for=0)
             mx.eval([c.state for c in self.cache])
         trim(self.mtp_cache, chained)

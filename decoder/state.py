@@ -1,14 +1,17 @@
 """Rolling the trunk's caches back to the last accepted token.
 
 Attention KV caches are trimmed. Recurrent caches (GatedDeltaNet conv and recurrent state in
-mlx-lm's ArraysCache) cannot be trimmed: they are restored from a snapshot taken before the
-verify pass and the accepted tokens are replayed. MLX arrays are immutable, so a snapshot is a
-copy of references, not of data.
+mlx-lm's ArraysCache) cannot be trimmed. Two exact ways back: "record" takes the state recorded
+after the last kept position during the verify pass (decoder/recording.py); "replay" restores a
+snapshot taken before the verify pass and re-runs the kept tokens. MLX arrays are immutable, so
+a snapshot is a copy of references, not of data.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from mtpkit.decoder.recording import StepRecorder
 
 Snapshot = list[list[Any] | None]
 
@@ -42,3 +45,13 @@ def trim(cache: list[Any], counts: list[int]) -> None:
     for c, n in zip(cache, counts, strict=False):
         if n:
             c.trim(n)
+
+
+def commit_recorded(cache: list[Any], recorders: list[StepRecorder], verified: int,
+                    keep: int) -> None:
+    """Keep the first `keep` verified positions using the states recorded during verify."""
+    for c in cache:
+        if c.is_trimmable():
+            c.trim(verified - keep)
+    for recorder in recorders:
+        recorder.commit(keep - 1)

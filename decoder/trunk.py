@@ -15,6 +15,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
+from mtpkit.decoder.recording import install
+
 
 class _NormTap(nn.Module):
     """The trunk's final norm, remembering its input (the pre-norm hidden state)."""
@@ -42,6 +44,7 @@ class Trunk:
         if hidden_feed == "pre_norm":
             self._tap = _NormTap(self.inner.norm)
             self.inner.norm = self._tap
+        self.recorders = install(list(self.inner.layers))
 
     @property
     def tied(self) -> bool:

@@ -138,6 +138,10 @@ def stacked_modules(path: str) -> tuple[str, ...]:
     return tuple(f"{hit[1]['moe']}.switch_mlp.{p}" for p in projs)
 
 
+# Attributes under which mlx-lm's decoder layers hold a recurrent (non-trimmable) mixer.
+RECURRENT_ATTRIBUTES = ("linear_attn",)
+
+
 # RMSNorm gains that Qwen3-Next / Qwen3.5 checkpoints store zero-centred (the gated
 # linear_attn.norm is not among them: mlx-lm's sanitize leaves it alone).
 SHIFTED_NORM_SUFFIXES = (

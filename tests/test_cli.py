@@ -94,3 +94,28 @@ def test_repo_id_resolves_from_local_hf_cache(built, tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(proc.stdout)
     assert doc["bundle"]["root"].endswith(rev) and doc["bundle"]["mtp"]["present"]
+
+
+def test_generate_streams_text_and_reports_stats(built):
+    bundle = str(built("qwen3_5"))
+    result = CliRunner().invoke(main, ["generate", bundle, "Hello", "--depth", "2",
+                                       "--max-tokens", "12", "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    validate(doc, "generation")
+    assert doc["stats"]["depth"] == 2 and len(doc["stats"]["acceptance_by_depth"]) == 2
+    assert 0 < len(doc["tokens"]) <= 12
+    text = CliRunner().invoke(main, ["generate", bundle, "Hello", "--depth", "2",
+                                     "--max-tokens", "12"])
+    assert text.exit_code == 0 and text.stdout.startswith(doc["text"])
+    assert "acceptance" in text.stderr and "tok/s" in text.stderr
+
+
+def test_generate_refuses_unrunnable_bundles_in_one_line(built, bundle_copy):
+    broken = bundle_copy("qwen3_5")
+    BREAKERS["mtp.incomplete"][0](broken)
+    for target, code in ((broken, "mtp.incomplete"), (built("qwen3_5", hf=True),
+                                                      "load.not_converted")):
+        result = CliRunner().invoke(main, ["generate", str(target), "Hi"])
+        assert result.exit_code == 2 and f"error [{code}]" in result.output
+        assert result.exception is None or isinstance(result.exception, SystemExit)

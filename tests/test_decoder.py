@@ -106,18 +106,21 @@ def _assert_same_state(got: list, want: list) -> None:
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "llama"])
 @pytest.mark.parametrize("reject_at", [0, 1, 2, 3])
+@pytest.mark.parametrize("rollback", ["record", "replay"])
 def test_rollback_state_equals_plain_decode(runners: Callable[[str], Runner],
                                             built: Callable[..., Path], family: str,
-                                            reject_at: int) -> None:
+                                            reject_at: int, rollback: str) -> None:
     """Reject draft `reject_at` of 3 (3 = all kept, bonus) in each of several rounds; the trunk
-    state (KV caches and GatedDeltaNet conv/recurrent states) equals a plain decode's."""
+    state (KV caches and GatedDeltaNet conv/recurrent states) equals a plain decode's, whether
+    recorded during verify or restored and replayed."""
     runner = runners(family) if family != "llama" else mtpkit.load(built("llama"), dtype="float32")
     plain = _plain_greedy(runner, PROMPT, 40)
     seq = PROMPT + plain
     vocab = runner.trunk.args.vocab_size
     script = {i: t for i, t in enumerate(seq)}
     session = Session(runner.trunk, OracleHead(vocab, script, len(PROMPT)),  # type: ignore[arg-type]
-                      SamplingParams(), 3)
+                      SamplingParams(), 3, rollback=rollback)
+    assert bool(session.recorders) == (rollback == "record" and family != "llama")
     committed = [*PROMPT, session.start(PROMPT)]
     for _ in range(4):
         position = len(committed) + reject_at
