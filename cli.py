@@ -248,10 +248,13 @@ def generate(bundle: str, prompt: str, raw: bool, max_tokens: int, depth: int | 
              temperature: float, top_p: float, top_k: int, min_p: float, seed: int | None,
              as_json: bool) -> None:
     """Generate from BUNDLE with the reference MTP decoder (exact: greedy output equals plain)."""
+    from mtpkit.decoder.blas import note
     from mtpkit.decoder.runner import load
 
     with _user_errors("OUT"):
         runner = load(bundle)
+        if advice := note():
+            click.echo(advice, err=True)
         message = prompt if raw or runner.template is None else [
             {"role": "user", "content": prompt}]
         result = None

@@ -91,6 +91,7 @@ def main() -> None:
     from mlx_lm import stream_generate
 
     import mtpkit
+    from mtpkit.decoder.blas import loaded_blas
 
     bundle = args.bundle or smollm2_bundle(args.workdir)
     runner = mtpkit.load(bundle, dtype=args.dtype)
@@ -154,7 +155,7 @@ def main() -> None:
     payload = {"bundle": str(bundle), "max_tokens": args.max_tokens, "drop": args.drop,
                "runs": args.runs, "peak_memory_mb": mx.get_peak_memory() / 2**20,
                "loads": rows, "dtype": args.dtype or "as stored (auto)",
-               "blas": os.environ.get("LD_PRELOAD") or "MLX wheel's bundled BLAS"}
+               "blas": loaded_blas(), "ld_preload": os.environ.get("LD_PRELOAD")}
     path = save(args.tag, payload)
     print(f"saved {path}")
 

@@ -344,3 +344,22 @@ def test_contract_override_is_applied(built: Callable[..., Path]) -> None:
                                                                              depth=0).tokens
     with pytest.raises(ValueError):
         mtpkit.load(built("qwen3_5"), concat_order="sideways")
+
+
+def test_blas_detection_tells_reference_from_optimized(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from mtpkit.decoder.blas import loaded_blas, note
+
+    preload = os.environ.get("LD_PRELOAD", "")
+    expected = "optimized" if "openblas" in preload else "reference"
+    assert loaded_blas() == expected and (note() is None) == (expected == "optimized")
+    openblas = Path("/usr/lib/x86_64-linux-gnu/libopenblas.so.0")
+    if openblas.exists():  # where an optimized BLAS is installed, preloading it is detected
+        code = ("import mlx.core as mx; from mtpkit.decoder.blas import loaded_blas; "
+                "print(loaded_blas())")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env={**os.environ, "LD_PRELOAD": str(openblas)}, check=True)
+        assert out.stdout.strip() == "optimized"
