@@ -120,6 +120,26 @@ def write_config(stage: Path, config: dict[str, Any], mtp_record: dict[str, Any]
     save_config(config, stage / "config.json")
 
 
+def finish_bundle(stage: Path, name: str, source: dict[str, Any], base_model: str | None,
+                  command: str, provenance: str | None, hashes: dict[str, str],
+                  extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Check the staged bundle with doctor, then write its model card and manifest (plus
+    `extra` manifest sections). Raises ConvertError when the bundle fails its own check."""
+    written = open_bundle(stage)
+    bad = [f for f in written.errors if not f.code.startswith(INHERITED)]
+    if bad:
+        raise ConvertError(bad[0].code, "the written bundle fails its own check: "
+                           f"{bad[0].message} [{bad[0].location}]",
+                           "this is a bug in mtpkit; please report it with the source")
+    manifest = {**build_manifest(written, source, provenance, known_sha256=hashes),
+                **(extra or {})}
+    write_text(stage / "README.md", model_card(name, base_model, manifest, command))
+    manifest = {**build_manifest(open_bundle(stage), source, provenance, known_sha256=hashes),
+                **(extra or {})}
+    write_text(stage / "mtpkit.json", json.dumps(manifest, indent=2))
+    return manifest
+
+
 def check_source(view: BundleView) -> None:
     """Refuse sources convert cannot work around, naming the most fundamental problem first
     (a truncated shard before the quantized module it cut in half)."""
@@ -180,18 +200,9 @@ def _convert(src: str, out: Path, options: ConvertOptions, progress: Callable[[i
                                                      sorted(sidecar), progress=progress)
         write_config(stage, config, mtp_record, max(view.mtp.declared_layers, view.mtp.blocks))
         _carry_files(view, stage)
-        written = open_bundle(stage)
-        bad = [f for f in written.errors if not f.code.startswith(INHERITED)]
-        if bad:
-            raise ConvertError(bad[0].code, "the converted bundle fails its own check: "
-                               f"{bad[0].message} [{bad[0].location}]",
-                               "this is a bug in mtpkit convert; please report it with the source")
         provenance = view.template.source and f"source {view.template.source}"
-        manifest = build_manifest(written, source, provenance, known_sha256=hashes)
-        write_text(stage / "README.md", model_card(out.name, _base_model(view, source), manifest,
-                                                   options.command))
-        manifest = build_manifest(open_bundle(stage), source, provenance, known_sha256=hashes)
-        write_text(stage / "mtpkit.json", json.dumps(manifest, indent=2))
+        manifest = finish_bundle(stage, out.name, source, _base_model(view, source),
+                                 options.command, provenance, hashes)
     final = open_bundle(out)
     return ConvertResult(out, manifest, final.findings)
 

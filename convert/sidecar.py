@@ -65,6 +65,13 @@ def build_sidecar(view: BundleView, options: SidecarOptions, trunk_model: nn.Mod
                   for k, v in arrays.items()}
     elif view.family.zero_centred_norms:
         reencode_norms(arrays)  # MLX sidecars in the wild: either encoding, sometimes mixed
+    return encode_sidecar(arrays, options)
+
+
+def encode_sidecar(arrays: dict[str, mx.array], options: SidecarOptions
+                   ) -> tuple[dict[str, mx.array], dict[str, Any]]:
+    """Canonical head arrays (absolute norms, stacked experts) -> sidecar tensors quantized by
+    the policy, and the `mtplx_mtp_quantization` record describing them."""
     out: dict[str, mx.array] = {}
     modules = []
     for name, arr in sorted(arrays.items()):

@@ -71,6 +71,14 @@ def _module_name(canonical: str) -> str:
     return f"roles.{m[1]}.{m[2]}" if m else f"roles.0.{name}"
 
 
+def canonical_name(param: str) -> str:
+    """This module's parameter path -> the canonical sidecar name (inverse of _module_name)."""
+    m = re.match(r"^roles\.(\d+)\.(.+)$", param)
+    if m is None:
+        return "mtp." + param
+    return f"mtp.{m[2]}" if m[1] == "0" else f"mtp.heads.{m[1]}.{m[2]}"
+
+
 def _role_names(names: list[str], block: int) -> set[str]:
     scope = "roles.0." if block == 0 else f"roles.{block}."
     return {n[len(scope):].split(".")[0] for n in names if n.startswith(scope)}
@@ -108,7 +116,7 @@ class MTPHead(nn.Module):
     def make_cache(self) -> list[KVCache]:
         return [KVCache() for _ in self.layers]
 
-    def __call__(self, hidden: mx.array, tokens: mx.array, cache: list[KVCache],
+    def __call__(self, hidden: mx.array, tokens: mx.array, cache: list[KVCache] | None,
                  step: int) -> tuple[mx.array, mx.array]:
         """hidden (1, S, H) paired with the next tokens (1, S) -> (logits, hidden to chain).
 
@@ -116,9 +124,9 @@ class MTPHead(nn.Module):
         """
         block = step % self.blocks
         roles = self.roles[block] if len(self.roles) > 1 else self.roles[0]
-        layer_cache = cache[block]
+        layer_cache = cache[block] if cache is not None else None  # None: training, causal
         embed = roles.embed_tokens(tokens) if "embed_tokens" in roles else self._trunk.embed(tokens)
-        if self.contract.zero_first_embedding and layer_cache.offset == 0:
+        if self.contract.zero_first_embedding and (layer_cache is None or layer_cache.offset == 0):
             first = mx.arange(tokens.shape[1])[None, :, None] == 0
             embed = mx.where(first, mx.zeros_like(embed), embed)
         parts = [roles.pre_fc_norm_embedding(embed), roles.pre_fc_norm_hidden(hidden)]

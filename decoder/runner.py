@@ -51,7 +51,7 @@ class Piece:
     result: Result | None = None
 
 
-def _dequantize(module: nn.Module) -> None:
+def dequantize_for_cpu(module: nn.Module) -> None:
     """MLX's CPU backend runs bf16 matmuls far faster than quantized ones, and its gather_mm
     (MoE experts) only in float32: dequantize, then widen the experts."""
     dequantize_model(module)
@@ -158,7 +158,7 @@ class Runner:
         raise AssertionError("stream ended without a result")
 
 
-def _cast(module: nn.Module, dtype: mx.Dtype) -> None:
+def cast_floats(module: nn.Module, dtype: mx.Dtype) -> None:
     module.update(tree_map(lambda a: a.astype(dtype) if mx.issubdtype(a.dtype, mx.floating)
                            else a, module.parameters()))
 
@@ -189,18 +189,18 @@ def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None
     model, _ = load_model(view.root, lazy=True)
     flat = _wants_dequantize(dequantize) or dtype is not None
     if flat:
-        _dequantize(model)
+        dequantize_for_cpu(model)
     if dtype is not None:
-        _cast(model, getattr(mx, dtype))
+        cast_floats(model, getattr(mx, dtype))
     trunk = Trunk(model, contract.hidden_feed)
     head = None
     if view.mtp.tensors:
         head = MTPHead(trunk, _head_arrays(view), contract, view.family.mtp_layer_kind,
                        view.mtp_quantization)
         if flat:
-            _dequantize(head)
+            dequantize_for_cpu(head)
         if dtype is not None:
-            _cast(head, getattr(mx, dtype))
+            cast_floats(head, getattr(mx, dtype))
     mx.eval(model.parameters(), head.parameters() if head is not None else [])
     tokenizer = load_tokenizer(view.root) if view.tokenizer.kind else None
     template = view.template.text

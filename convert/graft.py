@@ -1,0 +1,212 @@
+"""`mtpkit graft`: train a Qwen-style MTP head on a frozen trunk by self-distillation.
+
+The head (fc over the normed embedding and the normed trunk hidden, one decoder layer of the
+trunk's own class, final norm; embedding and lm_head shared and frozen) learns the trunk's own
+distribution at position t+2 from the trunk hidden at t and token t+1. Training runs in float32
+(MLX's CPU backend runs bf16 matmuls without BLAS); the written trunk is the source's, unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+from mlx_lm.utils import load_model
+
+from mtpkit.convert.convert import ConvertError, finish_bundle, write_config
+from mtpkit.convert.corpus import Document, prose, read_documents, sequences
+from mtpkit.convert.sidecar import SidecarOptions, encode_sidecar
+from mtpkit.convert.writer import staged_output, write_safetensors
+from mtpkit.decoder.head import Contract, MTPHead, canonical_name
+from mtpkit.decoder.runner import Runner, cast_floats, dequantize_for_cpu
+from mtpkit.decoder.trunk import Trunk
+from mtpkit.loaders.bundle import BundleView, open_bundle
+from mtpkit.loaders.manifest import MANIFEST_FILE
+from mtpkit.loaders.weights import SIDECAR_FILE
+
+
+@dataclass
+class GraftOptions:
+    corpus: list[Path] | None = None  # None: the Python standard library's source
+    steps: int | None = None
+    minutes: float | None = None  # stop at whichever of steps / minutes comes first
+    seq_len: int = 128
+    batch: int = 8
+    learning_rate: float = 1e-3
+    seed: int = 0
+    eval_prompts: int = 12
+    eval_tokens: int = 48
+    sidecar: SidecarOptions = field(default_factory=lambda: SidecarOptions(policy="keep"))
+    force: bool = False
+    command: str = "mtpkit graft"
+
+    def __post_init__(self) -> None:
+        if self.steps is None and self.minutes is None:
+            self.minutes = 25.0
+
+
+@dataclass
+class Progress:
+    step: int
+    loss: float
+    elapsed_s: float
+    eta_s: float | None
+
+
+@dataclass
+class GraftResult:
+    out: Path
+    manifest: dict[str, Any]
+    graft: dict[str, Any]
+
+
+def _initial_weights(trunk: Trunk, seed: int) -> dict[str, mx.array]:
+    """A warm start: the decoder layer copies the trunk's last layer of the same kind, the
+    norms copy the trunk's final norm, fc starts near a mix of its two inputs."""
+    build = trunk.layer_factory("full_attention")
+    layer = build()
+    template = next(layer_ for layer_ in reversed(list(trunk.inner.layers))
+                    if type(layer_) is type(layer) and not getattr(layer_, "is_linear", False))
+    weights = {f"mtp.layers.0.{k}": v for k, v in tree_flatten(template.parameters())}
+    h = trunk.args.hidden_size
+    key = mx.random.key(seed)
+    eye = mx.eye(h)
+    fc = mx.concatenate([0.5 * eye, 0.5 * eye], axis=1) + mx.random.normal((h, 2 * h), key=key) * 0.01
+    norm = trunk.inner.norm.weight if "weight" in trunk.inner.norm else mx.ones((h,))
+    return weights | {"mtp.fc.weight": fc, "mtp.pre_fc_norm_embedding.weight": mx.ones((h,)),
+                      "mtp.pre_fc_norm_hidden.weight": mx.ones((h,)), "mtp.norm.weight": norm}
+
+
+def _loss(head: MTPHead, hidden: mx.array, tokens: mx.array, teacher: mx.array) -> mx.array:
+    """KL(trunk's distribution at t+2 || head's), averaged over positions."""
+    logits, _ = head(hidden, tokens, None, 0)
+    student = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return mx.mean(mx.sum(mx.exp(teacher) * (teacher - student), axis=-1))
+
+
+def _encode(docs: list[Document], tokenizer: Any) -> list[list[int]]:
+    eos = tokenizer.eos_token_id
+    return [[*tokenizer.encode(d.text, add_special_tokens=False), eos] for d in docs]
+
+
+def held_out_prompts(held: list[Document], count: int, seed: int) -> list[str]:
+    """Code openings and prose (docstrings) from held-out documents, alternating."""
+    rng = np.random.default_rng(seed)
+    code = [d.text[:600] for d in held if len(d.text.strip()) > 40]
+    text = [p[:600] for d in held for p in prose(d)]
+    rng.shuffle(code)
+    rng.shuffle(text)
+    mixed = [x for pair in zip(code, text, strict=False) for x in pair] + code + text
+    return mixed[:count]
+
+
+def measure_acceptance(runner: Runner, prompts: list[str], tokens: int) -> dict[str, Any]:
+    """Greedy depth-1 acceptance over held-out prompts (pooled over verify rounds)."""
+    proposed = accepted = 0
+    for prompt in prompts:
+        stats = runner.generate(prompt, tokens, depth=1).stats
+        proposed += stats.proposed[0] if stats.proposed else 0
+        accepted += stats.accepted[0] if stats.accepted else 0
+    return {"depth1": accepted / proposed if proposed else 0.0, "rounds": proposed,
+            "prompts": len(prompts), "tokens_per_prompt": tokens, "temperature": 0.0}
+
+
+def _check(view: BundleView) -> None:
+    if view.kind != "mlx":
+        raise ConvertError("load.not_converted", f"{view.root} is not an MLX bundle",
+                           "mtpkit convert it first")
+    if view.errors:
+        first = view.errors[0]
+        raise ConvertError(first.code, f"source: {first.message} [{first.location}]",
+                           first.hint or "mtpkit doctor shows every finding")
+
+
+def graft(bundle: str, out: Path, options: GraftOptions,
+          progress: Callable[[Progress], None] = lambda p: None) -> GraftResult:
+    view = open_bundle(bundle)
+    _check(view)
+    model, _ = load_model(view.root, lazy=True)
+    dequantize_for_cpu(model)
+    cast_floats(model, mx.float32)
+    model.freeze()
+    trunk = Trunk(model)
+    tokenizer = load_tokenizer(view.root)
+    fam = view.family
+    contract = Contract(fam.hidden_feed, fam.next_hidden, fam.concat_order,
+                        fam.zero_first_embedding)
+    mx.random.seed(options.seed)
+    head = MTPHead(trunk, _initial_weights(trunk, options.seed), contract, "full_attention", {})
+    docs = read_documents(options.corpus)
+    held = [d for d in docs if d.held_out] or docs[-1:]  # a tiny corpus still holds one out
+    train = [d for d in docs if d not in held]
+    if not train:
+        raise ConvertError("graft.corpus", "the corpus has no training text",
+                           "pass --corpus with text files or folders")
+    windows = sequences(_encode(train, tokenizer), options.seq_len, options.seed)
+    total = options.steps
+    optimizer = optim.AdamW(learning_rate=options.learning_rate, weight_decay=0.0)
+    step_fn = nn.value_and_grad(head, _loss)
+    start = time.perf_counter()
+    budget = options.minutes * 60 if options.minutes is not None else math.inf
+    losses: list[float] = []
+    step = 0
+    while (total is None or step < total) and time.perf_counter() - start < budget:
+        batch = mx.array(np.stack([next(windows) for _ in range(options.batch)]))
+        hidden, logits = trunk(batch[:, :-1], None)
+        teacher = mx.stop_gradient(logits[:, 1:] - mx.logsumexp(logits[:, 1:], axis=-1,
+                                                                 keepdims=True))
+        loss, grads = step_fn(head, mx.stop_gradient(hidden[:, :-1]), batch[:, 1:-1], teacher)
+        optimizer.update(head, grads)
+        mx.eval(loss, head.parameters(), optimizer.state)
+        step += 1
+        losses.append(float(loss))
+        elapsed = time.perf_counter() - start
+        left = [budget - elapsed]
+        if total is not None:
+            left.append(elapsed / step * (total - step))
+        progress(Progress(step, losses[-1], elapsed, max(0.0, min(left))))
+    if not losses:
+        raise ConvertError("graft.no_steps", "no training step ran", "raise --steps/--minutes")
+    runner = Runner(trunk, head, tokenizer)
+    acceptance = measure_acceptance(runner, held_out_prompts(held, options.eval_prompts,
+                                                             options.seed), options.eval_tokens)
+    record = {
+        "corpus": [str(p) for p in options.corpus] if options.corpus else "python-stdlib",
+        "documents": {"train": len(train), "held_out": len(held)},
+        "steps": step, "tokens": step * options.batch * options.seq_len,
+        "seq_len": options.seq_len, "batch": options.batch, "seed": options.seed,
+        "learning_rate": options.learning_rate, "minutes": (time.perf_counter() - start) / 60,
+        "final_loss": float(np.mean(losses[-10:])), "held_out_acceptance": acceptance,
+    }
+    return _write(view, out, head, record, options)
+
+
+def _write(view: BundleView, out: Path, head: MTPHead, record: dict[str, Any],
+           options: GraftOptions) -> GraftResult:
+    arrays = {canonical_name(k): v for k, v in tree_flatten(head.parameters())}
+    sidecar, mtp_record = encode_sidecar(arrays, options.sidecar)
+    skip = {SIDECAR_FILE, MANIFEST_FILE, "config.json", "README.md"}
+    with staged_output(out, force=options.force) as stage:
+        for path in sorted(view.root.rglob("*")):
+            rel = path.relative_to(view.root)
+            if path.is_file() and rel.as_posix() not in skip and not rel.name.startswith("."):
+                (stage / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(path, stage / rel)
+        hashes = {SIDECAR_FILE: write_safetensors(stage / SIDECAR_FILE, sidecar, sorted(sidecar))}
+        write_config(stage, view.config.raw, mtp_record, 1)
+        source = {"kind": "mlx", "path": str(view.root)}
+        manifest = finish_bundle(stage, out.name, source, str(view.root), options.command,
+                                 view.template.source and f"source {view.template.source}",
+                                 hashes, {"graft": record})
+    return GraftResult(out, manifest, record)
