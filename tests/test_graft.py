@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from fixtures.factory import tree_hash
 
 import mtpkit
+from fixtures.factory import tree_hash
 from mtpkit.cli import main
 from mtpkit.convert.convert import ConvertError
 from mtpkit.convert.corpus import Document, prose, read_documents, stdlib_root
