@@ -45,6 +45,7 @@ class GraftOptions:
     batch: int = 8
     learning_rate: float = 1e-3
     seed: int = 0
+    draft_vocab: int = 8192  # draft over the corpus's most frequent tokens; 0: full vocabulary
     eval_prompts: int = 12
     eval_tokens: int = 48
     sidecar: SidecarOptions = field(default_factory=lambda: SidecarOptions(policy="keep"))
@@ -89,10 +90,18 @@ def _initial_weights(trunk: Trunk, seed: int) -> dict[str, mx.array]:
 
 
 def _loss(head: MTPHead, hidden: mx.array, tokens: mx.array, teacher: mx.array) -> mx.array:
-    """KL(trunk's distribution at t+2 || head's), averaged over positions."""
-    logits, _ = head(hidden, tokens, None, 0)
+    """KL(trunk's distribution at t+2 || head's) over the draft vocabulary, per position."""
+    logits, _ = head(hidden, tokens, None, 0, full_vocab=False)
     student = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     return mx.mean(mx.sum(mx.exp(teacher) * (teacher - student), axis=-1))
+
+
+def frequent_tokens(ids: list[list[int]], vocab: int, size: int) -> np.ndarray:
+    """The `size` most frequent token ids of the corpus (ascending ids), or all of them."""
+    if size <= 0 or size >= vocab:
+        return np.arange(vocab, dtype=np.int32)
+    counts = np.bincount(np.concatenate([np.asarray(d) for d in ids]), minlength=vocab)[:vocab]
+    return np.sort(np.argsort(-counts, kind="stable")[:size]).astype(np.int32)
 
 
 def _encode(docs: list[Document], tokenizer: Any) -> list[list[int]]:
@@ -146,14 +155,20 @@ def graft(bundle: str, out: Path, options: GraftOptions,
     contract = Contract(fam.hidden_feed, fam.next_hidden, fam.concat_order,
                         fam.zero_first_embedding)
     mx.random.seed(options.seed)
-    head = MTPHead(trunk, _initial_weights(trunk, options.seed), contract, "full_attention", {})
     docs = read_documents(options.corpus)
     held = [d for d in docs if d.held_out] or docs[-1:]  # a tiny corpus still holds one out
     train = [d for d in docs if d not in held]
     if not train:
         raise ConvertError("graft.corpus", "the corpus has no training text",
                            "pass --corpus with text files or folders")
-    windows = sequences(_encode(train, tokenizer), options.seq_len, options.seed)
+    encoded = _encode(train, tokenizer)
+    vocab = frequent_tokens(encoded, trunk.args.vocab_size, options.draft_vocab)
+    weights = _initial_weights(trunk, options.seed)
+    if len(vocab) < trunk.args.vocab_size:
+        weights["mtp.draft_vocab"] = mx.array(vocab)
+    head = MTPHead(trunk, weights, contract, "full_attention", {})
+    rows = head.draft_logits  # the teacher is read over the same vocabulary
+    windows = sequences(encoded, options.seq_len, options.seed)
     total = options.steps
     optimizer = optim.AdamW(learning_rate=options.learning_rate, weight_decay=0.0)
     step_fn = nn.value_and_grad(head, _loss)
@@ -163,9 +178,9 @@ def graft(bundle: str, out: Path, options: GraftOptions,
     step = 0
     while (total is None or step < total) and time.perf_counter() - start < budget:
         batch = mx.array(np.stack([next(windows) for _ in range(options.batch)]))
-        hidden, logits = trunk(batch[:, :-1], None)
-        teacher = mx.stop_gradient(logits[:, 1:] - mx.logsumexp(logits[:, 1:], axis=-1,
-                                                                 keepdims=True))
+        hidden, _ = trunk(batch[:, :-1], None, logits_for=0)  # post-norm (family contract)
+        logits = rows(head.roles[0], hidden[:, 1:])
+        teacher = mx.stop_gradient(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
         loss, grads = step_fn(head, mx.stop_gradient(hidden[:, :-1]), batch[:, 1:-1], teacher)
         optimizer.update(head, grads)
         mx.eval(loss, head.parameters(), optimizer.state)
@@ -187,6 +202,7 @@ def graft(bundle: str, out: Path, options: GraftOptions,
         "steps": step, "tokens": step * options.batch * options.seq_len,
         "seq_len": options.seq_len, "batch": options.batch, "seed": options.seed,
         "learning_rate": options.learning_rate, "minutes": (time.perf_counter() - start) / 60,
+        "draft_vocab": len(vocab),
         "final_loss": float(np.mean(losses[-10:])), "held_out_acceptance": acceptance,
     }
     return _write(view, out, head, record, options)

@@ -21,6 +21,9 @@ from mtpkit.decoder.trunk import Trunk
 from mtpkit.loaders.quant import ModuleQuant
 
 HIDDEN_FEEDS = ("post_norm", "pre_norm")
+# Optional int32 sidecar tensor `mtp.draft_vocab`: the token ids the head drafts over (a grafted
+# head's most frequent tokens), so a draft step pays for those unembedding rows only.
+DRAFT_VOCAB = "draft_vocab"
 NEXT_HIDDENS = ("post_mtp_norm", "pre_mtp_norm")
 CONCAT_ORDERS = ("embedding_first", "hidden_first")
 
@@ -65,7 +68,7 @@ class _Roles(nn.Module):
 def _module_name(canonical: str) -> str:
     """Canonical sidecar name -> this module's parameter path."""
     name = canonical[len("mtp."):]
-    if name.startswith("layers."):
+    if name.startswith("layers.") or name == DRAFT_VOCAB:
         return name
     m = re.match(r"^heads\.(\d+)\.(.+)$", name)
     return f"roles.{m[1]}.{m[2]}" if m else f"roles.0.{name}"
@@ -93,6 +96,10 @@ class MTPHead(nn.Module):
         args = trunk.args
         self.contract = contract
         self._trunk = trunk
+        weights = dict(weights)
+        self._draft_rows: mx.array | None = None
+        if (vocab := weights.get(f"mtp.{DRAFT_VOCAB}")) is not None:
+            weights[f"mtp.{DRAFT_VOCAB}"] = self.draft_vocab = vocab.astype(mx.int32)
         names = [_module_name(n) for n in weights]
         blocks = 1 + max((int(m[1]) for n in names if (m := re.match(r"^layers\.(\d+)\.", n))),
                          default=0)
@@ -108,6 +115,26 @@ class MTPHead(nn.Module):
                 {"group_size": specs[path].group_size, "bits": specs[path].bits,
                  "mode": specs[path].mode} if path in specs else False))
         self.load_weights([(_module_name(n), w) for n, w in weights.items()], strict=True)
+        if DRAFT_VOCAB in self:
+            self.freeze(keys=[DRAFT_VOCAB], recurse=False)
+
+    def draft_logits(self, roles: _Roles, post: mx.array) -> mx.array:
+        """Logits over the draft vocabulary only (the full vocabulary when there is none)."""
+        if "shared_head" in roles:
+            return roles.shared_head(post)
+        if DRAFT_VOCAB not in self:
+            return self._trunk.logits(post)
+        if self._draft_rows is None:
+            self._draft_rows = self._trunk.output_rows(self.draft_vocab)
+        return post @ self._draft_rows.T
+
+    def _full(self, logits: mx.array) -> mx.array:
+        """Scatter draft-vocabulary logits into the full vocabulary (-inf elsewhere)."""
+        if DRAFT_VOCAB not in self or logits.shape[-1] != self.draft_vocab.shape[0]:
+            return logits
+        full = mx.full((*logits.shape[:-1], self._trunk.args.vocab_size), -mx.inf, logits.dtype)
+        index = mx.broadcast_to(self.draft_vocab, logits.shape)
+        return mx.put_along_axis(full, index, logits, axis=-1)
 
     @property
     def blocks(self) -> int:
@@ -117,10 +144,11 @@ class MTPHead(nn.Module):
         return [KVCache() for _ in self.layers]
 
     def __call__(self, hidden: mx.array, tokens: mx.array, cache: list[KVCache] | None,
-                 step: int) -> tuple[mx.array, mx.array]:
+                 step: int, full_vocab: bool = True) -> tuple[mx.array, mx.array]:
         """hidden (1, S, H) paired with the next tokens (1, S) -> (logits, hidden to chain).
 
-        Chained draft step k uses block k mod blocks, each block with its own KV cache.
+        Chained draft step k uses block k mod blocks, each block with its own KV cache. With a
+        draft vocabulary, logits cover it only unless full_vocab (then -inf elsewhere).
         """
         block = step % self.blocks
         roles = self.roles[block] if len(self.roles) > 1 else self.roles[0]
@@ -136,5 +164,7 @@ class MTPHead(nn.Module):
         x = self.layers[block](x, create_attention_mask(x, layer_cache, return_array=True),
                                layer_cache)
         post = roles.norm(x)
-        logits = roles.shared_head(post) if "shared_head" in roles else self._trunk.logits(post)
+        logits = self.draft_logits(roles, post)
+        if full_vocab:
+            logits = self._full(logits)
         return logits, post if self.contract.next_hidden == "post_mtp_norm" else x

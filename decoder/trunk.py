@@ -61,6 +61,13 @@ class Trunk:
             return self.inner.embed_tokens.as_linear(post_norm)
         return self.text.lm_head(post_norm)
 
+    def output_rows(self, ids: mx.array) -> mx.array:
+        """The unembedding rows of `ids` (float weights; for a truncated draft vocabulary)."""
+        weight = self.inner.embed_tokens.weight if self.tied else self.text.lm_head.weight
+        if "scales" in (self.inner.embed_tokens if self.tied else self.text.lm_head):
+            raise ValueError("a draft vocabulary needs float unembedding weights (dequantize)")
+        return weight[ids]
+
     def __call__(self, tokens: mx.array, cache: list[Any],
                  logits_for: int | None = None) -> tuple[mx.array, mx.array | None]:
         """tokens (1, S) -> (hidden fed to the MTP head (1, S, H), logits (1, S', V)) where

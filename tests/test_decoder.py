@@ -202,6 +202,14 @@ def test_speculative_output_has_the_target_distribution(tiny: Runner,
     assert _chi_square(tiny, params, depth=2, runs=1200) > 1e-3
 
 
+def test_a_truncated_draft_vocabulary_stays_exact() -> None:
+    """Drafting over 3 of 5 tokens (q = 0 elsewhere) still yields the target law."""
+    runner = tiny_runner(vocab=V, draft_vocab=[0, 2, 3])
+    drafts = runner.head(mx.zeros((1, 1, 32)), mx.array([[1]]), runner.head.make_cache(), 0)[0]
+    assert np.isinf(np.array(drafts)[0, 0, [1, 4]]).all()
+    assert _chi_square(runner, SETTINGS[0], depth=2, runs=1200) > 1e-3
+
+
 def test_plain_sampling_has_the_target_distribution(tiny: Runner) -> None:
     assert _chi_square(tiny, SamplingParams(0.7, top_k=3), depth=0, runs=1200) > 1e-3
 

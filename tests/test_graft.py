@@ -96,3 +96,16 @@ def test_graft_cli_reports_progress(built: Callable[..., Path], tmp_path: Path) 
                                        "--steps", "3", "--batch", "2", "--seq-len", "16"])
     assert result.exit_code == 0, result.output
     assert "graft step 3" in result.stderr and "held-out depth-1 acceptance" in result.stdout
+
+
+def test_draft_vocabulary_is_written_and_decodes_exactly(built: Callable[..., Path],
+                                                         tmp_path: Path) -> None:
+    result = graft(str(built("llama")), tmp_path / "dv", _options(draft_vocab=64, steps=4))
+    view = mtpkit.open_bundle(result.out)
+    assert view.errors == [] and "mtp.draft_vocab" in view.weights.sidecar
+    assert result.graft["draft_vocab"] == 64
+    runner = mtpkit.load(result.out, dtype="float32")
+    assert runner.head is not None and runner.head.draft_vocab.shape == (64,)
+    plain = runner.generate("import json", 24, depth=0)
+    spec = runner.generate("import json", 24, depth=2)
+    assert spec.tokens == plain.tokens
