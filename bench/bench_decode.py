@@ -84,6 +84,7 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], help="cast weights (default: as "
                     "stored, quantized ones dequantized to bf16 on CPU)")
     ap.add_argument("--tag", default="decode", help="result file name")
+    ap.add_argument("--loads", default="code,memo,polish", help="which real-content loads")
     args = ap.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
 
@@ -96,7 +97,7 @@ def main() -> None:
     bundle = args.bundle or smollm2_bundle(args.workdir)
     runner = mtpkit.load(bundle, dtype=args.dtype)
     tok = runner.tokenizer
-    prompts = loads()
+    prompts = {k: v for k, v in loads().items() if k in args.loads.split(",")}
 
     def ids_for(name: str) -> list[int]:
         text, chat = prompts[name]
