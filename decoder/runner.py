@@ -98,10 +98,6 @@ class Runner:
         self.template, self.special = template, special or {}
         self.rollback = rollback
 
-    @property
-    def max_depth(self) -> int:
-        return 0 if self.head is None else 4 * self.head.blocks
-
     def encode(self, prompt: Prompt) -> list[int]:
         """Text as is, token ids as given, chat messages through the bundle's template."""
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
