@@ -191,6 +191,7 @@ def graft(bundle: str, out: Path, options: GraftOptions,
         if total is not None:
             left.append(elapsed / step * (total - step))
         progress(Progress(step, losses[-1], elapsed, max(0.0, min(left))))
+    train_minutes = (time.perf_counter() - start) / 60
     if not losses:
         raise ConvertError("graft.no_steps", "no training step ran", "raise --steps/--minutes")
     runner = Runner(trunk, head, tokenizer)
@@ -201,7 +202,7 @@ def graft(bundle: str, out: Path, options: GraftOptions,
         "documents": {"train": len(train), "held_out": len(held)},
         "steps": step, "tokens": step * options.batch * options.seq_len,
         "seq_len": options.seq_len, "batch": options.batch, "seed": options.seed,
-        "learning_rate": options.learning_rate, "minutes": (time.perf_counter() - start) / 60,
+        "learning_rate": options.learning_rate, "train_minutes": train_minutes,
         "draft_vocab": len(vocab),
         "final_loss": float(np.mean(losses[-10:])), "held_out_acceptance": acceptance,
     }
