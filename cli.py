@@ -46,6 +46,7 @@ EXAMPLES_GENERATE = """
 Examples:
   mtpkit generate ./bundle "Explain speculative decoding in one paragraph."
   mtpkit generate ./bundle "def fibonacci(n):" --raw --depth 3 --max-tokens 128
+  mtpkit generate ./bundle "def parse(self, text):" --raw --depth 2 --compare
   mtpkit generate ./bundle "Hi" --temperature 0.7 --top-p 0.9 --seed 1 --json
 \b
 Statistics (acceptance per draft position, decode tok/s, TTFT) go to stderr.
@@ -238,10 +239,6 @@ def convert(src: str, out: Path, quantize: bool, q_bits: int | None, q_group_siz
         click.echo(json.dumps(plan, indent=2) if dry_run else upload(result.out, upload_repo))
 
 
-if __name__ == "__main__":
-    main()
-
-
 @main.command(epilog=EXAMPLES_GENERATE)
 @click.argument("bundle")
 @click.argument("prompt")
@@ -254,37 +251,56 @@ if __name__ == "__main__":
 @click.option("--top-k", type=click.IntRange(0), default=0)
 @click.option("--min-p", type=click.FloatRange(0, 1), default=0.0)
 @click.option("--seed", type=int, help="Make sampling reproducible.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
+              help="Cast weights (float32: verify passes round like single steps, so greedy "
+                   "output stays identical to plain even at near-ties).")
+@click.option("--compare", is_flag=True,
+              help="Run plain decoding first (both warmed up) and report the measured speedup.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document (generation schema).")
 def generate(bundle: str, prompt: str, raw: bool, max_tokens: int, depth: int | None,
              temperature: float, top_p: float, top_k: int, min_p: float, seed: int | None,
-             as_json: bool) -> None:
+             dtype: str | None, compare: bool, as_json: bool) -> None:
     """Generate from BUNDLE with the reference MTP decoder (exact: greedy output equals plain)."""
     from mtpkit.decoder.blas import note
+    from mtpkit.decoder.compare import Comparison, baseline
     from mtpkit.decoder.runner import load
 
     with _user_errors("OUT"):
-        runner = load(bundle)
+        runner = load(bundle, dtype=dtype)
         if advice := note():
             click.echo(advice, err=True)
         message = prompt if raw or runner.template is None else [
             {"role": "user", "content": prompt}]
+        sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
+                    "seed": seed}
+        if depth is None:
+            depth = runner.head.blocks if runner.head is not None else 0
+        plain = baseline(runner, message, max_tokens, depth, **sampling) if compare else None
         result = None
-        for piece in runner.stream(message, max_tokens, temperature=temperature, top_p=top_p,
-                                   top_k=top_k, min_p=min_p, depth=depth, seed=seed):
+        for piece in runner.stream(message, max_tokens, depth=depth, **sampling):
             if not as_json:
                 click.echo(piece.text, nl=False)
             result = piece.result or result
     assert result is not None
     stats = result.stats.to_dict()
+    comparison = Comparison(plain, result, temperature == 0.0) if plain is not None else None
     if as_json:
-        click.echo(json.dumps({"bundle": bundle, "text": result.text, "tokens": result.tokens,
-                               "finish_reason": result.finish_reason, "stats": stats}, indent=2))
+        doc = {"bundle": bundle, "text": result.text, "tokens": result.tokens,
+               "finish_reason": result.finish_reason, "stats": stats}
+        if comparison is not None:
+            doc["compare"] = comparison.to_dict()
+        click.echo(json.dumps(doc, indent=2))
         return
     accept = " / ".join(f"{100 * a:.0f}%" for a in stats["acceptance_by_depth"]) or "-"
     click.echo(f"\n[{stats['generated_tokens']} tokens, depth {stats['depth']}, acceptance "
                f"{accept}, {stats['mean_accepted']:.2f} accepted/verify, decode "
                f"{stats['decode_tps']:.1f} tok/s, TTFT {1000 * stats['ttft_s']:.0f} ms, prefill "
                f"{stats['prefill_tps']:.0f} tok/s]", err=True)
+    if comparison is not None:
+        same = {True: "yes", False: "NO", None: "n/a (sampling)"}[comparison.identical]
+        click.echo(f"[plain {comparison.plain.stats.decode_tps:.1f} tok/s -> depth {depth} "
+                   f"{stats['decode_tps']:.1f} tok/s: speedup {comparison.speedup:.2f}x; "
+                   f"tokens identical to plain: {same}]", err=True)
 
 
 @main.command(epilog=EXAMPLES_GRAFT)
@@ -333,3 +349,7 @@ def graft(ctx: click.Context, bundle: str, out: Path, corpus: tuple[Path, ...],
     click.echo(f"\nwrote {result.out}: {result.graft['steps']} steps, final loss "
                f"{result.graft['final_loss']:.4f}, held-out depth-1 acceptance "
                f"{100 * acc['depth1']:.1f}% over {acc['rounds']} rounds")
+
+
+if __name__ == "__main__":
+    main()

@@ -53,3 +53,10 @@ def install(layers: list[nn.Module]) -> list[StepRecorder]:
                 setattr(layer, attr, recorder)
                 recorders.append(recorder)
     return recorders
+
+
+def unwrapped_name(param: str) -> str:
+    """A trunk parameter path with the recorder wrapping removed: the name mlx-lm stores."""
+    for attr in RECURRENT_ATTRIBUTES:
+        param = param.replace(f".{attr}.inner.", f".{attr}.")
+    return param

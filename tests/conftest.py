@@ -44,3 +44,24 @@ def bundle_copy(built: Callable[..., Path], tmp_path: Path) -> Callable[..., Pat
         return dst
 
     return get
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict]]:
+    """family -> (bundle, training record) for the trained tiny Qwen3.5 fixtures, both built
+    by tests/fixtures/trained.py at once (one process per core; ~2 minutes)."""
+    import json
+    import subprocess
+    import sys
+
+    from fixtures.trained import RECORD, TRAINED
+
+    root = tmp_path_factory.mktemp("trained")
+    script = Path(__file__).parent / "fixtures" / "trained.py"
+    jobs = {f: subprocess.Popen([sys.executable, str(script), f, str(root / f)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            for f in TRAINED}
+    for family, job in jobs.items():
+        _, err = job.communicate()
+        assert job.returncode == 0, f"{family}: {err[-2000:]}"
+    return {f: (root / f, json.loads((root / f / RECORD).read_text())) for f in TRAINED}
