@@ -351,5 +351,195 @@ def graft(ctx: click.Context, bundle: str, out: Path, corpus: tuple[Path, ...],
                f"{100 * acc['depth1']:.1f}% over {acc['rounds']} rounds")
 
 
+EXAMPLES_SERVE = """
+\b
+Examples:
+  mtpkit serve ./bundle                            # 127.0.0.1:8080, MTP depth measured here
+  mtpkit serve ./bundle --depth 2 --port 9000
+  mtpkit serve ./bundle --host 0.0.0.0 --api-key "$KEY"
+\b
+Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (SSE with
+"stream": true; the final chunk carries usage with MTP statistics). Extension: "mtp_depth".
+"""
+
+
+def _depth(value: str) -> str | int:
+    if value == "auto":
+        return value
+    try:
+        depth = int(value)
+    except ValueError:
+        raise click.BadParameter("auto or an integer 0-16") from None
+    if not 0 <= depth <= 16:
+        raise click.BadParameter("auto or an integer 0-16")
+    return depth
+
+
+@main.command(epilog=EXAMPLES_SERVE)
+@click.argument("bundle")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
+@click.option("--api-key", help="Require 'Authorization: Bearer KEY' (needed off loopback).")
+@click.option("--depth", "depth_opt", default="auto", show_default=True, callback=lambda c, p, v:
+              _depth(v), help="MTP draft depth, or auto: measure depths 1-4 here at start-up.")
+@click.option("--max-tokens", type=click.IntRange(1, 1 << 16), default=4096, show_default=True,
+              help="Ceiling on any request's max_tokens.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]))
+@click.option("--verbose", is_flag=True, help="Log every request to stderr.")
+def serve(bundle: str, host: str, port: int, api_key: str | None, depth_opt: str | int,
+          max_tokens: int, dtype: str | None, verbose: bool) -> None:
+    """Serve BUNDLE over an OpenAI-compatible API with the reference MTP decoder."""
+    from mtpkit.decoder.runner import load
+    from mtpkit.serve.server import Server, is_loopback
+    from mtpkit.serve.service import Service, auto_depth
+
+    with _user_errors("--out"):
+        if not is_loopback(host) and not api_key:
+            _fail("serve.exposed", f"refusing to bind {host} without an API key",
+                  "pass --api-key KEY, or bind 127.0.0.1")
+        runner = load(bundle, dtype=dtype)
+        if depth_opt == "auto":
+            depth, speedups = auto_depth(runner)
+            measured = ", ".join(f"depth {d} {s:.2f}x" for d, s in speedups.items()) or "no head"
+            click.echo(f"depth auto: {depth} ({measured} vs plain on this machine)", err=True)
+        else:
+            depth = int(depth_opt)
+        server = Server(Service(runner, Path(bundle).name, depth, max_tokens), host, port,
+                        api_key, verbose)
+    click.echo(f"serving {bundle} on http://{host}:{server.server_address[1]}/v1 "
+               f"(MTP depth {depth})", err=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+
+
+EXAMPLES_VERIFY = """
+\b
+Examples:
+  mtpkit verify-run ./bundle                                   # local, depth swept here
+  mtpkit verify-run ./bundle --runs 5 --min-accept 0.5 --min-speedup 1.2 --stamp
+  mtpkit verify-run --endpoint http://127.0.0.1:8080 --api-key "$KEY" --json
+\b
+Exit codes: 0 every check passed, 1 a check failed or a floor was not met, 2 bad input.
+"""
+
+
+def _verify_target(bundle: str | None, endpoint: str | None, api_key: str | None,
+                   timeout: float):
+    """(target, facts, view) for a local bundle or an endpoint."""
+    from mtpkit.verify.run import Facts
+
+    if endpoint:
+        from mtpkit.verify.endpoint import Endpoint
+
+        target = Endpoint(endpoint, api_key, timeout)
+        target.model()  # reachable and serving a model, or a one-line error
+        return target, Facts("endpoint", endpoint), None
+    from mtpkit.decoder.runner import load
+    from mtpkit.loaders.bundle import open_bundle
+    from mtpkit.serve.service import Service
+    from mtpkit.verify.checks import FAIL, PASS, Check
+    from mtpkit.verify.local import Local
+
+    assert bundle is not None
+    view = open_bundle(bundle)
+    runner = load(bundle)
+    t = view.template
+    if runner.template is None:
+        template = Check("template", FAIL, "no usable chat template" + (
+            f" ({t.source} does not render safely)" if t.source else ""),
+            {"source": t.source})
+    else:
+        template = Check("template", PASS, f"{t.source}: renders", {
+            "source": t.source, "thinking_switch": t.thinking,
+            "generation_prompt_opens_reasoning": t.opens_reasoning})
+    service = Service(runner, view.root.name, 0, 1 << 16)
+    return Local(service), Facts("bundle", str(view.root), template, t.thinking, True), view
+
+
+@main.command("verify-run", epilog=EXAMPLES_VERIFY)
+@click.argument("bundle", required=False)
+@click.option("--endpoint", help="An OpenAI-compatible server URL instead of a local bundle.")
+@click.option("--api-key")
+@click.option("--json", "as_json", is_flag=True, help="Print the report (verify_run schema).")
+@click.option("--stamp", is_flag=True, help="Write the record into the bundle's mtpkit.json and card.")
+@click.option("--depth", "depth_opt", default="auto", show_default=True,
+              callback=lambda c, p, v: _depth(v), help="MTP depth, or auto: sweep 1-4 here.")
+@click.option("--loads", default="code,memo,translation", show_default=True)
+@click.option("--runs", type=click.IntRange(1, 100), default=3, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(16, 1 << 16), default=256, show_default=True)
+@click.option("--min-accept", type=click.FloatRange(0, 1), help="Fail below this depth-1 acceptance.")
+@click.option("--min-speedup", type=click.FloatRange(0), help="Fail below this MTP speedup.")
+@click.option("--timeout", type=click.FloatRange(0.1), default=60.0, show_default=True,
+              help="Seconds an endpoint may stay silent before it counts as stalled.")
+def verify_run(bundle: str | None, endpoint: str | None, api_key: str | None, as_json: bool,
+               stamp: bool, depth_opt: str | int, loads: str, runs: int, max_tokens: int,
+               min_accept: float | None, min_speedup: float | None, timeout: float) -> None:
+    """Check BUNDLE (or --endpoint) end to end and measure its speed the honest way."""
+    from mtpkit.verify.endpoint import EndpointError
+    from mtpkit.verify.loads import LOADS
+    from mtpkit.verify.record import fingerprint, machine
+    from mtpkit.verify.record import stamp as write_stamp
+    from mtpkit.verify.run import VerifyOptions, run
+
+    if (bundle is None) == (endpoint is None):
+        _fail("usage", "give a BUNDLE or --endpoint URL (not both)", "see mtpkit verify-run --help")
+    if stamp and endpoint:
+        _fail("usage", "--stamp writes into a local bundle", "drop --stamp or pass BUNDLE")
+    chosen = tuple(x.strip() for x in loads.split(",") if x.strip())
+    if not chosen or set(chosen) - set(LOADS):
+        _fail("usage", f"--loads takes a comma list of {', '.join(LOADS)}", "e.g. --loads code")
+    options = VerifyOptions(depth_opt, chosen, runs, max_tokens, min_accept=min_accept,
+                            min_speedup=min_speedup)
+    with _user_errors("--out"):
+        try:
+            target, facts, view = _verify_target(bundle, endpoint, api_key, timeout)
+        except EndpointError as exc:
+            _fail("endpoint.unreachable", str(exc), "check --endpoint and that the server runs")
+        report = run(target, facts, options, progress=lambda s: click.echo(f"verify-run: {s}",
+                                                                           err=True))
+        report.record = {"machine": machine(), **({"fingerprint": fingerprint(view)} if view
+                                                   else {"endpoint": endpoint})}
+        doc = report.to_dict()
+        if stamp and view is not None:
+            write_stamp(view.root, doc)
+    if as_json:
+        click.echo(json.dumps(doc, indent=2))
+    else:
+        click.echo(_verify_table(doc))
+    raise SystemExit(0 if report.passed else 1)
+
+
+def _verify_table(doc: dict) -> str:
+    lines = [f"verify-run {doc['target']['kind']} {doc['target']['name']}", ""]
+    width = max(len(c["name"]) for c in doc["checks"]) if doc["checks"] else 8
+    lines += [f"  {c['status'].upper():4}  {c['name']:<{width}}  {c['summary']}"
+              for c in doc["checks"]]
+    speed = doc.get("speed") or {}
+    for name, row in (speed.get("loads") or {}).items():
+        parts = []
+        for mode in ("plain", "mtp", "as served"):
+            tps = (row.get(mode) or {}).get("decode_tps")
+            if tps:
+                parts.append(f"{mode} {tps['p50']:.1f} tok/s (P95 {tps['p95']:.1f})")
+        ttft = next(((row.get(m) or {}).get("ttft_s") for m in ("plain", "as served")
+                     if (row.get(m) or {}).get("ttft_s")), None)
+        if ttft:
+            parts.append(f"TTFT {1000 * ttft['p50']:.0f} ms")
+        accept = (row.get("mtp") or {}).get("acceptance_by_depth")
+        if accept:
+            parts.append("acceptance " + " / ".join(f"{100 * a:.0f}%" for a in accept))
+        if row.get("speedup"):
+            parts.append(f"speedup {row['speedup']:.2f}x")
+        lines.append(f"  load {name}: " + ", ".join(parts))
+    fp = doc["record"].get("fingerprint", {}).get("sha256")
+    verdict = "PASS" if doc["passed"] else "FAIL"
+    lines += ["", f"{verdict}" + (f"  (weights sha256 {fp[:16]}...)" if fp else "")]
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     main()

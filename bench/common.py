@@ -4,35 +4,16 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import statistics
 import struct
 import subprocess
 import sys
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from mtpkit.verify.record import machine
+
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def machine() -> dict[str, Any]:
-    def version(pkg: str) -> str | None:
-        try:
-            return metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            return None
-
-    cpu = "unknown"
-    if Path("/proc/cpuinfo").exists():
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return {"platform": platform.platform(), "cpu": cpu, "cores": os.cpu_count(),
-            "python": platform.python_version(),
-            "versions": {p: version(p) for p in ("mtpkit", "mlx", "mlx-lm", "safetensors",
-                                                  "numpy")}}
 
 
 ONES_BF16 = b"\x80\x3f" * 4096  # 1-D bf16 tensors (norm gains) hold 1.0 like a real bundle

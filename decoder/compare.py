@@ -48,3 +48,22 @@ def compare(runner: Runner, prompt: Prompt, max_tokens: int, depth: int,
     plain = baseline(runner, prompt, max_tokens, depth, **sampling)
     mtp = runner.generate(prompt, max_tokens, depth=depth, **sampling)
     return Comparison(plain, mtp, sampling.get("temperature", 0.0) == 0.0)
+
+
+def sweep(runner: Runner, prompt: Prompt, max_tokens: int, depths: list[int],
+          **sampling: Any) -> dict[int, Comparison]:
+    """MTP at each depth against one warmed plain run (depth -> Comparison)."""
+    plain = baseline(runner, prompt, max_tokens, max(depths), **sampling)
+    greedy = sampling.get("temperature", 0.0) == 0.0
+    out = {}
+    for depth in depths:
+        runner.generate(prompt, WARMUP_TOKENS, depth=depth, **sampling)
+        out[depth] = Comparison(plain, runner.generate(prompt, max_tokens, depth=depth,
+                                                       **sampling), greedy)
+    return out
+
+
+def best_depth(comparisons: dict[int, Comparison]) -> int:
+    """The fastest depth, or 0 when no depth beats plain decoding on this machine."""
+    depth, best = max(comparisons.items(), key=lambda kv: kv[1].speedup)
+    return depth if best.speedup > 1.0 else 0

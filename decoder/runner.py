@@ -98,8 +98,9 @@ class Runner:
         self.template, self.special = template, special or {}
         self.rollback = rollback
 
-    def encode(self, prompt: Prompt) -> list[int]:
-        """Text as is, token ids as given, chat messages through the bundle's template."""
+    def encode(self, prompt: Prompt, **template_options: Any) -> list[int]:
+        """Text as is, token ids as given, chat messages through the bundle's template (with
+        `template_options` such as enable_thinking or tools)."""
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return list(prompt)
         if self.tokenizer is None:
@@ -107,11 +108,15 @@ class Runner:
                             "pass token ids instead of text")
         if isinstance(prompt, str):
             return list(self.tokenizer.encode(prompt))
+        text = self.render(prompt, **template_options)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def render(self, messages: list[dict[str, Any]], **template_options: Any) -> str:
+        """The chat prompt text (sandboxed render of the bundle's template)."""
         if self.template is None:
             raise UserError("template.missing", "chat messages given but the bundle has no chat "
                             "template", "mtpkit doctor BUNDLE --fix --out DIR restores one")
-        text = render(self.template, prompt, self.special)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return render(self.template, messages, self.special, **template_options)
 
     def stream(self, prompt: Prompt, max_tokens: int = 256, temperature: float = 0.0,
                top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,

@@ -17,12 +17,13 @@ import numpy as np
 
 from mtpkit.decoder import acceptance
 from mtpkit.decoder.head import MTPHead
-from mtpkit.decoder.sampling import SamplingParams, draw, greedy_tokens, probabilities, tempered
+from mtpkit.decoder.sampling import SamplingParams, draw, probabilities, tempered
 from mtpkit.decoder.state import commit_recorded, rewind, snapshot, trim
 from mtpkit.decoder.stats import Stats
 from mtpkit.decoder.trunk import Trunk
 
 PREFILL_STEP = 2048
+STREAM = mx.new_thread_local_stream(mx.default_device())
 ROLLBACKS = ("record", "replay")
 
 
@@ -74,15 +75,18 @@ class Session:
     # -- plain ------------------------------------------------------------------------------
 
     def plain(self, ids: list[int], max_tokens: int) -> Iterator[int]:
-        """Yield tokens one at a time, the next forward already queued (as mlx-lm does)."""
-        _, logits = self._prefill(ids, keep_hidden=False)
-        y = self._sample(logits)
+        """Yield tokens one at a time, the next forward already queued on its own stream (as
+        mlx-lm's generate_step does), so reading a token overlaps the next step's work."""
+        with mx.stream(STREAM):
+            _, logits = self._prefill(ids, keep_hidden=False)
+            y = self._sample(logits)
         mx.async_eval(y)
         for n in range(max_tokens):
             nxt = None
             if n + 1 < max_tokens:
-                _, logits = self.trunk(y[None], self.cache, logits_for=1)
-                nxt = self._sample(logits[:, -1])
+                with mx.stream(STREAM):
+                    _, logits = self.trunk(y[None], self.cache, logits_for=1)
+                    nxt = self._sample(logits[:, -1])
                 mx.async_eval(nxt)
             yield int(y.item())
             y = nxt
@@ -102,30 +106,34 @@ class Session:
                      mx.concatenate([self.owed[1], pairs[1]], axis=1))
         self.owed = pairs
 
-    def _draft(self, depth: int) -> tuple[list[int], np.ndarray | None, list[int]]:
-        """K drafts, the distributions they were drawn from, and per-block chained entries."""
+    def _draft(self, depth: int) -> tuple[mx.array, np.ndarray | None, list[int]]:
+        """(1, 1 + K) verify input (last token, then K drafts), the distributions the drafts
+        were drawn from, and per-block chained entries. Greedy drafts stay lazy (argmax on
+        device, chained as arrays), so a whole round costs one host sync, not one per draft."""
         assert self.head is not None and self.owed is not None
         hidden, tokens = self.owed
         self.owed = None
-        drafts, rows = [], []
+        chain, rows = [mx.array([[self.last]])], []
         chained = [0] * self.head.blocks
         for k in range(depth):
             logits, out = self.head(hidden, tokens, self.mtp_cache, k)
             chained[k % self.head.blocks] += k > 0
             row = logits[:, -1]
             if self.params.greedy:
-                draft = greedy_tokens(row)[0]
+                tokens = mx.argmax(row.astype(mx.float32), axis=-1, keepdims=True)
             else:
                 rows.append(probabilities(row, self.params)[0])
-                draft = draw(rows[-1], self.rng)
-            drafts.append(draft)
-            hidden, tokens = out[:, -1:], mx.array([[draft]])
-        return drafts, (np.stack(rows) if rows else None), chained
+                tokens = mx.array([[draw(rows[-1], self.rng)]])
+            chain.append(tokens)
+            hidden = out[:, -1:]
+        return mx.concatenate(chain, axis=1), (np.stack(rows) if rows else None), chained
 
     def round(self, depth: int) -> list[int]:
         """Draft `depth` tokens, verify them in one trunk pass, commit and roll back."""
-        drafts, q, chained = self._draft(depth) if depth > 0 else ([], None, [])
-        tokens = mx.array([[self.last, *drafts]])
+        if depth > 0:
+            tokens, q, chained = self._draft(depth)
+        else:
+            tokens, q, chained = mx.array([[self.last]]), None, []
         saved = snapshot(self.cache)
         for recorder in self.recorders:
             recorder.recording = True
@@ -135,8 +143,12 @@ class Session:
             for recorder in self.recorders:
                 recorder.recording = False
         if self.params.greedy:
-            verdict = acceptance.accept_greedy(drafts, greedy_tokens(logits[0]))
+            targets = mx.argmax(logits[0].astype(mx.float32), axis=-1)
+            mx.eval(tokens, targets)
+            drafts = tokens[0, 1:].tolist()
+            verdict = acceptance.accept_greedy(drafts, targets.tolist())
         else:
+            drafts = tokens[0, 1:].tolist()
             p = probabilities(logits[0], self.params)
             verdict = acceptance.accept_sampled(drafts, q if q is not None else p[:0], p,
                                                 self.rng)

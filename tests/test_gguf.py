@@ -39,11 +39,10 @@ def reference_logits():
 
 
 @pytest.fixture(scope="module")
-def bundles(tmp_path_factory):
+def bundles(tmp_path_factory, smollm2_bf16):
     root = tmp_path_factory.mktemp("smol")
     f32 = convert(str(GGUF), root / "f32", ConvertOptions(quant=QuantOptions(dtype="float32")))
-    bf16 = convert(str(GGUF), root / "bf16", ConvertOptions())
-    return {"float32": f32.out, "bfloat16": bf16.out}
+    return {"float32": f32.out, "bfloat16": smollm2_bf16}
 
 
 def _logits(path, reference):

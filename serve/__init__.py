@@ -1,0 +1,1 @@
+"""`mtpkit serve`: an OpenAI-compatible HTTP front over the reference MTP decoder."""

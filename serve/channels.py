@@ -1,0 +1,58 @@
+"""Reasoning and content channels, as the chat template defines them.
+
+When the rendered prompt ends inside `<think>` (Qwen3.5-style templates with thinking on), the
+model's text up to `</think>` is reasoning; a `<think>` block the model opens itself before any
+content is reasoning too. Markers split across streamed pieces are held back until resolved.
+"""
+
+from __future__ import annotations
+
+OPEN, CLOSE = "<think>", "</think>"
+
+
+def _held_back(text: str, marker: str) -> int:
+    """Length of the longest suffix of text that could start `marker`."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ChannelSplitter:
+    def __init__(self, prompt_opened_reasoning: bool) -> None:
+        self.reasoning = prompt_opened_reasoning
+        self.buffer = ""
+        self.content_started = False
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """(reasoning, content) ready to send after `text`."""
+        self.buffer += text
+        reasoning, content = [], []
+        while True:
+            if not self.reasoning and not self.content_started:
+                stripped = self.buffer.lstrip()
+                if stripped.startswith(OPEN):
+                    self.buffer, self.reasoning = stripped[len(OPEN):], True
+                    continue
+                if OPEN.startswith(stripped):  # could still become <think>
+                    return "".join(reasoning), ""
+            marker = CLOSE if self.reasoning else None
+            if marker and (at := self.buffer.find(marker)) >= 0:
+                reasoning.append(self.buffer[:at])
+                self.buffer, self.reasoning = self.buffer[at + len(marker):].lstrip(), False
+                continue
+            keep = _held_back(self.buffer, marker) if marker else 0
+            ready, self.buffer = self.buffer[:len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
+            (reasoning if self.reasoning else content).append(ready)
+            break
+        out = "".join(content)
+        if not self.content_started:  # content never opens with the gap after </think>
+            out = out.lstrip()
+            self.content_started = bool(out)
+        return "".join(reasoning), out
+
+    def flush(self) -> tuple[str, str]:
+        rest, self.buffer = self.buffer, ""
+        if self.reasoning:
+            return rest, ""
+        return "", rest if self.content_started else rest.lstrip()

@@ -1,0 +1,185 @@
+"""The HTTP layer of `mtpkit serve`, on the standard library's ThreadingHTTPServer (as
+mlx-lm's own server): routes, API-key check, bounded bodies, SSE streaming, JSON errors."""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import socket
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from mtpkit.loaders.findings import UserError
+from mtpkit.serve.protocol import MAX_BODY_BYTES, RequestError, completion_id, envelope, parse
+from mtpkit.serve.service import Service, tool_calls, usage
+
+SOCKET_TIMEOUT_S = 120
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class Handler(BaseHTTPRequestHandler):
+    server: Server
+    protocol_version = "HTTP/1.1"
+    timeout = SOCKET_TIMEOUT_S
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (stdlib signature)
+        if self.server.verbose:
+            super().log_message(format, *args)
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    def _json(self, status: int, doc: dict[str, Any]) -> None:
+        body = json.dumps(doc).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _authorized(self) -> bool:
+        key = self.server.api_key
+        if key is None:
+            return True
+        given = self.headers.get("Authorization", "")
+        return hmac.compare_digest(given.encode(), f"Bearer {key}".encode())
+
+    def _body(self) -> Any:
+        try:
+            length = int(self.headers.get("Content-Length", ""))
+        except ValueError:
+            raise RequestError(411, "Content-Length is required") from None
+        if not 0 <= length <= MAX_BODY_BYTES:
+            raise RequestError(413, f"request body over {MAX_BODY_BYTES} bytes")
+        try:
+            return json.loads(self.rfile.read(length) or b"null")
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise RequestError(400, "the body is not valid JSON") from None
+
+    def _sse(self, doc: dict[str, Any] | str) -> None:
+        data = doc if isinstance(doc, str) else json.dumps(doc)
+        self.wfile.write(f"data: {data}\n\n".encode())
+        self.wfile.flush()
+
+    # -- routes -----------------------------------------------------------------------------
+
+    def do_GET(self) -> None:  # noqa: N802 (stdlib name)
+        if not self._authorized():
+            self._json(401, RequestError(401, "invalid API key", kind="authentication_error").body())
+        elif self.path.rstrip("/") == "/v1/models":
+            self._json(200, {"object": "list", "data": [
+                {"id": self.server.service.model_id, "object": "model", "owned_by": "mtpkit"}]})
+        elif self.path.rstrip("/") == "/health":
+            self._json(200, {"status": "ok"})
+        else:
+            self._json(404, RequestError(404, f"no route {self.path}", kind="not_found").body())
+
+    def do_POST(self) -> None:  # noqa: N802 (stdlib name)
+        routes = {"/v1/chat/completions": True, "/v1/completions": False}
+        chat = routes.get(self.path.rstrip("/"))
+        try:
+            if not self._authorized():
+                raise RequestError(401, "invalid API key", kind="authentication_error")
+            if chat is None:
+                raise RequestError(404, f"no route {self.path}", kind="not_found")
+            req = parse(self._body(), chat, self.server.service.max_tokens)
+            if req.stream:
+                self._stream(req)
+            else:
+                self._complete(req)
+        except RequestError as err:
+            self._json(err.status, err.body())
+        except UserError as err:
+            self._json(400, RequestError(400, f"{err.code}: {err}").body())
+        except (TimeoutError, BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+
+    def _complete(self, req: Any) -> None:
+        service = self.server.service
+        reasoning = content = ""
+        result = None
+        for delta in service.deltas(req):
+            reasoning += delta.reasoning
+            content += delta.content
+            result = delta.result or result
+        assert result is not None
+        doc = envelope(completion_id(req.chat), service.model_id, req.chat, chunk=False)
+        if req.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if reasoning:
+                message["reasoning_content"] = reasoning
+            calls = []
+            if req.tools:
+                message["content"], calls = tool_calls(content)
+                if calls:
+                    message["tool_calls"] = calls
+            choice = {"index": 0, "message": message,
+                      "finish_reason": "tool_calls" if calls else result.finish_reason}
+        else:
+            choice = {"index": 0, "text": content, "finish_reason": result.finish_reason}
+        self._json(200, doc | {"choices": [choice], "usage": usage(result)})
+
+    def _stream(self, req: Any) -> None:
+        service = self.server.service
+        cid = completion_id(req.chat)
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+        held = ""  # with tools, content is held back until the calls in it are known
+
+        def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+            body = {"index": 0, "delta": delta, "finish_reason": finish} if req.chat else \
+                {"index": 0, "text": delta.get("content", ""), "finish_reason": finish}
+            return envelope(cid, service.model_id, req.chat, chunk=True) | {"choices": [body]}
+
+        if req.chat:
+            self._sse(chunk({"role": "assistant", "content": ""}))
+        for d in service.deltas(req):
+            delta: dict[str, Any] = {}
+            if d.reasoning:
+                delta["reasoning_content"] = d.reasoning
+            if req.tools:
+                held += d.content
+            elif d.content:
+                delta["content"] = d.content
+            if delta:
+                self._sse(chunk(delta))
+            if d.result is not None:
+                finish = d.result.finish_reason
+                if req.tools:
+                    content, calls = tool_calls(held)
+                    last: dict[str, Any] = {"content": content} if content else {}
+                    if calls:
+                        last["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+                        finish = "tool_calls"
+                    self._sse(chunk(last, finish))
+                else:
+                    self._sse(chunk({}, finish))
+                self._sse(envelope(cid, service.model_id, req.chat, chunk=True)
+                          | {"choices": [], "usage": usage(d.result)})
+        self._sse("[DONE]")
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, service: Service, host: str, port: int, api_key: str | None,
+                 verbose: bool = False) -> None:
+        if not is_loopback(host) and not api_key:
+            raise UserError("serve.exposed", f"refusing to bind {host} without an API key",
+                            "pass --api-key KEY, or bind 127.0.0.1")
+        self.service, self.api_key, self.verbose = service, api_key, verbose
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.address_family = family
+        super().__init__((host, port), Handler)

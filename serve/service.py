@@ -1,0 +1,112 @@
+"""One loaded bundle answering requests: chat rendering (thinking switch, tools), the reasoning
+channel, tool calls, usage with MTP statistics. One generation at a time (MLX state is not
+shared across threads)."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from mtpkit.decoder.runner import Result, Runner
+from mtpkit.serve.channels import OPEN, ChannelSplitter
+from mtpkit.serve.protocol import Request, RequestError
+
+TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
+
+
+@dataclass
+class Delta:
+    """Text committed by the decoder, split by channel; the last one carries the result."""
+
+    reasoning: str = ""
+    content: str = ""
+    result: Result | None = None
+    tokens: int = 0  # committed tokens behind this text
+
+
+def tool_calls(content: str) -> tuple[str, list[dict[str, Any]]]:
+    """Hermes/Qwen-style <tool_call>{"name", "arguments"}</tool_call> blocks -> OpenAI calls;
+    malformed blocks stay in the content."""
+    calls = []
+
+    def take(match: re.Match[str]) -> str:
+        try:
+            call = json.loads(match[1])
+        except json.JSONDecodeError:
+            return match[0]
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return match[0]
+        calls.append({"id": f"call_{len(calls)}", "type": "function", "function": {
+            "name": call["name"], "arguments": json.dumps(call.get("arguments", {}))}})
+        return ""
+
+    return TOOL_CALL.sub(take, content).strip() if "<tool_call>" in content else content, calls
+
+
+def usage(result: Result) -> dict[str, Any]:
+    s = result.stats
+    return {"prompt_tokens": s.prompt_tokens, "completion_tokens": len(result.tokens),
+            "total_tokens": s.prompt_tokens + len(result.tokens),
+            "mtp": {"depth": s.depth, "acceptance_by_depth": s.acceptance_by_depth,
+                    "mean_accepted": s.mean_accepted, "verify_calls": s.verify_calls,
+                    "decode_tps": s.decode_tps, "ttft_s": s.ttft_s,
+                    "prefill_tps": s.prefill_tps, "peak_memory_bytes": s.peak_memory_bytes}}
+
+
+class Service:
+    def __init__(self, runner: Runner, model_id: str, depth: int, max_tokens: int) -> None:
+        self.runner, self.model_id, self.depth, self.max_tokens = runner, model_id, depth, max_tokens
+        self.lock = threading.Lock()
+
+    def _prompt(self, req: Request) -> tuple[list[int], bool]:
+        """Token ids, and whether the rendered prompt leaves the model inside <think>."""
+        if not req.chat:
+            return self.runner.encode(req.prompt), False
+        if self.runner.template is None:
+            raise RequestError(400, "this model has no usable chat template; use /v1/completions",
+                               "messages")
+        options: dict[str, Any] = {}
+        if req.enable_thinking is not None:
+            options["enable_thinking"] = req.enable_thinking
+        if req.tools:
+            options["tools"] = req.tools
+        text = self.runner.render(req.messages, **options)
+        tokenizer = self.runner.tokenizer
+        assert tokenizer is not None
+        return list(tokenizer.encode(text, add_special_tokens=False)), text.rstrip().endswith(OPEN)
+
+    def deltas(self, req: Request) -> Iterator[Delta]:
+        ids, opened = self._prompt(req)
+        depth = self.depth if req.depth is None else req.depth
+        if self.runner.head is None:
+            depth = 0
+        splitter = ChannelSplitter(opened) if req.chat else None
+        with self.lock:
+            for piece in self.runner.stream(ids, req.max_tokens, depth=depth, **req.sampling):
+                if splitter is None:
+                    delta = Delta(content=piece.text)
+                else:
+                    delta = Delta(*splitter.feed(piece.text))
+                    if piece.result is not None:
+                        reasoning, content = splitter.flush()
+                        delta = Delta(delta.reasoning + reasoning, delta.content + content)
+                delta.result, delta.tokens = piece.result, len(piece.tokens)
+                if delta.reasoning or delta.content or delta.tokens or delta.result is not None:
+                    yield delta
+
+
+def auto_depth(runner: Runner, max_tokens: int = 64) -> tuple[int, dict[int, float]]:
+    """Measure this machine: MTP depths 1-4 against plain decoding on the real code load;
+    (best depth or 0, depth -> speedup)."""
+    from mtpkit.decoder.compare import best_depth, sweep
+    from mtpkit.verify.loads import real_loads
+
+    if runner.head is None:
+        return 0, {}
+    code = real_loads()["code"]
+    found = sweep(runner, code.fresh(), max_tokens, [1, 2, 3, 4])
+    return best_depth(found), {d: c.speedup for d, c in found.items()}

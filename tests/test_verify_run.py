@@ -1,0 +1,104 @@
+"""verify-run against servers that lie in known ways: each verdict right, with a clear
+message and no traceback."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from fixtures.fake_servers import running
+from mtpkit.cli import main
+from mtpkit.schemas import validate
+
+QUICK = ["--loads", "code", "--runs", "1", "--max-tokens", "40", "--json"]
+
+
+def _verify(url: str, *extra: str) -> tuple[int, dict]:
+    result = CliRunner().invoke(main, ["verify-run", "--endpoint", url, *QUICK, *extra])
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    doc = json.loads(result.stdout)
+    validate(doc, "verify_run")
+    return result.exit_code, doc
+
+
+def _status(doc: dict) -> dict[str, str]:
+    return {c["name"]: c["status"] for c in doc["checks"]}
+
+
+def _check(doc: dict, name: str) -> dict:
+    return next(c for c in doc["checks"] if c["name"] == name)
+
+
+def test_honest_server_passes_and_is_counted_from_usage() -> None:
+    with running("honest") as url:
+        code, doc = _verify(url)
+    assert code == 0, doc["checks"]
+    status = _status(doc)
+    assert status["answer"] == status["streaming"] == status["counting"] == "pass"
+    assert status["speedup"] == "info" and "no MTP switch" in _check(doc, "speedup")["summary"]
+    counting = _check(doc, "counting")["evidence"]
+    assert counting["tokens"] == counting["chunks"] == 40
+    row = doc["speed"]["loads"]["code"]["as served"]
+    assert row["decode_tps"]["p50"] > 0 and row["tokens"] == [40]
+
+
+def test_multi_token_chunks_pass_and_tok_s_counts_tokens() -> None:
+    with running("multi_token") as url:
+        code, doc = _verify(url)
+    assert code == 0, doc["checks"]
+    counting = _check(doc, "counting")["evidence"]
+    assert counting["tokens"] == 40 and counting["chunks"] == 14
+    assert counting["tokens_per_chunk"] == pytest.approx(40 / 14)
+    with running("honest") as url:
+        _, honest = _verify(url)
+    ratio = (doc["speed"]["loads"]["code"]["as served"]["decode_tps"]["p50"]
+             / honest["speed"]["loads"]["code"]["as served"]["decode_tps"]["p50"])
+    assert ratio > 1.5, "three tokens per chunk must count as three tokens, not one"
+
+
+def test_dropped_short_chunks_fail_streaming_fidelity() -> None:
+    with running("drop_short") as url:
+        code, doc = _verify(url)
+    assert code == 1
+    check = _check(doc, "streaming")
+    assert check["status"] == "fail" and "lost" in check["summary"]
+    assert check["evidence"]["stream_chars"] < check["evidence"]["whole_chars"]
+
+
+def test_answer_only_in_reasoning_fails() -> None:
+    with running("reasoning_only") as url:
+        code, doc = _verify(url)
+    assert code == 1
+    check = _check(doc, "answer")
+    assert check["status"] == "fail" and "reasoning channel" in check["summary"]
+
+
+def test_missing_usage_fails_counting() -> None:
+    with running("no_usage") as url:
+        code, doc = _verify(url)
+    assert code == 1
+    assert "cannot be counted" in _check(doc, "counting")["summary"]
+
+
+@pytest.mark.parametrize(("mode", "words"), [("stall", "stalled"), ("malformed", "malformed SSE")])
+def test_broken_streams_fail_with_one_clear_message(mode: str, words: str) -> None:
+    with running(mode, stall_s=3.0) as url:
+        code, doc = _verify(url, "--timeout", "1")
+    assert code == 1
+    failed = [c for c in doc["checks"] if c["status"] == "fail"]
+    assert failed and words in failed[-1]["summary"] and "\n" not in failed[-1]["summary"]
+
+
+def test_unreachable_endpoint_is_a_one_line_error() -> None:
+    result = CliRunner().invoke(main, ["verify-run", "--endpoint", "http://127.0.0.1:9/v1"])
+    assert result.exit_code == 2 and "error [endpoint.unreachable]" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_floors_without_evidence_fail() -> None:
+    with running("honest") as url:
+        code, doc = _verify(url, "--min-speedup", "1.2", "--min-accept", "0.4")
+    assert code == 1
+    assert _status(doc)["speedup"] == "fail" and _status(doc)["acceptance"] == "fail"

@@ -1,0 +1,36 @@
+"""A local bundle as verify-run sees it: the same service `mtpkit serve` runs, called in
+process, so every check sees exactly what a client of `serve` would, plus the token ids."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from mtpkit.serve.protocol import Request
+from mtpkit.serve.service import Service
+from mtpkit.verify.answer import Answer, Chunk
+
+
+class Local:
+    def __init__(self, service: Service) -> None:
+        self.service = service
+
+    def ask(self, messages: list[dict] | None = None, prompt: str | None = None, *,
+            max_tokens: int, stream: bool, depth: int | None = None,
+            thinking: bool | None = None) -> Answer:
+        req = Request(chat=messages is not None, messages=messages or [], prompt=prompt or "",
+                      max_tokens=max_tokens, stream=stream, enable_thinking=thinking, depth=depth)
+        start = time.perf_counter()
+        chunks: list[Chunk] = []
+        result: Any = None
+        for delta in self.service.deltas(req):
+            chunks.append(Chunk(time.perf_counter() - start, delta.content, delta.reasoning,
+                                delta.tokens))
+            result = delta.result or result
+        assert result is not None
+        s = result.stats
+        mtp = {"depth": s.depth, "acceptance_by_depth": s.acceptance_by_depth,
+               "mean_accepted": s.mean_accepted}
+        return Answer("".join(c.content for c in chunks), "".join(c.reasoning for c in chunks),
+                      len(result.tokens), s.prompt_tokens, result.finish_reason,
+                      chunks if stream else [], mtp, s.peak_memory_bytes, list(result.tokens))

@@ -1,0 +1,71 @@
+"""The verification record: weights fingerprint, package versions, machine; and `--stamp`,
+which writes it into a bundle's mtpkit.json and model card (atomically)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from mtpkit.loaders.bundle import BundleView
+from mtpkit.loaders.digest import sha256_file
+from mtpkit.loaders.manifest import MANIFEST_FILE
+
+PACKAGES = ("mtpkit", "mlx", "mlx-lm", "safetensors", "numpy")
+CARD_MARK = "## Verification (mtpkit verify-run)"
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def machine() -> dict[str, Any]:
+    cpu = "unknown"
+    if Path("/proc/cpuinfo").exists():
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(
+        os, "sysconf") else None
+    return {"platform": platform.platform(), "cpu": cpu, "cores": os.cpu_count(),
+            "memory_bytes": memory, "python": platform.python_version(),
+            "versions": {p: _version(p) for p in PACKAGES}}
+
+
+def fingerprint(view: BundleView) -> dict[str, Any]:
+    """sha256 of every weight file (trunk shards and the sidecar), and one over all of them."""
+    names = sorted({*view.weights.trunk_files, *([view.weights.sidecar_file]
+                                                 if view.weights.sidecar_file else [])})
+    files = {n: sha256_file(view.root / n) for n in names}
+    overall = hashlib.sha256("".join(f"{n}:{h}\n" for n, h in files.items()).encode())
+    return {"sha256": overall.hexdigest(), "files": files}
+
+
+def _replace(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def stamp(root: Path, report: dict[str, Any]) -> None:
+    """Record the verdict in mtpkit.json ("verification") and in README.md's own section."""
+    manifest_path = root / MANIFEST_FILE
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    manifest["verification"] = {k: report[k] for k in ("passed", "checks", "speed", "record")}
+    _replace(manifest_path, json.dumps(manifest, indent=2) + "\n")
+    card_path = root / "README.md"
+    card = card_path.read_text(encoding="utf-8") if card_path.exists() else ""
+    card = card.split(CARD_MARK)[0].rstrip() + "\n\n" if CARD_MARK in card or card else ""
+    lines = [CARD_MARK, "", f"Verdict: **{'pass' if report['passed'] else 'FAIL'}** "
+             f"(weights sha256 `{report['record'].get('fingerprint', {}).get('sha256', '?')}`).",
+             "", "| check | result | evidence |", "|---|---|---|"]
+    lines += [f"| {c['name']} | {c['status']} | {c['summary']} |" for c in report["checks"]]
+    _replace(card_path, card + "\n".join(lines) + "\n")
