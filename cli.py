@@ -254,19 +254,22 @@ def convert(src: str, out: Path, quantize: bool, q_bits: int | None, q_group_siz
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
               help="Cast weights (float32: verify passes round like single steps, so greedy "
                    "output stays identical to plain even at near-ties).")
+@click.option("--rollback", type=click.Choice(["record", "replay"]), default="record",
+              show_default=True, help="How linear-attention state returns to the last kept "
+              "token: recorded per verify position, or a snapshot plus replay.")
 @click.option("--compare", is_flag=True,
               help="Run plain decoding first (both warmed up) and report the measured speedup.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document (generation schema).")
 def generate(bundle: str, prompt: str, raw: bool, max_tokens: int, depth: int | None,
              temperature: float, top_p: float, top_k: int, min_p: float, seed: int | None,
-             dtype: str | None, compare: bool, as_json: bool) -> None:
+             dtype: str | None, rollback: str, compare: bool, as_json: bool) -> None:
     """Generate from BUNDLE with the reference MTP decoder (exact: greedy output equals plain)."""
     from mtpkit.decoder.blas import note
     from mtpkit.decoder.compare import Comparison, baseline
     from mtpkit.decoder.runner import load
 
     with _user_errors("OUT"):
-        runner = load(bundle, dtype=dtype)
+        runner = load(bundle, dtype=dtype, rollback=rollback)
         if advice := note():
             click.echo(advice, err=True)
         message = prompt if raw or runner.template is None else [
@@ -428,7 +431,7 @@ Exit codes: 0 every check passed, 1 a check failed or a floor was not met, 2 bad
 
 
 def _verify_target(bundle: str | None, endpoint: str | None, api_key: str | None,
-                   timeout: float):
+                   timeout: float, dtype: str | None):
     """(target, facts, view) for a local bundle or an endpoint."""
     from mtpkit.verify.run import Facts
 
@@ -446,7 +449,7 @@ def _verify_target(bundle: str | None, endpoint: str | None, api_key: str | None
 
     assert bundle is not None
     view = open_bundle(bundle)
-    runner = load(bundle)
+    runner = load(bundle, dtype=dtype)
     t = view.template
     if runner.template is None:
         template = Check("template", FAIL, "no usable chat template" + (
@@ -475,9 +478,13 @@ def _verify_target(bundle: str | None, endpoint: str | None, api_key: str | None
 @click.option("--min-speedup", type=click.FloatRange(0), help="Fail below this MTP speedup.")
 @click.option("--timeout", type=click.FloatRange(0.1), default=60.0, show_default=True,
               help="Seconds an endpoint may stay silent before it counts as stalled.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
+              help="Local bundles: cast the weights (bf16 verify passes can flip near-ties, "
+                   "so float32 is the exactness proof).")
 def verify_run(bundle: str | None, endpoint: str | None, api_key: str | None, as_json: bool,
                stamp: bool, depth_opt: str | int, loads: str, runs: int, max_tokens: int,
-               min_accept: float | None, min_speedup: float | None, timeout: float) -> None:
+               min_accept: float | None, min_speedup: float | None, timeout: float,
+               dtype: str | None) -> None:
     """Check BUNDLE (or --endpoint) end to end and measure its speed the honest way."""
     from mtpkit.verify.endpoint import EndpointError
     from mtpkit.verify.loads import LOADS
@@ -496,7 +503,7 @@ def verify_run(bundle: str | None, endpoint: str | None, api_key: str | None, as
                             min_speedup=min_speedup)
     with _user_errors("--out"):
         try:
-            target, facts, view = _verify_target(bundle, endpoint, api_key, timeout)
+            target, facts, view = _verify_target(bundle, endpoint, api_key, timeout, dtype)
         except EndpointError as exc:
             _fail("endpoint.unreachable", str(exc), "check --endpoint and that the server runs")
         report = run(target, facts, options, progress=lambda s: click.echo(f"verify-run: {s}",

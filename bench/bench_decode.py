@@ -11,15 +11,12 @@ the steady window (first `--drop` tokens dropped) from per-token arrival times, 
 from __future__ import annotations
 
 import argparse
-import codecs
 import importlib.util
-import inspect
 import json
 import os
 import statistics
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,23 +36,6 @@ def smollm2_bundle(workdir: Path) -> Path:
         convert(str(package / "SmolLM2-135M-Instruct.Q4_1.gguf"), out,
                 ConvertOptions(quant=QuantOptions(dtype="bfloat16")))
     return out
-
-
-def loads() -> dict[str, tuple[str, bool]]:
-    """Real content (name -> (text, as chat)): stdlib code to continue, a memo, a polish."""
-    import contextlib
-    import io
-    import json.decoder as code_source
-
-    with contextlib.redirect_stdout(io.StringIO()):
-        import this  # noqa: F401  (prints the Zen on import; its text is ROT13 in this.s)
-
-    code = inspect.getsource(code_source)[:1800]
-    zen = codecs.decode(sys.modules["this"].s, "rot13")
-    memo = ("Write a short technical memo for engineers that explains what this module does and "
-            "when to use it:\n\n" + (inspect.getdoc(__import__("shelve")) or ""))
-    polish = "Polish the English of this text without changing its meaning:\n\n" + zen
-    return {"code": (code, False), "memo": (memo, True), "polish": (polish, True)}
 
 
 def _timed(pieces: Iterator[list[int]]) -> tuple[list[int], list[float]]:
@@ -84,7 +64,8 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], help="cast weights (default: as "
                     "stored, quantized ones dequantized to bf16 on CPU)")
     ap.add_argument("--tag", default="decode", help="result file name")
-    ap.add_argument("--loads", default="code,memo,polish", help="which real-content loads")
+    ap.add_argument("--loads", default="code,memo,translation", help="which real-content loads")
+    ap.add_argument("--rollback", choices=["record", "replay"], default="record")
     args = ap.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
 
@@ -93,16 +74,17 @@ def main() -> None:
 
     import mtpkit
     from mtpkit.decoder.blas import loaded_blas
+    from mtpkit.verify.loads import real_loads
 
     bundle = args.bundle or smollm2_bundle(args.workdir)
-    runner = mtpkit.load(bundle, dtype=args.dtype)
+    runner = mtpkit.load(bundle, dtype=args.dtype, rollback=args.rollback)
     tok = runner.tokenizer
-    prompts = {k: v for k, v in loads().items() if k in args.loads.split(",")}
+    prompts = {k: v for k, v in real_loads().items() if k in args.loads.split(",")}
 
     def ids_for(name: str) -> list[int]:
-        text, chat = prompts[name]
-        text = f"[request {uuid.uuid4().hex[:12]}]\n" + text  # no prefix cache can help
-        return runner.encode([{"role": "user", "content": text}] if chat else text)
+        load = prompts[name]
+        text = load.fresh()  # a nonce first: no prefix cache can help
+        return runner.encode([{"role": "user", "content": text}] if load.chat else text)
 
     def ours(ids: list[int], depth: int):
         result = None
@@ -156,7 +138,7 @@ def main() -> None:
     payload = {"bundle": str(bundle), "max_tokens": args.max_tokens, "drop": args.drop,
                "runs": args.runs, "peak_memory_mb": mx.get_peak_memory() / 2**20,
                "loads": rows, "dtype": args.dtype or "as stored (auto)",
-               "blas": loaded_blas(), "ld_preload": os.environ.get("LD_PRELOAD")}
+               "blas": loaded_blas(), "rollback": args.rollback, "ld_preload": os.environ.get("LD_PRELOAD")}
     path = save(args.tag, payload)
     print(f"saved {path}")
 

@@ -33,4 +33,4 @@ def note() -> str | None:
     if loaded_blas() != "reference":
         return None
     return ("note: MLX is using the reference BLAS bundled with its Linux wheel (slow float32 "
-            f"matmuls, no speculative speed-up); for an optimized one: {OPENBLAS_HINT}")
+            f"matmuls: verifying K tokens costs about K steps); for an optimized one: {OPENBLAS_HINT}")

@@ -14,5 +14,5 @@ if [ ! -f "$out/trained.json" ]; then
   .venv/bin/python tests/fixtures/trained.py qwen3_5 "$out" > /dev/null
 fi
 .venv/bin/mtpkit doctor "$out"
-.venv/bin/mtpkit generate "$out" "def parse_header(self, line):" --raw --depth 2 \
-  --max-tokens 192 --dtype float32 --compare
+.venv/bin/mtpkit generate "$out" "def parse_header(self, line):" --raw --depth 4 \
+  --rollback replay --max-tokens 256 --dtype float32 --compare

@@ -7,16 +7,15 @@ import json
 import socket
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
 
 import mtpkit
+from fixtures.fake_servers import in_thread
 from mtpkit.cli import main
 from mtpkit.loaders.findings import UserError
 from mtpkit.schemas import validate
@@ -26,18 +25,12 @@ from mtpkit.serve.service import Service, tool_calls
 from mtpkit.verify.endpoint import Endpoint, EndpointError
 
 
-@contextmanager
 def serving(bundle: Path, depth: int = 2, api_key: str | None = None,
-            max_tokens: int = 512) -> Iterator[str]:
+            max_tokens: int = 512) -> Any:
+    """Our own server over `bundle` on loopback (a context manager yielding its base URL)."""
     runner = mtpkit.load(bundle, dtype="float32")
-    server = Server(Service(runner, bundle.name, depth, max_tokens), "127.0.0.1", 0, api_key)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
-    finally:
-        server.shutdown()
-        server.server_close()
+    return in_thread(Server(Service(runner, bundle.name, depth, max_tokens), "127.0.0.1", 0,
+                            api_key))
 
 
 @pytest.mark.parametrize(("pieces", "opened", "want"), [

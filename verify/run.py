@@ -221,7 +221,8 @@ def _exactness(exact: list[bool], facts: Facts, depth: int | None) -> Check:
         return Check("exactness", PASS, f"greedy MTP output equals plain output ({what}, "
                      f"{len(exact)} prompts, depth {depth})", evidence)
     return Check("exactness", FAIL, f"greedy MTP output differs from plain on "
-                 f"{len(exact) - sum(exact)} of {len(exact)} prompts", evidence)
+                 f"{len(exact) - sum(exact)} of {len(exact)} prompts (in bf16 a verify pass can "
+                 "flip a near-tie; float32 weights prove the rule)", evidence)
 
 
 def _speed_checks(rows: dict[str, dict], options: VerifyOptions, control: bool,
