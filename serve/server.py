@@ -15,6 +15,7 @@ from mtpkit.serve.protocol import MAX_BODY_BYTES, RequestError, completion_id, e
 from mtpkit.serve.service import Service, tool_calls, usage
 
 SOCKET_TIMEOUT_S = 120
+DRAIN_BYTES = 16 * MAX_BODY_BYTES  # oversized bodies up to this are read and dropped
 
 
 def is_loopback(host: str) -> bool:
@@ -58,6 +59,10 @@ class Handler(BaseHTTPRequestHandler):
         except ValueError:
             raise RequestError(411, "Content-Length is required") from None
         if not 0 <= length <= MAX_BODY_BYTES:
+            self.close_connection = True
+            if 0 < length <= DRAIN_BYTES:  # read it away so the client sees the 413, not EPIPE
+                while length > 0:
+                    length -= len(self.rfile.read(min(length, 1 << 16)) or b"x" * length)
             raise RequestError(413, f"request body over {MAX_BODY_BYTES} bytes")
         try:
             return json.loads(self.rfile.read(length) or b"null")

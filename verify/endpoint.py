@@ -20,9 +20,9 @@ MAX_LINE = 1 << 20
 class EndpointError(Exception):
     """The endpoint failed in a way verify-run reports as evidence (one line)."""
 
-    def __init__(self, message: str, unreachable: bool = False) -> None:
+    def __init__(self, message: str, unreachable: bool = False, status: int | None = None) -> None:
         super().__init__(message)
-        self.unreachable = unreachable
+        self.unreachable, self.status = unreachable, status
 
 
 class Endpoint:
@@ -72,7 +72,8 @@ class Endpoint:
         if response.status != 200:
             detail = response.read(2000).decode("utf-8", "replace")
             conn.close()
-            raise EndpointError(f"{method} {path}: HTTP {response.status}: {_message(detail)}")
+            raise EndpointError(f"{method} {path}: HTTP {response.status}: {_message(detail)}",
+                                status=response.status)
         return conn, response
 
     def _json(self, method: str, path: str, body: dict | None = None) -> dict[str, Any]:
@@ -94,12 +95,13 @@ class Endpoint:
     def model(self) -> str | None:
         """The first model the server lists (asked once); None when the listing is broken but
         the server answers (stock mlx_lm.server's /v1/models fails without a Hugging Face
-        cache folder), and requests then name no model. Raises when nothing answers."""
+        cache folder), and requests then name no model. Raises when nothing answers or the key
+        is refused."""
         if not self._listed:
             try:
                 data = self._json("GET", "/models").get("data")
             except EndpointError as exc:
-                if exc.unreachable:
+                if exc.unreachable or exc.status in (401, 403):
                     raise
                 data = None
             if isinstance(data, list) and data and isinstance(data[0], dict):
