@@ -506,6 +506,9 @@ def verify_run(bundle: str | None, endpoint: str | None, api_key: str | None, as
             target, facts, view = _verify_target(bundle, endpoint, api_key, timeout, dtype)
         except EndpointError as exc:
             _fail("endpoint.unreachable", str(exc), "check --endpoint and that the server runs")
+        if stamp and view is not None and not (view.root / "mtpkit.json").exists():
+            _fail("manifest.missing", f"{view.root} has no mtpkit.json to stamp",
+                  "mtpkit convert writes a bundle with one; or run without --stamp")
         report = run(target, facts, options, progress=lambda s: click.echo(f"verify-run: {s}",
                                                                            err=True))
         report.record = {"machine": machine(), **({"fingerprint": fingerprint(view)} if view

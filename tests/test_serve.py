@@ -136,9 +136,11 @@ def test_verify_run_passes_our_own_serve(trained) -> None:
 
 
 def test_verify_run_local_bundle_json_and_stamp(trained, tmp_path: Path) -> None:
-    import shutil
+    from mtpkit.convert.convert import ConvertOptions, convert
 
-    bundle = shutil.copytree(trained["qwen3_5_moe"][0], tmp_path / "moe")
+    refused = CliRunner().invoke(main, ["verify-run", str(trained["qwen3_5_moe"][0]), "--stamp"])
+    assert refused.exit_code == 2 and "error [manifest.missing]" in refused.output
+    bundle = convert(str(trained["qwen3_5_moe"][0]), tmp_path / "moe", ConvertOptions()).out
     result = CliRunner().invoke(main, ["verify-run", str(bundle), "--loads", "code", "--runs",
                                        "1", "--max-tokens", "32", "--depth", "2", "--json",
                                        "--stamp"])
@@ -150,6 +152,8 @@ def test_verify_run_local_bundle_json_and_stamp(trained, tmp_path: Path) -> None
     manifest = json.loads((bundle / "mtpkit.json").read_text())
     assert manifest["verification"]["checks"] == doc["checks"]
     assert "## Verification (mtpkit verify-run)" in (bundle / "README.md").read_text()
+    assert mtpkit.open_bundle(bundle).errors == [] and not [
+        f for f in mtpkit.open_bundle(bundle).findings if f.code.startswith("manifest.")]
 
 
 def _free_port() -> int:

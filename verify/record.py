@@ -13,6 +13,7 @@ from typing import Any
 
 from mtpkit.loaders.bundle import BundleView
 from mtpkit.loaders.digest import sha256_file
+from mtpkit.loaders.findings import UserError
 from mtpkit.loaders.manifest import MANIFEST_FILE
 
 PACKAGES = ("mtpkit", "mlx", "mlx-lm", "safetensors", "numpy")
@@ -56,16 +57,24 @@ def _replace(path: Path, text: str) -> None:
 
 
 def stamp(root: Path, report: dict[str, Any]) -> None:
-    """Record the verdict in mtpkit.json ("verification") and in README.md's own section."""
+    """Record the verdict in README.md's own section and in mtpkit.json ("verification"), and
+    keep the manifest's entry for the card true (bytes, sha256). Needs a manifest: a bundle
+    mtpkit did not write has no record to extend."""
     manifest_path = root / MANIFEST_FILE
-    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
-    manifest["verification"] = {k: report[k] for k in ("passed", "checks", "speed", "record")}
-    _replace(manifest_path, json.dumps(manifest, indent=2) + "\n")
+    if not manifest_path.exists():
+        raise UserError("manifest.missing", f"{root} has no {MANIFEST_FILE} to stamp",
+                        "mtpkit convert writes a bundle with one; or run without --stamp")
+    manifest = json.loads(manifest_path.read_text())
     card_path = root / "README.md"
     card = card_path.read_text(encoding="utf-8") if card_path.exists() else ""
-    card = card.split(CARD_MARK)[0].rstrip() + "\n\n" if CARD_MARK in card or card else ""
+    card = card.split(CARD_MARK)[0].rstrip() + "\n\n" if card.strip() else ""
     lines = [CARD_MARK, "", f"Verdict: **{'pass' if report['passed'] else 'FAIL'}** "
              f"(weights sha256 `{report['record'].get('fingerprint', {}).get('sha256', '?')}`).",
              "", "| check | result | evidence |", "|---|---|---|"]
     lines += [f"| {c['name']} | {c['status']} | {c['summary']} |" for c in report["checks"]]
     _replace(card_path, card + "\n".join(lines) + "\n")
+    for entry in manifest.get("files", []):
+        if entry.get("path") == "README.md":
+            entry["bytes"], entry["sha256"] = card_path.stat().st_size, sha256_file(card_path)
+    manifest["verification"] = {k: report[k] for k in ("passed", "checks", "speed", "record")}
+    _replace(manifest_path, json.dumps(manifest, indent=2) + "\n")
