@@ -393,13 +393,11 @@ def serve(bundle: str, host: str, port: int, api_key: str | None, depth_opt: str
           max_tokens: int, dtype: str | None, verbose: bool) -> None:
     """Serve BUNDLE over an OpenAI-compatible API with the reference MTP decoder."""
     from mtpkit.decoder.runner import load
-    from mtpkit.serve.server import Server, is_loopback
+    from mtpkit.serve.server import Server, check_bind
     from mtpkit.serve.service import Service, auto_depth
 
     with _user_errors("--out"):
-        if not is_loopback(host) and not api_key:
-            _fail("serve.exposed", f"refusing to bind {host} without an API key",
-                  "pass --api-key KEY, or bind 127.0.0.1")
+        check_bind(host, api_key)  # before the (slow) load
         runner = load(bundle, dtype=dtype)
         if depth_opt == "auto":
             depth, speedups = auto_depth(runner)
@@ -430,39 +428,6 @@ Exit codes: 0 every check passed, 1 a check failed or a floor was not met, 2 bad
 """
 
 
-def _verify_target(bundle: str | None, endpoint: str | None, api_key: str | None,
-                   timeout: float, dtype: str | None):
-    """(target, facts, view) for a local bundle or an endpoint."""
-    from mtpkit.verify.run import Facts
-
-    if endpoint:
-        from mtpkit.verify.endpoint import Endpoint
-
-        target = Endpoint(endpoint, api_key, timeout)
-        target.model()  # reachable and serving a model, or a one-line error
-        return target, Facts("endpoint", endpoint), None
-    from mtpkit.decoder.runner import load
-    from mtpkit.loaders.bundle import open_bundle
-    from mtpkit.serve.service import Service
-    from mtpkit.verify.checks import FAIL, PASS, Check
-    from mtpkit.verify.local import Local
-
-    assert bundle is not None
-    view = open_bundle(bundle)
-    runner = load(bundle, dtype=dtype)
-    t = view.template
-    if runner.template is None:
-        template = Check("template", FAIL, "no usable chat template" + (
-            f" ({t.source} does not render safely)" if t.source else ""),
-            {"source": t.source})
-    else:
-        template = Check("template", PASS, f"{t.source}: renders", {
-            "source": t.source, "thinking_switch": t.thinking,
-            "generation_prompt_opens_reasoning": t.opens_reasoning})
-    service = Service(runner, view.root.name, 0, 1 << 16)
-    return Local(service), Facts("bundle", str(view.root), template, t.thinking, True), view
-
-
 @main.command("verify-run", epilog=EXAMPLES_VERIFY)
 @click.argument("bundle", required=False)
 @click.option("--endpoint", help="An OpenAI-compatible server URL instead of a local bundle.")
@@ -486,11 +451,12 @@ def verify_run(bundle: str | None, endpoint: str | None, api_key: str | None, as
                min_accept: float | None, min_speedup: float | None, timeout: float,
                dtype: str | None) -> None:
     """Check BUNDLE (or --endpoint) end to end and measure its speed the honest way."""
-    from mtpkit.verify.endpoint import EndpointError
+    from mtpkit.verify.endpoint import EndpointError, open_endpoint
     from mtpkit.verify.loads import LOADS
-    from mtpkit.verify.record import fingerprint, machine
+    from mtpkit.verify.local import open_local
+    from mtpkit.verify.record import fingerprint, machine, require_manifest
     from mtpkit.verify.record import stamp as write_stamp
-    from mtpkit.verify.run import VerifyOptions, run
+    from mtpkit.verify.run import Facts, VerifyOptions, run, table
 
     if (bundle is None) == (endpoint is None):
         _fail("usage", "give a BUNDLE or --endpoint URL (not both)", "see mtpkit verify-run --help")
@@ -503,12 +469,16 @@ def verify_run(bundle: str | None, endpoint: str | None, api_key: str | None, as
                             min_speedup=min_speedup)
     with _user_errors("--out"):
         try:
-            target, facts, view = _verify_target(bundle, endpoint, api_key, timeout, dtype)
+            if endpoint:
+                target, view = open_endpoint(endpoint, api_key, timeout), None
+                facts = Facts("endpoint", endpoint)
+            else:
+                assert bundle is not None
+                target, facts, view = open_local(bundle, dtype)
         except EndpointError as exc:
             _fail("endpoint.unreachable", str(exc), "check --endpoint and that the server runs")
-        if stamp and view is not None and not (view.root / "mtpkit.json").exists():
-            _fail("manifest.missing", f"{view.root} has no mtpkit.json to stamp",
-                  "mtpkit convert writes a bundle with one; or run without --stamp")
+        if stamp and view is not None:
+            require_manifest(view.root)  # before the (long) run
         report = run(target, facts, options, progress=lambda s: click.echo(f"verify-run: {s}",
                                                                            err=True))
         report.record = {"machine": machine(), **({"fingerprint": fingerprint(view)} if view
@@ -519,36 +489,8 @@ def verify_run(bundle: str | None, endpoint: str | None, api_key: str | None, as
     if as_json:
         click.echo(json.dumps(doc, indent=2))
     else:
-        click.echo(_verify_table(doc))
+        click.echo(table(doc))
     raise SystemExit(0 if report.passed else 1)
-
-
-def _verify_table(doc: dict) -> str:
-    lines = [f"verify-run {doc['target']['kind']} {doc['target']['name']}", ""]
-    width = max(len(c["name"]) for c in doc["checks"]) if doc["checks"] else 8
-    lines += [f"  {c['status'].upper():4}  {c['name']:<{width}}  {c['summary']}"
-              for c in doc["checks"]]
-    speed = doc.get("speed") or {}
-    for name, row in (speed.get("loads") or {}).items():
-        parts = []
-        for mode in ("plain", "mtp", "as served"):
-            tps = (row.get(mode) or {}).get("decode_tps")
-            if tps:
-                parts.append(f"{mode} {tps['p50']:.1f} tok/s (P95 {tps['p95']:.1f})")
-        ttft = next(((row.get(m) or {}).get("ttft_s") for m in ("plain", "as served")
-                     if (row.get(m) or {}).get("ttft_s")), None)
-        if ttft:
-            parts.append(f"TTFT {1000 * ttft['p50']:.0f} ms")
-        accept = (row.get("mtp") or {}).get("acceptance_by_depth")
-        if accept:
-            parts.append("acceptance " + " / ".join(f"{100 * a:.0f}%" for a in accept))
-        if row.get("speedup"):
-            parts.append(f"speedup {row['speedup']:.2f}x")
-        lines.append(f"  load {name}: " + ", ".join(parts))
-    fp = doc["record"].get("fingerprint", {}).get("sha256")
-    verdict = "PASS" if doc["passed"] else "FAIL"
-    lines += ["", f"{verdict}" + (f"  (weights sha256 {fp[:16]}...)" if fp else "")]
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -60,9 +60,10 @@ def probabilities(logits: mx.array, params: SamplingParams) -> np.ndarray:
     return probs / probs.sum(axis=-1, keepdims=True)
 
 
-def greedy_tokens(logits: mx.array) -> list[int]:
-    """Argmax per row; the plain and speculative paths both break ties here (lowest id)."""
-    return [int(t) for t in np.array(mx.argmax(logits.astype(mx.float32), axis=-1)).reshape(-1)]
+def greedy(logits: mx.array, keepdims: bool = False) -> mx.array:
+    """Lazy argmax over the last axis in float32: the plain and speculative paths both break
+    ties here (lowest id)."""
+    return mx.argmax(logits.astype(mx.float32), axis=-1, keepdims=keepdims)
 
 
 def draw(probs: np.ndarray, rng: np.random.Generator) -> int:

@@ -17,7 +17,7 @@ import numpy as np
 
 from mtpkit.decoder import acceptance
 from mtpkit.decoder.head import MTPHead
-from mtpkit.decoder.sampling import SamplingParams, draw, probabilities, tempered
+from mtpkit.decoder.sampling import SamplingParams, draw, greedy, probabilities, tempered
 from mtpkit.decoder.state import commit_recorded, rewind, snapshot, trim
 from mtpkit.decoder.stats import Stats
 from mtpkit.decoder.trunk import Trunk
@@ -52,7 +52,7 @@ class Session:
     def _sample(self, logits: mx.array) -> mx.array:
         """A lazy token from logits (1, V), drawn as mlx-lm's sampler draws it."""
         if self.params.greedy:
-            return mx.argmax(logits.astype(mx.float32), axis=-1)
+            return greedy(logits)
         self.key, sub = mx.random.split(self.key)
         return mx.random.categorical(tempered(logits, self.params), key=sub)
 
@@ -120,7 +120,7 @@ class Session:
             chained[k % self.head.blocks] += k > 0
             row = logits[:, -1]
             if self.params.greedy:
-                tokens = mx.argmax(row.astype(mx.float32), axis=-1, keepdims=True)
+                tokens = greedy(row, keepdims=True)
             else:
                 rows.append(probabilities(row, self.params)[0])
                 tokens = mx.array([[draw(rows[-1], self.rng)]])
@@ -143,13 +143,13 @@ class Session:
             for recorder in self.recorders:
                 recorder.recording = False
         if self.params.greedy:
-            targets = mx.argmax(logits[0].astype(mx.float32), axis=-1)
-            mx.eval(tokens, targets)
+            targets = greedy(logits[0])
+            mx.eval(tokens, targets)  # drafts and verify in the round's one host sync
             drafts = tokens[0, 1:].tolist()
             verdict = acceptance.accept_greedy(drafts, targets.tolist())
         else:
-            drafts = tokens[0, 1:].tolist()
             p = probabilities(logits[0], self.params)
+            drafts = tokens[0, 1:].tolist()
             verdict = acceptance.accept_sampled(drafts, q if q is not None else p[:0], p,
                                                 self.rng)
         kept = verdict.accepted

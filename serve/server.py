@@ -18,6 +18,13 @@ SOCKET_TIMEOUT_S = 120
 DRAIN_BYTES = 16 * MAX_BODY_BYTES  # oversized bodies up to this are read and dropped
 
 
+def check_bind(host: str, api_key: str | None) -> None:
+    """Refuse to expose the server off loopback without an API key."""
+    if not is_loopback(host) and not api_key:
+        raise UserError("serve.exposed", f"refusing to bind {host} without an API key",
+                        "pass --api-key KEY, or bind 127.0.0.1")
+
+
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -181,9 +188,7 @@ class Server(ThreadingHTTPServer):
 
     def __init__(self, service: Service, host: str, port: int, api_key: str | None,
                  verbose: bool = False) -> None:
-        if not is_loopback(host) and not api_key:
-            raise UserError("serve.exposed", f"refusing to bind {host} without an API key",
-                            "pass --api-key KEY, or bind 127.0.0.1")
+        check_bind(host, api_key)
         self.service, self.api_key, self.verbose = service, api_key, verbose
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.address_family = family

@@ -213,3 +213,10 @@ def _read_stream(response: http.client.HTTPResponse, start: float) -> Answer:
     return Answer("".join(c.content for c in chunks), "".join(c.reasoning for c in chunks),
                   usage.get("completion_tokens"), usage.get("prompt_tokens"), finish, chunks,
                   usage.get("mtp"))
+
+
+def open_endpoint(url: str, api_key: str | None, stall_s: float = STALL_S) -> Endpoint:
+    """An endpoint that answers (and accepts the key), or EndpointError."""
+    endpoint = Endpoint(url, api_key, stall_s)
+    endpoint.model()
+    return endpoint

@@ -6,9 +6,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from mtpkit.decoder.runner import load
+from mtpkit.loaders.bundle import BundleView, open_bundle
 from mtpkit.serve.protocol import Request
 from mtpkit.serve.service import Service
 from mtpkit.verify.answer import Answer, Chunk
+from mtpkit.verify.checks import FAIL, PASS, Check
+from mtpkit.verify.run import Facts
 
 
 class Local:
@@ -34,3 +38,20 @@ class Local:
         return Answer("".join(c.content for c in chunks), "".join(c.reasoning for c in chunks),
                       len(result.tokens), s.prompt_tokens, result.finish_reason,
                       chunks if stream else [], mtp, s.peak_memory_bytes, list(result.tokens))
+
+
+def open_local(bundle: str, dtype: str | None = None) -> tuple[Local, Facts, BundleView]:
+    """The bundle loaded behind serve's service, what verify-run knows of it (the template
+    verdict, its thinking switch), and its view."""
+    view = open_bundle(bundle)
+    runner = load(bundle, dtype=dtype)
+    t = view.template
+    if runner.template is None:
+        template = Check("template", FAIL, "no usable chat template" + (
+            f" ({t.source} does not render safely)" if t.source else ""), {"source": t.source})
+    else:
+        template = Check("template", PASS, f"{t.source}: renders", {
+            "source": t.source, "thinking_switch": t.thinking,
+            "generation_prompt_opens_reasoning": t.opens_reasoning})
+    service = Service(runner, view.root.name, 0, 1 << 16)
+    return Local(service), Facts("bundle", str(view.root), template, t.thinking, True), view

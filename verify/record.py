@@ -56,14 +56,20 @@ def _replace(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def require_manifest(root: Path) -> Path:
+    """The bundle's manifest path; a bundle mtpkit did not write has no record to extend."""
+    path = root / MANIFEST_FILE
+    if not path.exists():
+        raise UserError("manifest.missing", f"{root} has no {MANIFEST_FILE} to stamp",
+                        "mtpkit convert writes a bundle with one; or run without --stamp")
+    return path
+
+
 def stamp(root: Path, report: dict[str, Any]) -> None:
     """Record the verdict in README.md's own section and in mtpkit.json ("verification"), and
     keep the manifest's entry for the card true (bytes, sha256). Needs a manifest: a bundle
     mtpkit did not write has no record to extend."""
-    manifest_path = root / MANIFEST_FILE
-    if not manifest_path.exists():
-        raise UserError("manifest.missing", f"{root} has no {MANIFEST_FILE} to stamp",
-                        "mtpkit convert writes a bundle with one; or run without --stamp")
+    manifest_path = require_manifest(root)
     manifest = json.loads(manifest_path.read_text())
     card_path = root / "README.md"
     card = card_path.read_text(encoding="utf-8") if card_path.exists() else ""

@@ -257,3 +257,32 @@ def _speed_checks(rows: dict[str, dict], options: VerifyOptions, control: bool,
         out.append(Check("acceptance", status, f"depth-1 acceptance {100 * accept:.1f}%"
                          + (f", floor {100 * floor:.0f}%" if floor is not None else ""), evidence))
     return out
+
+
+def table(doc: dict[str, Any]) -> str:
+    """The human table verify-run prints."""
+    lines = [f"verify-run {doc['target']['kind']} {doc['target']['name']}", ""]
+    width = max(len(c["name"]) for c in doc["checks"]) if doc["checks"] else 8
+    lines += [f"  {c['status'].upper():4}  {c['name']:<{width}}  {c['summary']}"
+              for c in doc["checks"]]
+    speed = doc.get("speed") or {}
+    for name, row in (speed.get("loads") or {}).items():
+        parts = []
+        for mode in ("plain", "mtp", "as served"):
+            tps = (row.get(mode) or {}).get("decode_tps")
+            if tps:
+                parts.append(f"{mode} {tps['p50']:.1f} tok/s (P95 {tps['p95']:.1f})")
+        ttft = next(((row.get(m) or {}).get("ttft_s") for m in ("plain", "as served")
+                     if (row.get(m) or {}).get("ttft_s")), None)
+        if ttft:
+            parts.append(f"TTFT {1000 * ttft['p50']:.0f} ms")
+        accept = (row.get("mtp") or {}).get("acceptance_by_depth")
+        if accept:
+            parts.append("acceptance " + " / ".join(f"{100 * a:.0f}%" for a in accept))
+        if row.get("speedup"):
+            parts.append(f"speedup {row['speedup']:.2f}x")
+        lines.append(f"  load {name}: " + ", ".join(parts))
+    fp = doc["record"].get("fingerprint", {}).get("sha256")
+    verdict = "PASS" if doc["passed"] else "FAIL"
+    lines += ["", f"{verdict}" + (f"  (weights sha256 {fp[:16]}...)" if fp else "")]
+    return "\n".join(lines)
