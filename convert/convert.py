@@ -14,14 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
-
 from mtpkit.convert.card import model_card
 from mtpkit.convert.manifest import build_manifest
 from mtpkit.convert.sidecar import SidecarOptions, build_sidecar
 from mtpkit.convert.trunk import QuantOptions, build_trunk
 from mtpkit.convert.writer import (
     OutputExists,
+    Tensor,
     staged_output,
     write_safetensors,
     write_shards,
@@ -187,7 +186,7 @@ def _convert(src: str, out: Path, options: ConvertOptions, progress: Callable[[i
     with staged_output(out, force=options.force) as stage:
         model, trunk, config = build_trunk(view, quant)
         mtp_record = None
-        sidecar: dict[str, mx.array] = {}
+        sidecar: dict[str, Tensor] = {}
         if view.mtp.tensors:
             hidden = view.config.dim("hidden_size") or 0
             sidecar, mtp_record = build_sidecar(view, sidecar_opts, model, hidden)

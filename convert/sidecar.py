@@ -12,6 +12,8 @@ import mlx.nn as nn
 
 from mtpkit.convert.experts import stack_experts
 from mtpkit.convert.norms import reencode_norms
+from mtpkit.convert.quantize import quantize_rows
+from mtpkit.convert.writer import Tensor
 from mtpkit.loaders.arrays import mtp_arrays
 from mtpkit.loaders.bundle import BundleView
 from mtpkit.loaders.families import is_shifted_norm
@@ -69,10 +71,10 @@ def build_sidecar(view: BundleView, options: SidecarOptions, trunk_model: nn.Mod
 
 
 def encode_sidecar(arrays: dict[str, mx.array], options: SidecarOptions
-                   ) -> tuple[dict[str, mx.array], dict[str, Any]]:
+                   ) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """Canonical head arrays (absolute norms, stacked experts) -> sidecar tensors quantized by
     the policy, and the `mtplx_mtp_quantization` record describing them."""
-    out: dict[str, mx.array] = {}
+    out: dict[str, Tensor] = {}
     modules = []
     for name, arr in sorted(arrays.items()):
         if options.dtype is not None and mx.issubdtype(arr.dtype, mx.floating):
@@ -81,8 +83,7 @@ def encode_sidecar(arrays: dict[str, mx.array], options: SidecarOptions
             out[name] = arr
             continue
         module = name[: -len(".weight")]
-        parts = mx.quantize(arr, group_size=options.group_size, bits=options.bits,
-                            mode=options.mode)
+        parts = quantize_rows(arr, options.group_size, options.bits, options.mode)
         for suffix, part in zip(("weight", "scales", "biases"), parts, strict=False):
             out[f"{module}.{suffix}"] = part
         modules.append(module)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import fnmatch
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,6 +15,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
 
+from mtpkit.convert.quantize import quantize_rows
+from mtpkit.convert.writer import Tensor
 from mtpkit.loaders.bundle import BundleView
 
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
@@ -80,7 +81,7 @@ def _predicate(model: nn.Module, options: QuantOptions, group: int
 
 
 def build_trunk(view: BundleView, options: QuantOptions) -> tuple[
-        nn.Module, dict[str, mx.array], dict[str, Any]]:
+        nn.Module, dict[str, Tensor], dict[str, Any]]:
     """(model, lazy tensors by name, config) for the converted trunk."""
     from mlx_lm.utils import dequantize_model, quantize_model
 
@@ -106,27 +107,20 @@ def build_trunk(view: BundleView, options: QuantOptions) -> tuple[
             model, config = quantize_model(model, config, group_size=options.group_size,
                                            bits=options.bits, mode=options.mode,
                                            quant_predicate=_predicate(model, options, group or 32))
-    tensors = dict(tree_flatten(model.parameters()))
-    if options.quantize and mx.default_device() == mx.cpu:
+    tensors: dict[str, Tensor] = dict(tree_flatten(model.parameters()))
+    if options.quantize:
         _spread_over_cpu_streams(model, sources, tensors)
     return model, tensors, config
 
 
 def _spread_over_cpu_streams(model: nn.Module, sources: dict[str, mx.array],
-                             tensors: dict[str, mx.array]) -> None:
-    """MLX's CPU quantize runs on one thread per stream, so mlx-lm's conversion uses one core.
-    Re-issue each module's quantization -- the very call mlx's quantized layers make,
-    mx.quantize(weight, group_size, bits, mode=mode) -- round-robin on one CPU stream per core.
-    The result is bit-identical to mlx-lm's (tests compare every tensor)."""
-    streams = [mx.new_stream(mx.cpu) for _ in range(max(1, min(os.cpu_count() or 1, 8)))]
-    spread = 0
+                             tensors: dict[str, Tensor]) -> None:
+    """Re-issue each quantized module's quantization with quantize_rows (same call, same bytes
+    as mlx-lm's, spread over every core)."""
     for path, module in model.named_modules():
         source = sources.get(f"{path}.weight")
         if source is None or "scales" not in module or module.get("global_scale") is not None:
             continue  # not quantized here, or nvfp4 experts with per-expert global scales
-        with mx.stream(streams[spread % len(streams)]):
-            parts = mx.quantize(source, module.group_size, module.bits, mode=module.mode)
-        spread += 1
-        tensors[f"{path}.weight"], tensors[f"{path}.scales"] = parts[0], parts[1]
-        if len(parts) > 2:
-            tensors[f"{path}.biases"] = parts[2]
+        parts = quantize_rows(source, module.group_size, module.bits, module.mode)
+        for suffix, part in zip(("weight", "scales", "biases"), parts, strict=False):
+            tensors[f"{path}.{suffix}"] = part

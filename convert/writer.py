@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 import mlx.core as mx
 import numpy as np
@@ -36,6 +37,24 @@ class OutputExists(Exception):
     pass
 
 
+class Rows:
+    """A tensor computed as consecutive axis-0 chunks (lazy arrays). Its bytes are the chunks'
+    bytes back to back, so the writer streams them in order and never concatenates."""
+
+    def __init__(self, parts: list[mx.array]) -> None:
+        self.parts = parts
+        self.dtype = parts[0].dtype
+        self.shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+        self.nbytes = sum(p.nbytes for p in parts)
+
+
+Tensor = mx.array | Rows
+
+
+def _parts(tensor: Tensor) -> list[mx.array]:
+    return tensor.parts if isinstance(tensor, Rows) else [tensor]
+
+
 def _raw(array: mx.array) -> memoryview:
     """The array's bytes without a copy (bf16 goes through a uint16 view: numpy has no bf16)."""
     if array.dtype == mx.bfloat16:
@@ -43,7 +62,17 @@ def _raw(array: mx.array) -> memoryview:
     return memoryview(np.ascontiguousarray(np.asarray(array))).cast("B")  # copies only views
 
 
-def _batches(tensors: dict[str, mx.array], names: list[str], budget: int) -> list[list[str]]:
+def _start_writeback(fh: BinaryIO) -> None:
+    """Hand what is written so far to the disk now and drop it from the page cache (Linux:
+    POSIX_FADV_DONTNEED starts writeback of dirty pages and evicts clean ones). The final
+    fsync then has little left to wait for, and gigabytes of output never crowd the page cache
+    that is holding the source. No-op where posix_fadvise does not exist (macOS)."""
+    if hasattr(os, "posix_fadvise"):
+        fh.flush()
+        os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def _batches(tensors: dict[str, Tensor], names: list[str], budget: int) -> list[list[str]]:
     out: list[list[str]] = [[]]
     size = 0
     for name in names:
@@ -55,7 +84,7 @@ def _batches(tensors: dict[str, mx.array], names: list[str], budget: int) -> lis
     return out
 
 
-def plan_shards(tensors: dict[str, mx.array], limit: int = SHARD_BYTES) -> list[list[str]]:
+def plan_shards(tensors: dict[str, Tensor], limit: int = SHARD_BYTES) -> list[list[str]]:
     """Group names (sorted) into shards of at most `limit` bytes, as mlx-lm does."""
     shards: list[list[str]] = [[]]
     size = 0
@@ -69,14 +98,15 @@ def plan_shards(tensors: dict[str, mx.array], limit: int = SHARD_BYTES) -> list[
     return shards
 
 
-def write_safetensors(path: Path, tensors: dict[str, mx.array], names: list[str],
+def write_safetensors(path: Path, tensors: dict[str, Tensor], names: list[str],
                       release: Release = lambda name: None,
                       progress: Callable[[int], None] = lambda n: None) -> str:
-    """Write `names` from `tensors` (lazy arrays) to `path` and return the file's sha256.
+    """Write `names` from `tensors` (lazy arrays or Rows) to `path` and return the file's sha256.
 
     Tensors are evaluated in batches of at most BATCH_BYTES of output; the next PIPELINE_DEPTH
     batches compute (mx.async_eval) while the current one is written, so memory stays bounded
-    by a few batches and their inputs. release(name) runs after each tensor is written."""
+    by a few batches and their inputs; each written batch goes to the disk at once
+    (_start_writeback). release(name) runs after each tensor is written."""
     header: dict[str, object] = {"__metadata__": {"format": "mlx"}}
     offset = 0
     for name in names:
@@ -93,24 +123,26 @@ def write_safetensors(path: Path, tensors: dict[str, mx.array], names: list[str]
         fh.write(head)
         digest.update(head)
         for ahead in batches[:PIPELINE_DEPTH]:
-            mx.async_eval([tensors[n] for n in ahead])
+            mx.async_eval([p for n in ahead for p in _parts(tensors[n])])
         for i, batch in enumerate(batches):
             if i + PIPELINE_DEPTH < len(batches):
-                mx.async_eval([tensors[n] for n in batches[i + PIPELINE_DEPTH]])
+                mx.async_eval([p for n in batches[i + PIPELINE_DEPTH] for p in _parts(tensors[n])])
             for name in batch:
-                arr = tensors.pop(name)
-                data = _raw(arr)
-                fh.write(data)
-                digest.update(data)
-                progress(arr.nbytes)
-                del arr, data
+                parts = _parts(tensors.pop(name))
+                while parts:
+                    data = _raw(parts.pop(0))
+                    fh.write(data)
+                    digest.update(data)
+                    progress(data.nbytes)
+                    del data
                 release(name)
+            _start_writeback(fh)
         fh.flush()
         os.fsync(fh.fileno())
     return digest.hexdigest()
 
 
-def write_shards(out: Path, tensors: dict[str, mx.array], prefix: str = "model",
+def write_shards(out: Path, tensors: dict[str, Tensor], prefix: str = "model",
                  release: Release = lambda name: None,
                  progress: Callable[[int], None] = lambda n: None) -> dict[str, str]:
     """mlx-lm's shard naming and index; returns {shard file: sha256}."""

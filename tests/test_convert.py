@@ -217,3 +217,34 @@ def test_convert_from_a_repo_id_in_the_local_hf_cache(built, tmp_path):
     assert manifest["source"]["kind"] == "hf_cache"
     assert (manifest["source"]["repo_id"], manifest["source"]["revision"]) == ("acme/Tiny", rev)
     assert "base_model: acme/Tiny" in (tmp_path / "out" / "README.md").read_text()
+
+
+@pytest.mark.parametrize("mode,bits,group", [("affine", 4, 64), ("affine", 8, 32),
+                                             ("mxfp4", 4, 32), ("mxfp8", 8, 32)])
+def test_quantize_rows_gives_mlx_quantize_bytes(tmp_path, mode, bits, group):
+    """Chunked quantization on several streams, written back to back, must be byte-for-byte the
+    single mx.quantize call mlx-lm makes: a 2-D weight, a stacked-expert strided slice (the
+    fused gate_up case), and a one-row weight that cannot be split."""
+    from mtpkit.convert.quantize import quantize_rows
+    from mtpkit.convert.writer import Rows, write_safetensors
+
+    key = mx.random.key(3)
+    fused = mx.random.normal((5, 96, 128), key=key).astype(mx.bfloat16)
+    cases = {"dense": mx.random.normal((67, 256), key=key).astype(mx.bfloat16),
+             "gate": fused[:, :48, :], "up": fused[:, 48:, :],
+             "one_row": mx.random.normal((1, 256), key=key).astype(mx.bfloat16)}
+    ours: dict = {}
+    stock: dict = {}
+    for name, w in cases.items():
+        mine, ref = quantize_rows(w, group, bits, mode), mx.quantize(w, group, bits, mode=mode)
+        assert len(mine) == len(ref)
+        for suffix, a, b in zip(("weight", "scales", "biases"), mine, ref, strict=False):
+            ours[f"{name}.{suffix}"], stock[f"{name}.{suffix}"] = a, b
+    assert any(isinstance(t, Rows) for t in ours.values()), "nothing was split: test is void"
+    write_safetensors(tmp_path / "ours.safetensors", ours, sorted(ours))
+    mx.save_safetensors(str(tmp_path / "stock.safetensors"), stock)
+    back = mx.load(str(tmp_path / "ours.safetensors"))
+    assert sorted(back) == sorted(stock)
+    for name, ref in stock.items():
+        assert back[name].shape == ref.shape and back[name].dtype == ref.dtype, name
+        assert mx.array_equal(back[name], ref).item(), name
