@@ -343,8 +343,10 @@ def graft(ctx: click.Context, bundle: str, out: Path, corpus: tuple[Path, ...],
 
     def report(p) -> None:
         eta = f", ETA {p.eta_s / 60:.1f} min" if p.eta_s is not None else ""
-        click.echo(f"\rgraft step {p.step}  loss {p.loss:.4f}  {p.elapsed_s / 60:.1f} min{eta}",
-                   err=True, nl=False)
+        of = f"/{p.total}" if p.total else ""
+        what = (f"trunk pass {p.step}{of} windows" if p.phase == "trunk"
+                else f"graft step {p.step}{of}  loss {p.loss:.4f}")
+        click.echo(f"\r{what}  {p.elapsed_s / 60:.1f} min{eta}", err=True, nl=False)
 
     with _user_errors("--out"):
         result = run_graft(bundle, out, options, progress=report)

@@ -74,6 +74,12 @@ def prose(doc: Document, min_chars: int = 200) -> list[str]:
     return [d for d in found if d and len(d) >= min_chars]
 
 
+def window_count(ids: list[list[int]], seq_len: int) -> int:
+    """How many distinct windows `sequences` cycles through."""
+    total = sum(len(d) for d in ids)
+    return max(0, -(-(total - seq_len - 2) // seq_len))
+
+
 def sequences(ids: list[list[int]], seq_len: int, seed: int) -> Iterator[np.ndarray]:
     """Endless shuffled windows of seq_len + 2 tokens (input, next and next-next targets) over
     the concatenated documents; deterministic for a seed."""

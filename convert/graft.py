@@ -25,7 +25,7 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 from mlx_lm.utils import load_model
 
 from mtpkit.convert.convert import ConvertError, finish_bundle, write_config
-from mtpkit.convert.corpus import Document, prose, read_documents, sequences
+from mtpkit.convert.corpus import Document, prose, read_documents, sequences, window_count
 from mtpkit.convert.sidecar import SidecarOptions, encode_sidecar
 from mtpkit.convert.writer import staged_output, write_safetensors
 from mtpkit.decoder.head import Contract, MTPHead, canonical_name
@@ -46,6 +46,9 @@ class GraftOptions:
     learning_rate: float = 1e-3
     seed: int = 0
     draft_vocab: int = 8192  # draft over the corpus's most frequent tokens; 0: full vocabulary
+    trunk_share: float = 0.35  # with --minutes: share of the budget for the trunk pass
+    passes: int = 4  # with --steps: each window the trunk saw is trained on this many times
+    cache_bytes: int = 2 << 30  # ceiling on the cached trunk hiddens
     eval_prompts: int = 12
     eval_tokens: int = 48
     sidecar: SidecarOptions = field(default_factory=lambda: SidecarOptions(policy="keep"))
@@ -59,10 +62,21 @@ class GraftOptions:
 
 @dataclass
 class Progress:
-    step: int
-    loss: float
+    step: int  # windows cached (phase "trunk") or optimizer steps (phase "head")
+    loss: float | None
     elapsed_s: float
     eta_s: float | None
+    phase: str = "head"
+    total: int | None = None
+
+
+@dataclass
+class HiddenCache:
+    """The frozen trunk's outputs over the training windows, computed once: post-norm hiddens
+    (windows, seq_len + 1, hidden) and the windows' tokens (windows, seq_len + 2)."""
+
+    hidden: mx.array
+    tokens: mx.array
 
 
 @dataclass
@@ -94,6 +108,72 @@ def _loss(head: MTPHead, hidden: mx.array, tokens: mx.array, teacher: mx.array) 
     logits, _ = head(hidden, tokens, None, 0, full_vocab=False)
     student = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     return mx.mean(mx.sum(mx.exp(teacher) * (teacher - student), axis=-1))
+
+
+def _trunk_pass(trunk: Trunk, encoded: list[list[int]], options: GraftOptions, start: float,
+                budget: float, progress: Callable[[Progress], None]) -> HiddenCache:
+    """Run the frozen trunk once over distinct corpus windows and keep its hiddens. The trunk
+    costs ~3x the head's forward and backward together, so computing it once and training the
+    head for several passes over the cache buys several times more head steps per minute than
+    a trunk pass per step. Stops at the window target (--steps), the budget share (--minutes),
+    the corpus's distinct windows or cache_bytes, whichever comes first."""
+    windows = sequences(encoded, options.seq_len, options.seed)
+    per_window = (options.seq_len + 1) * trunk.args.hidden_size * 4
+    target = min(window_count(encoded, options.seq_len), options.cache_bytes // per_window)
+    if options.steps is not None:
+        target = min(target, max(options.batch,
+                                 -(-options.steps * options.batch // max(1, options.passes))))
+    if target == 0:
+        raise ConvertError("graft.corpus", f"the corpus is too small for windows of "
+                           f"{options.seq_len + 2} tokens", "pass more text or a smaller --seq-len")
+    deadline = budget * options.trunk_share if options.minutes is not None else budget
+    hiddens: list[mx.array] = []
+    tokens: list[np.ndarray] = []
+    while len(tokens) < target and (not tokens or time.perf_counter() - start < deadline):
+        batch = np.stack([next(windows) for _ in range(min(options.batch, target - len(tokens)))])
+        hidden, _ = trunk(mx.array(batch[:, :-1]), None, logits_for=0)  # post-norm (contract)
+        mx.eval(hidden)
+        hiddens.append(hidden)
+        tokens.extend(batch)
+        elapsed = time.perf_counter() - start
+        left = elapsed / len(tokens) * (target - len(tokens))
+        progress(Progress(len(tokens), None, elapsed, min(left, max(0.0, deadline - elapsed)),
+                          "trunk", target if options.minutes is None else None))
+    return HiddenCache(mx.concatenate(hiddens), mx.array(np.stack(tokens)))
+
+
+def _train_head(head: MTPHead, cache: HiddenCache, options: GraftOptions, start: float,
+                budget: float, progress: Callable[[Progress], None]) -> list[float]:
+    """Distil the trunk into the head over shuffled passes of the cache; the teacher (the
+    trunk's distribution at t+2, over the draft vocabulary) comes from the cached hidden at
+    t+1 through the frozen lm_head rows."""
+    optimizer = optim.AdamW(learning_rate=options.learning_rate, weight_decay=0.0)
+    step_fn = nn.value_and_grad(head, _loss)
+    rows = head.draft_logits
+    rng = np.random.default_rng(options.seed)
+    order: list[int] = []
+    losses: list[float] = []
+    head_start = time.perf_counter()
+    while ((options.steps is None or len(losses) < options.steps)
+           and time.perf_counter() - start < budget):
+        if len(order) < options.batch:
+            order.extend(rng.permutation(cache.tokens.shape[0]).tolist())
+        pick = mx.array(order[:options.batch])
+        del order[:options.batch]
+        hidden, tokens = cache.hidden[pick], cache.tokens[pick]
+        logits = rows(head.roles[0], hidden[:, 1:])
+        teacher = mx.stop_gradient(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        loss, grads = step_fn(head, hidden[:, :-1], tokens[:, 1:-1], teacher)
+        optimizer.update(head, grads)
+        mx.eval(loss, head.parameters(), optimizer.state)
+        losses.append(float(loss))
+        now = time.perf_counter()
+        left = [budget - (now - start)]
+        if options.steps is not None:
+            left.append((now - head_start) / len(losses) * (options.steps - len(losses)))
+        progress(Progress(len(losses), losses[-1], now - start, max(0.0, min(left)), "head",
+                          options.steps))
+    return losses
 
 
 def frequent_tokens(ids: list[list[int]], vocab: int, size: int) -> np.ndarray:
@@ -167,31 +247,12 @@ def graft(bundle: str, out: Path, options: GraftOptions,
     if len(vocab) < trunk.args.vocab_size:
         weights["mtp.draft_vocab"] = mx.array(vocab)
     head = MTPHead(trunk, weights, contract, "full_attention", {})
-    rows = head.draft_logits  # the teacher is read over the same vocabulary
-    windows = sequences(encoded, options.seq_len, options.seed)
-    total = options.steps
-    optimizer = optim.AdamW(learning_rate=options.learning_rate, weight_decay=0.0)
-    step_fn = nn.value_and_grad(head, _loss)
     start = time.perf_counter()
     budget = options.minutes * 60 if options.minutes is not None else math.inf
-    losses: list[float] = []
-    step = 0
-    while (total is None or step < total) and time.perf_counter() - start < budget:
-        batch = mx.array(np.stack([next(windows) for _ in range(options.batch)]))
-        hidden, _ = trunk(batch[:, :-1], None, logits_for=0)  # post-norm (family contract)
-        logits = rows(head.roles[0], hidden[:, 1:])
-        teacher = mx.stop_gradient(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-        loss, grads = step_fn(head, mx.stop_gradient(hidden[:, :-1]), batch[:, 1:-1], teacher)
-        optimizer.update(head, grads)
-        mx.eval(loss, head.parameters(), optimizer.state)
-        step += 1
-        losses.append(float(loss))
-        elapsed = time.perf_counter() - start
-        left = [budget - elapsed]
-        if total is not None:
-            left.append(elapsed / step * (total - step))
-        progress(Progress(step, losses[-1], elapsed, max(0.0, min(left))))
+    cache = _trunk_pass(trunk, encoded, options, start, budget, progress)
+    losses = _train_head(head, cache, options, start, budget, progress)
     train_minutes = (time.perf_counter() - start) / 60
+    step = len(losses)
     if not losses:
         raise ConvertError("graft.no_steps", "no training step ran", "raise --steps/--minutes")
     runner = Runner(trunk, head, tokenizer)
@@ -201,6 +262,7 @@ def graft(bundle: str, out: Path, options: GraftOptions,
         "corpus": [str(p) for p in options.corpus] if options.corpus else "python-stdlib",
         "documents": {"train": len(train), "held_out": len(held)},
         "steps": step, "tokens": step * options.batch * options.seq_len,
+        "distinct_tokens": int(cache.tokens.shape[0]) * options.seq_len,
         "seq_len": options.seq_len, "batch": options.batch, "seed": options.seed,
         "learning_rate": options.learning_rate, "train_minutes": train_minutes,
         "draft_vocab": len(vocab),

@@ -33,7 +33,15 @@ def grafted(built: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
     source = built("llama")
     before = tree_hash(source)
     losses: list[float] = []
-    result = graft(str(source), out, _options(), progress=lambda p: losses.append(p.loss))
+    phases: list[str] = []
+
+    def report(p) -> None:
+        phases.append(p.phase)
+        if p.phase == "head":
+            losses.append(p.loss)
+
+    result = graft(str(source), out, _options(), progress=report)
+    assert phases[0] == "trunk" and phases[-1] == "head" and phases == sorted(phases, reverse=True)
     return source, before, result, losses
 
 
@@ -46,6 +54,8 @@ def test_graft_writes_a_healthy_bundle_with_provenance(grafted) -> None:
     validate(manifest, "manifest")
     record = manifest["graft"]
     assert record["steps"] == 12 and len(losses) == 12
+    # 12 steps x 4 windows over 4 passes: the trunk ran once over 12 distinct windows
+    assert record["distinct_tokens"] == 12 * 32 and record["tokens"] == 12 * 4 * 32
     assert record["corpus"] == [str(CORPUS)] and record["documents"]["held_out"] >= 1
     assert 0.0 <= record["held_out_acceptance"]["depth1"] <= 1.0
     assert record["held_out_acceptance"]["rounds"] > 0
