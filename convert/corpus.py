@@ -74,10 +74,14 @@ def prose(doc: Document, min_chars: int = 200) -> list[str]:
     return [d for d in found if d and len(d) >= min_chars]
 
 
+def _starts(total: int, seq_len: int) -> np.ndarray:
+    """Where each window of seq_len + 2 tokens starts in a stream of `total` tokens."""
+    return np.arange(0, total - (seq_len + 2), seq_len)
+
+
 def window_count(ids: list[list[int]], seq_len: int) -> int:
     """How many distinct windows `sequences` cycles through."""
-    total = sum(len(d) for d in ids)
-    return max(0, -(-(total - seq_len - 2) // seq_len))
+    return len(_starts(sum(len(d) for d in ids), seq_len))
 
 
 def sequences(ids: list[list[int]], seq_len: int, seed: int) -> Iterator[np.ndarray]:
@@ -85,7 +89,7 @@ def sequences(ids: list[list[int]], seq_len: int, seed: int) -> Iterator[np.ndar
     the concatenated documents; deterministic for a seed."""
     stream = np.concatenate([np.asarray(d, dtype=np.int32) for d in ids if d])
     span = seq_len + 2
-    starts = np.arange(0, len(stream) - span, seq_len)
+    starts = _starts(len(stream), seq_len)
     if len(starts) == 0:
         raise ValueError(f"corpus too small: {len(stream)} tokens for windows of {span}")
     rng = np.random.default_rng(seed)

@@ -109,12 +109,12 @@ def build_trunk(view: BundleView, options: QuantOptions) -> tuple[
                                            quant_predicate=_predicate(model, options, group or 32))
     tensors: dict[str, Tensor] = dict(tree_flatten(model.parameters()))
     if options.quantize:
-        _spread_over_cpu_streams(model, sources, tensors)
+        _quantize_in_rows(model, sources, tensors)
     return model, tensors, config
 
 
-def _spread_over_cpu_streams(model: nn.Module, sources: dict[str, mx.array],
-                             tensors: dict[str, Tensor]) -> None:
+def _quantize_in_rows(model: nn.Module, sources: dict[str, mx.array],
+                      tensors: dict[str, Tensor]) -> None:
     """Re-issue each quantized module's quantization with quantize_rows (same call, same bytes
     as mlx-lm's, spread over every core)."""
     for path, module in model.named_modules():

@@ -55,6 +55,11 @@ def _parts(tensor: Tensor) -> list[mx.array]:
     return tensor.parts if isinstance(tensor, Rows) else [tensor]
 
 
+def _compute(tensors: dict[str, Tensor], names: list[str]) -> None:
+    """Start evaluating `names` in the background (mx.async_eval)."""
+    mx.async_eval([p for n in names for p in _parts(tensors[n])])
+
+
 def _raw(array: mx.array) -> memoryview:
     """The array's bytes without a copy (bf16 goes through a uint16 view: numpy has no bf16)."""
     if array.dtype == mx.bfloat16:
@@ -123,10 +128,10 @@ def write_safetensors(path: Path, tensors: dict[str, Tensor], names: list[str],
         fh.write(head)
         digest.update(head)
         for ahead in batches[:PIPELINE_DEPTH]:
-            mx.async_eval([p for n in ahead for p in _parts(tensors[n])])
+            _compute(tensors, ahead)
         for i, batch in enumerate(batches):
             if i + PIPELINE_DEPTH < len(batches):
-                mx.async_eval([p for n in batches[i + PIPELINE_DEPTH] for p in _parts(tensors[n])])
+                _compute(tensors, batches[i + PIPELINE_DEPTH])
             for name in batch:
                 parts = _parts(tensors.pop(name))
                 while parts:
