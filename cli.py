@@ -344,7 +344,7 @@ def graft(ctx: click.Context, bundle: str, out: Path, corpus: tuple[Path, ...],
     def report(p) -> None:
         eta = f", ETA {p.eta_s / 60:.1f} min" if p.eta_s is not None else ""
         of = f"/{p.total}" if p.total else ""
-        what = (f"trunk pass {p.step}{of} windows" if p.phase == "trunk"
+        what = (f"trunk rollouts {p.step}{of} windows" if p.phase == "trunk"
                 else f"graft step {p.step}{of}  loss {p.loss:.4f}")
         click.echo(f"\r{what}  {p.elapsed_s / 60:.1f} min{eta}", err=True, nl=False)
 
@@ -353,7 +353,9 @@ def graft(ctx: click.Context, bundle: str, out: Path, corpus: tuple[Path, ...],
     acc = result.graft["held_out_acceptance"]
     click.echo(f"\nwrote {result.out}: {result.graft['steps']} steps, final loss "
                f"{result.graft['final_loss']:.4f}, held-out depth-1 acceptance "
-               f"{100 * acc['depth1']:.1f}% over {acc['rounds']} rounds")
+               f"{100 * acc['depth1']:.1f}% over {acc['rounds']} rounds"
+               + (f" (chat requests {100 * acc['chat']['depth1']:.1f}% over "
+                  f"{acc['chat']['rounds']})" if "chat" in acc else ""))
 
 
 EXAMPLES_SERVE = """

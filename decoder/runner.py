@@ -204,7 +204,14 @@ def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None
             cast_floats(head, getattr(mx, dtype))
     mx.eval(model.parameters(), head.parameters() if head is not None else [])
     tokenizer = load_tokenizer(view.root) if view.tokenizer.kind else None
+    return Runner(trunk, head, tokenizer, safe_template(view), view.tokenizer.special_tokens(),
+                  rollback)
+
+
+def safe_template(view: BundleView) -> str | None:
+    """The bundle's chat template, or None where it is unsafe or does not render (doctor
+    reports why; such a template is never rendered)."""
     template = view.template.text
     if template is not None and (unsafe_reach(template) or not view.template.renders):
-        template = None  # doctor reports why; never render an unsafe or broken template
-    return Runner(trunk, head, tokenizer, template, view.tokenizer.special_tokens(), rollback)
+        return None
+    return template

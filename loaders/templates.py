@@ -58,6 +58,11 @@ class _RaisedByTemplate(Exception):
     """The template called raise_exception(): it rejects the conversation, it is not broken."""
 
 
+# What rendering an untrusted template can raise, short of the sandbox stopping it.
+RENDER_ERRORS = (_RaisedByTemplate, TemplateError, TimeoutError, TypeError, ValueError, KeyError,
+                 AttributeError, IndexError, RecursionError)
+
+
 @dataclass
 class TemplateReport:
     source: str | None = None  # where the default template came from
@@ -205,8 +210,7 @@ def _try_render(report: TemplateReport, source: str, special: dict[str, str], wh
         report.renders = False
         report.findings.append(finding("template.unsafe", f"sandbox stopped it: {exc}", where))
         return
-    except (_RaisedByTemplate, TemplateError, TimeoutError, TypeError, ValueError, KeyError,
-            AttributeError, IndexError, RecursionError) as exc:
+    except RENDER_ERRORS as exc:
         report.renders = False
         report.findings.append(finding("template.render_failed",
                                        f"standard conversation fails: {type(exc).__name__}: "

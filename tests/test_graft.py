@@ -6,8 +6,11 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import mlx.core as mx
+import numpy as np
 import pytest
 from click.testing import CliRunner
+from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 import mtpkit
 from fixtures.factory import tree_hash
@@ -15,6 +18,8 @@ from mtpkit.cli import main
 from mtpkit.convert.convert import ConvertError
 from mtpkit.convert.corpus import Document, prose, read_documents, stdlib_root
 from mtpkit.convert.graft import GraftOptions, graft
+from mtpkit.convert.rollouts import INSTRUCTIONS, Prompts, chat_frame, rollout, training_mask
+from mtpkit.decoder.runner import safe_template
 from mtpkit.loaders.digest import sha256_file
 from mtpkit.schemas import validate
 
@@ -56,6 +61,8 @@ def test_graft_writes_a_healthy_bundle_with_provenance(grafted) -> None:
     assert record["steps"] == 12 and len(losses) == 12
     # 12 steps x 4 windows over 4 passes: the trunk ran once over 12 distinct windows
     assert record["distinct_tokens"] == 12 * 32 and record["tokens"] == 12 * 4 * 32
+    assert sum(record["rollouts"][k] for k in ("raw", "chat")) == 12
+    assert 0 < record["rollouts"]["trained_positions"] <= 12 * 32
     assert record["corpus"] == [str(CORPUS)] and record["documents"]["held_out"] >= 1
     assert 0.0 <= record["held_out_acceptance"]["depth1"] <= 1.0
     assert record["held_out_acceptance"]["rounds"] > 0
@@ -119,3 +126,48 @@ def test_draft_vocabulary_is_written_and_decodes_exactly(built: Callable[..., Pa
     plain = runner.generate("import json", 24, depth=0)
     spec = runner.generate("import json", 24, depth=2)
     assert spec.tokens == plain.tokens
+
+
+def test_rollouts_are_the_trunks_greedy_continuations(built: Callable[..., Path]) -> None:
+    runner = mtpkit.load(built("llama"), dtype="float32")
+    prompts = np.random.default_rng(3).integers(10, 200, (2, 6))
+    hidden, ids, targets, mask = rollout(runner.trunk, prompts, 26, eos=set())
+    assert ids.shape == (2, 26) and hidden.shape[:2] == (2, 25) and mask.shape == (2, 24)
+    assert (ids[:, :6] == prompts).all() and mask.all()
+    # head position t learns the trunk's greedy token after position t + 1: the generated
+    # token past the prompt, the argmax of a full forward inside it
+    assert (targets[:, 5:] == ids[:, 7:]).all()
+    for row in range(2):
+        plain = runner.generate(prompts[row].tolist(), 20, depth=0).tokens
+        assert len(plain) >= 4 and ids[row, 6:6 + len(plain)].tolist() == plain
+    # the cached hiddens are the ones a full forward over the window gives
+    full, logits = runner.trunk(mx.array(ids[:, :-1]), None)
+    assert mx.allclose(hidden, full, atol=1e-4).item()
+    assert (targets == np.array(mx.argmax(logits, axis=-1))[:, 1:]).all()
+
+
+def test_training_stops_at_the_generated_end_of_text() -> None:
+    ids = np.array([[1, 9, 3, 4, 9, 5, 6, 7],    # end of text generated at 4 (the 9 at 1 is prompt)
+                    [1, 2, 3, 4, 5, 6, 7, 8]])   # no end of text: every position trains
+    mask = training_mask(ids, prompt_len=3, eos={9})
+    assert mask.tolist() == [[1, 1, 1, 0, 0, 0], [1] * 6]
+
+
+def test_prompts_alternate_raw_openings_and_chat_requests(built: Callable[..., Path]) -> None:
+    source = built("llama")
+    view = mtpkit.open_bundle(source)
+    tokenizer = load_tokenizer(source)
+    frame = chat_frame(safe_template(view), view.tokenizer.special_tokens(), tokenizer)
+    assert frame is not None
+    encoded = [tokenizer.encode(d.text) for d in read_documents([CORPUS])]
+    prompts = Prompts(encoded, 94, frame, tokenizer, seed=0)
+    raw, kind = prompts.next(3)
+    assert kind == "raw" and raw.shape == (3, 24)
+    chat, kind = prompts.next(3)
+    before, after = frame
+    assert kind == "chat" and chat.shape == (3, 48)
+    assert (chat[:, :len(before)] == before).all() and (chat[:, -len(after):] == after).all()
+    text = tokenizer.decode(chat[0].tolist())
+    assert any(i.strip() in text for i in INSTRUCTIONS)
+    # a template with no room for a snippet leaves raw prompts only
+    assert not Prompts(encoded, 30, frame, tokenizer, seed=0).chat
