@@ -48,7 +48,7 @@ class GraftOptions:
     learning_rate: float = 1e-3
     seed: int = 0
     draft_vocab: int = 8192  # draft over the corpus's most frequent tokens; 0: full vocabulary
-    trunk_share: float = 0.35  # with --minutes: share of the budget for the trunk pass
+    trunk_share: float = 0.35  # with --minutes: share of the budget for the rollouts
     passes: int = 4  # with --steps: each window the trunk saw is trained on this many times
     rollout_batch: int = 32  # prompts the trunk continues together (decoding is batched)
     cache_bytes: int = 2 << 30  # ceiling on the cached trunk hiddens

@@ -96,8 +96,10 @@ def rollout(trunk: Trunk, prompts: np.ndarray, total: int,
     """Continue a prompt batch greedily to `total` tokens. Returns the post-norm hiddens over
     the first total - 1 tokens, the tokens, the head's targets and its training mask."""
     cache = trunk.make_cache()
-    hidden, logits = trunk(mx.array(prompts), cache)
-    prompt_greedy = mx.argmax(logits, axis=-1)
+    hidden, _ = trunk(mx.array(prompts), cache, logits_for=0)
+    # one row's full-vocabulary logits at a time: a batch's would be rows x prompt x vocab floats
+    prompt_greedy = mx.concatenate([mx.argmax(trunk.logits(hidden[i:i + 1]), axis=-1)
+                                    for i in range(len(prompts))])
     hiddens, generated = [hidden], []
     token = prompt_greedy[:, -1]
     for _ in range(total - prompts.shape[1] - 1):
