@@ -263,7 +263,8 @@ def graft(bundle: str, out: Path, options: GraftOptions,
                            "pass --corpus with text files or folders")
     encoded = _encode(train, tokenizer)
     template = safe_template(view)
-    frame = chat_frame(template, view.tokenizer.special_tokens(), tokenizer)
+    special = view.tokenizer.special_tokens()
+    frame = chat_frame(template, special, tokenizer)
     prompts = Prompts(encoded, options.seq_len, frame, tokenizer, options.seed)
     start = time.perf_counter()
     budget = options.minutes * 60 if options.minutes is not None else math.inf
@@ -280,8 +281,7 @@ def graft(bundle: str, out: Path, options: GraftOptions,
     step = len(losses)
     if not losses:
         raise ConvertError("graft.no_steps", "no training step ran", "raise --steps/--minutes")
-    runner = Runner(trunk, head, tokenizer, template if frame else None,
-                    view.tokenizer.special_tokens())
+    runner = Runner(trunk, head, tokenizer, template if frame else None, special)
     acceptance = measure_acceptance(runner, held_out_prompts(held, options.eval_prompts,
                                                              options.seed), options.eval_tokens)
     if runner.template is not None:

@@ -63,7 +63,8 @@ class Prompts:
     """Same-length prompt batches from the corpus: raw openings, alternating (where the template
     leaves room) with the same kind of text inside a chat request."""
 
-    def __init__(self, encoded: list[list[int]], seq_len: int, frame: tuple | None,
+    def __init__(self, encoded: list[list[int]], seq_len: int,
+                 frame: tuple[list[int], list[int]] | None,
                  tokenizer: Any, seed: int) -> None:
         total = seq_len + 2
         self.raw_len = max(2, total // 4)
@@ -78,7 +79,7 @@ class Prompts:
         self.after = frame[1] if frame is not None else []
         self.span = max([self.raw_len, *(n for _, n in self.chat)])
         self.windows = window_count(encoded, self.span - 2)
-        self._stream = sequences(encoded, self.span - 2, seed) if self.windows else iter(())
+        self._stream = sequences(encoded, self.span - 2, seed)  # lazy: raises on first use
         self._count = 0
 
     def next(self, rows: int) -> tuple[np.ndarray, str]:
