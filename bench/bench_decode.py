@@ -64,7 +64,9 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], help="cast weights (default: as "
                     "stored, quantized ones dequantized to bf16 on CPU)")
     ap.add_argument("--tag", default="decode", help="result file name")
-    ap.add_argument("--loads", default="code,memo,translation", help="which real-content loads")
+    ap.add_argument("--loads", default="code,memo,translation",
+                    help="which real-content loads (held_code, held_memo: text a default graft "
+                    "never trained on)")
     ap.add_argument("--rollback", choices=["record", "replay"], default="record")
     args = ap.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -79,7 +81,7 @@ def main() -> None:
     bundle = args.bundle or smollm2_bundle(args.workdir)
     runner = mtpkit.load(bundle, dtype=args.dtype, rollback=args.rollback)
     tok = runner.tokenizer
-    prompts = {k: v for k, v in real_loads().items() if k in args.loads.split(",")}
+    prompts = real_loads(args.loads.split(","))
 
     def ids_for(name: str) -> list[int]:
         load = prompts[name]

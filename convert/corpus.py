@@ -62,6 +62,18 @@ def read_documents(paths: list[Path] | None = None) -> list[Document]:
     return docs
 
 
+def split_documents(docs: list[Document]) -> tuple[list[Document], list[Document]]:
+    """(training, held-out) documents; a corpus too small to hold one out by name still holds
+    out its last document."""
+    held = [d for d in docs if d.held_out] or docs[-1:]
+    return [d for d in docs if d not in held], held
+
+
+def held_out_documents() -> list[Document]:
+    """The standard-library documents the default corpus never trains on."""
+    return split_documents(read_documents())[1]
+
+
 def prose(doc: Document, min_chars: int = 200) -> list[str]:
     """Docstrings of a Python document long enough to be prose a person wrote."""
     try:

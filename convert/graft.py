@@ -26,7 +26,7 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 from mlx_lm.utils import load_model
 
 from mtpkit.convert.convert import ConvertError, finish_bundle, write_config
-from mtpkit.convert.corpus import Document, prose, read_documents
+from mtpkit.convert.corpus import Document, prose, read_documents, split_documents
 from mtpkit.convert.rollouts import INSTRUCTIONS, Prompts, Rollouts, chat_frame, rollout
 from mtpkit.convert.sidecar import SidecarOptions, encode_sidecar
 from mtpkit.convert.writer import staged_output, write_safetensors
@@ -36,6 +36,8 @@ from mtpkit.decoder.trunk import Trunk
 from mtpkit.loaders.bundle import BundleView, open_bundle
 from mtpkit.loaders.manifest import MANIFEST_FILE
 from mtpkit.loaders.weights import SIDECAR_FILE
+
+WARMUP_STEPS = 50
 
 
 @dataclass
@@ -48,7 +50,7 @@ class GraftOptions:
     learning_rate: float = 1e-3
     seed: int = 0
     draft_vocab: int = 8192  # draft over the corpus's most frequent tokens; 0: full vocabulary
-    trunk_share: float = 0.35  # with --minutes: share of the budget for the rollouts
+    trunk_share: float = 0.5  # with --minutes: share of the budget for the rollouts
     passes: int = 4  # with --steps: each window the trunk saw is trained on this many times
     rollout_batch: int = 32  # prompts the trunk continues together (decoding is batched)
     cache_bytes: int = 2 << 30  # ceiling on the cached trunk hiddens
@@ -164,15 +166,19 @@ def _train_head(head: MTPHead, cache: Rollouts, vocab: np.ndarray, options: Graf
     """Distil the trunk's greedy choices into the head over shuffled passes of the cache."""
     optimizer = optim.AdamW(learning_rate=options.learning_rate, weight_decay=0.0)
     step_fn = nn.value_and_grad(head, _loss)
+    head_start = time.perf_counter()
+    head_budget = budget - (head_start - start)
     targets, mask = _draft_targets(cache, vocab)
     rng = np.random.default_rng(options.seed)
     order: list[int] = []
     losses: list[float] = []
-    head_start = time.perf_counter()
     while ((options.steps is None or len(losses) < options.steps)
            and time.perf_counter() - start < budget):
         if len(order) < options.batch:
             order.extend(rng.permutation(cache.tokens.shape[0]).tolist())
+        done = (len(losses) / options.steps if options.steps is not None
+                else (time.perf_counter() - head_start) / head_budget)
+        optimizer.learning_rate = learning_rate(options.learning_rate, len(losses), done)
         pick = mx.array(order[:options.batch])
         del order[:options.batch]
         loss, grads = step_fn(head, cache.hidden[pick][:, :-1], cache.tokens[pick][:, 1:-1],
@@ -187,6 +193,17 @@ def _train_head(head: MTPHead, cache: Rollouts, vocab: np.ndarray, options: Graf
         progress(Progress(len(losses), losses[-1], now - start, max(0.0, min(left)), "head",
                           options.steps))
     return losses
+
+
+def learning_rate(peak: float, step: int, done: float) -> float:
+    """Linear warm-up from a tenth of the peak over WARMUP_STEPS, then cosine decay to 5% of it
+    at the end of the run (`done`: the share of steps or minutes spent). The warm start (the
+    trunk's own last layer) survives the first steps; on SmolLM2 the schedule beat a constant
+    rate for the same minutes (BENCHMARKS.md)."""
+    if step < WARMUP_STEPS:
+        return peak * (0.1 + 0.9 * step / WARMUP_STEPS)
+    floor = 0.05 * peak
+    return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, done)))
 
 
 def frequent_tokens(ids: Sequence[Sequence[int] | np.ndarray], vocab: int,
@@ -256,8 +273,7 @@ def graft(bundle: str, out: Path, options: GraftOptions,
                         fam.zero_first_embedding)
     mx.random.seed(options.seed)
     docs = read_documents(options.corpus)
-    held = [d for d in docs if d.held_out] or docs[-1:]  # a tiny corpus still holds one out
-    train = [d for d in docs if d not in held]
+    train, held = split_documents(docs)
     if not train:
         raise ConvertError("graft.corpus", "the corpus has no training text",
                            "pass --corpus with text files or folders")

@@ -16,12 +16,19 @@ import mtpkit
 from fixtures.factory import tree_hash
 from mtpkit.cli import main
 from mtpkit.convert.convert import ConvertError
-from mtpkit.convert.corpus import Document, prose, read_documents, stdlib_root
-from mtpkit.convert.graft import GraftOptions, graft
+from mtpkit.convert.corpus import (
+    Document,
+    prose,
+    read_documents,
+    split_documents,
+    stdlib_root,
+)
+from mtpkit.convert.graft import WARMUP_STEPS, GraftOptions, graft, learning_rate
 from mtpkit.convert.rollouts import INSTRUCTIONS, Prompts, chat_frame, rollout, training_mask
 from mtpkit.decoder.runner import safe_template
 from mtpkit.loaders.digest import sha256_file
 from mtpkit.schemas import validate
+from mtpkit.verify.loads import MEMO_REQUEST, real_loads
 
 CORPUS = stdlib_root() / "json"
 
@@ -107,6 +114,19 @@ def test_corpus_holds_out_by_document_and_finds_prose() -> None:
     assert len(text) == 1 and text[0].startswith("Words")
 
 
+def test_held_out_loads_come_from_text_graft_never_trains_on() -> None:
+    loads = real_loads(["held_code", "held_memo"])
+    train, held = split_documents(read_documents())
+    code = loads["held_code"].text
+    assert len(code) == 1800 and code.startswith(("def ", "class "))
+    assert any(code in d.text for d in held) and not any(code in d.text for d in train)
+    doc = loads["held_memo"].text.removeprefix(MEMO_REQUEST)
+    assert loads["held_memo"].chat and len(doc) > 500
+    assert any(doc in p for d in held for p in prose(d))
+    assert not any(doc[:300] in d.text for d in train)
+    assert set(real_loads()) == {"code", "memo", "translation"}
+
+
 def test_graft_cli_reports_progress(built: Callable[..., Path], tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["graft", str(built("llama")), "--out",
                                        str(tmp_path / "g"), "--corpus", str(CORPUS),
@@ -171,3 +191,14 @@ def test_prompts_alternate_raw_openings_and_chat_requests(built: Callable[..., P
     assert any(i.strip() in text for i in INSTRUCTIONS)
     # a template with no room for a snippet leaves raw prompts only
     assert not Prompts(encoded, 30, frame, tokenizer, seed=0).chat
+
+
+def test_learning_rate_warms_up_then_decays_to_a_floor() -> None:
+    peak = 1e-3
+    warm = [learning_rate(peak, s, 0.0) for s in range(WARMUP_STEPS)]
+    assert warm[0] == pytest.approx(0.1 * peak) and warm == sorted(warm) and warm[-1] < peak
+    assert learning_rate(peak, WARMUP_STEPS, 0.0) == pytest.approx(peak)
+    decay = [learning_rate(peak, WARMUP_STEPS + 1, d) for d in np.linspace(0, 1, 11)]
+    assert decay == sorted(decay, reverse=True)
+    assert decay[5] == pytest.approx(0.525 * peak) and decay[-1] == pytest.approx(0.05 * peak)
+    assert learning_rate(peak, 10_000, 1.7) == pytest.approx(0.05 * peak)  # past the budget

@@ -3,6 +3,9 @@
 code: Python standard-library source to continue (raw text); memo: a technical memo asked for
 from a module's documentation (chat); translation: a known English text to render in French and
 polish (chat). Each request gets a fresh nonce so no prefix cache can help.
+
+held_code / held_memo: the same kinds of load from standard-library documents that `mtpkit
+graft`'s default corpus holds out, so a grafted head is timed on text it never trained on.
 """
 
 from __future__ import annotations
@@ -13,9 +16,13 @@ import inspect
 import io
 import sys
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-LOADS = ("code", "memo", "translation")
+DEFAULT_LOADS = ("code", "memo", "translation")
+LOADS = (*DEFAULT_LOADS, "held_code", "held_memo")
+MEMO_REQUEST = ("Write a short technical memo for engineers that explains what this module does "
+                "and when to use it:\n\n")
 
 
 @dataclass(frozen=True)
@@ -35,14 +42,36 @@ def _zen() -> str:
     return codecs.decode(sys.modules["this"].s, "rot13")
 
 
-def real_loads() -> dict[str, Load]:
+def real_loads(names: Iterable[str] = DEFAULT_LOADS) -> dict[str, Load]:
+    """The named loads (reading the held-out ones scans the standard library: only on demand)."""
+    names = tuple(names)
+    loads = _default_loads()
+    if {"held_code", "held_memo"} & set(names):
+        loads |= _held_out_loads()
+    return {n: loads[n] for n in names if n in loads}
+
+
+def _default_loads() -> dict[str, Load]:
     import json.decoder as code_source
     import shelve
 
     code = inspect.getsource(code_source)[:1800]
-    memo = ("Write a short technical memo for engineers that explains what this module does and "
-            "when to use it:\n\n" + (inspect.getdoc(shelve) or ""))
+    memo = MEMO_REQUEST + (inspect.getdoc(shelve) or "")
     translation = ("Translate this text into French, then polish the French so it reads "
                    "naturally:\n\n" + _zen())
     return {"code": Load("code", code, False), "memo": Load("memo", memo, True),
             "translation": Load("translation", translation, True)}
+
+
+def _held_out_loads() -> dict[str, Load]:
+    """Code from the longest held-out module (1800 characters from its first top-level def or
+    class, past any licence header) and a memo on the longest held-out docstring."""
+    from mtpkit.convert.corpus import held_out_documents, prose
+
+    held = held_out_documents()
+    source = max(held, key=lambda d: len(d.text)).text
+    start = min((i for i in (source.find("\ndef "), source.find("\nclass ")) if i >= 0),
+                default=-1) + 1
+    doc = max((p for d in held for p in prose(d)), key=len)
+    return {"held_code": Load("held_code", source[start:start + 1800], False),
+            "held_memo": Load("held_memo", MEMO_REQUEST + doc[:1500], True)}

@@ -22,7 +22,7 @@ from mtpkit.verify.checks import (
     streaming_check,
 )
 from mtpkit.verify.endpoint import EndpointError
-from mtpkit.verify.loads import LOADS, Load, real_loads
+from mtpkit.verify.loads import DEFAULT_LOADS, Load, real_loads
 
 QUESTION = ("In two or three sentences, explain what a hash table is and why looking up a key "
             "in one is usually fast.")
@@ -40,7 +40,7 @@ class Target(Protocol):
 @dataclass
 class VerifyOptions:
     depth: str | int = "auto"
-    loads: tuple[str, ...] = LOADS
+    loads: tuple[str, ...] = DEFAULT_LOADS
     runs: int = 3
     max_tokens: int = 256
     drop: int = 64
@@ -185,7 +185,7 @@ def _functional(target: Target, facts: Facts, options: VerifyOptions, checks: li
 def _speed(target: Target, facts: Facts, options: VerifyOptions, report: Report,
            progress: Callable[[str], None]) -> None:
     checks = report.checks
-    loads = {k: v for k, v in real_loads().items() if k in options.loads}
+    loads = real_loads(options.loads)
     control = _mtp_control(target)
     depth, sweep = _pick_depth(target, options, loads, progress) if control else (None, {})
     if not control:
