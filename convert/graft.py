@@ -167,7 +167,7 @@ def _train_head(head: MTPHead, cache: Rollouts, vocab: np.ndarray, options: Graf
     optimizer = optim.AdamW(learning_rate=options.learning_rate, weight_decay=0.0)
     step_fn = nn.value_and_grad(head, _loss)
     head_start = time.perf_counter()
-    head_budget = budget - (head_start - start)
+    head_budget = max(1e-9, budget - (head_start - start))
     targets, mask = _draft_targets(cache, vocab)
     rng = np.random.default_rng(options.seed)
     order: list[int] = []
@@ -176,8 +176,8 @@ def _train_head(head: MTPHead, cache: Rollouts, vocab: np.ndarray, options: Graf
            and time.perf_counter() - start < budget):
         if len(order) < options.batch:
             order.extend(rng.permutation(cache.tokens.shape[0]).tolist())
-        done = (len(losses) / options.steps if options.steps is not None
-                else (time.perf_counter() - head_start) / head_budget)
+        done = max(len(losses) / options.steps if options.steps else 0.0,
+                   (time.perf_counter() - head_start) / head_budget)  # whichever ends first
         optimizer.learning_rate = learning_rate(options.learning_rate, len(losses), done)
         pick = mx.array(order[:options.batch])
         del order[:options.batch]

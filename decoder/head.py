@@ -144,11 +144,14 @@ class MTPHead(nn.Module):
         return [KVCache() for _ in self.layers]
 
     def __call__(self, hidden: mx.array, tokens: mx.array, cache: list[KVCache] | None,
-                 step: int, full_vocab: bool = True) -> tuple[mx.array, mx.array]:
+                 step: int, full_vocab: bool = True,
+                 last_only: bool = False) -> tuple[mx.array, mx.array]:
         """hidden (1, S, H) paired with the next tokens (1, S) -> (logits, hidden to chain).
 
         Chained draft step k uses block k mod blocks, each block with its own KV cache. With a
-        draft vocabulary, logits cover it only unless full_vocab (then -inf elsewhere).
+        draft vocabulary, logits cover it only unless full_vocab (then -inf elsewhere). A draft
+        needs the last position only: last_only skips the unembedding of the others (a whole
+        prompt's worth on the first round).
         """
         block = step % self.blocks
         roles = self.roles[block] if len(self.roles) > 1 else self.roles[0]
@@ -163,6 +166,8 @@ class MTPHead(nn.Module):
         x = roles.fc(mx.concatenate(parts, axis=-1))
         x = self.layers[block](x, create_attention_mask(x, layer_cache, return_array=True),
                                layer_cache)
+        if last_only:
+            x = x[:, -1:]
         post = roles.norm(x)
         logits = self.draft_logits(roles, post)
         if full_vocab:

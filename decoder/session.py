@@ -116,7 +116,7 @@ class Session:
         chain, rows = [mx.array([[self.last]])], []
         chained = [0] * self.head.blocks
         for k in range(depth):
-            logits, out = self.head(hidden, tokens, self.mtp_cache, k)
+            logits, out = self.head(hidden, tokens, self.mtp_cache, k, last_only=True)
             chained[k % self.head.blocks] += k > 0
             row = logits[:, -1]
             if self.params.greedy:
@@ -125,7 +125,7 @@ class Session:
                 rows.append(probabilities(row, self.params)[0])
                 tokens = mx.array([[draw(rows[-1], self.rng)]])
             chain.append(tokens)
-            hidden = out[:, -1:]
+            hidden = out
         return mx.concatenate(chain, axis=1), (np.stack(rows) if rows else None), chained
 
     def round(self, depth: int) -> list[int]:
