@@ -46,7 +46,7 @@ def real_loads(names: Iterable[str] = DEFAULT_LOADS) -> dict[str, Load]:
     """The named loads (reading the held-out ones scans the standard library: only on demand)."""
     names = tuple(names)
     loads = _default_loads()
-    if {"held_code", "held_memo"} & set(names):
+    if set(names) - set(DEFAULT_LOADS):
         loads |= _held_out_loads()
     return {n: loads[n] for n in names if n in loads}
 
