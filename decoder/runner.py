@@ -16,6 +16,7 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 from mlx_lm.utils import dequantize_model, load_model
 
 from mtpkit.decoder.head import Contract, MTPHead
+from mtpkit.decoder.rows import use_few_rows_linears
 from mtpkit.decoder.sampling import SamplingParams
 from mtpkit.decoder.session import Session, generate_ids
 from mtpkit.decoder.stats import Stats
@@ -173,8 +174,10 @@ def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None
     backend, where that is much faster. dtype="float32" widens every float weight: verify passes
     over K+1 positions then round like one-token steps to ~1e-6, so greedy identity with plain
     decoding holds even where bf16 rounding would flip a near-tie. The contract knobs override
-    the family/manifest values. rollback: how recurrent (GatedDeltaNet) state returns to the last
-    kept token: "record" (states recorded per position during verify) or "replay".
+    the family/manifest values. On CPU, the trunk's and head's float linears multiply verify
+    passes weight-first (decoder/rows.py). rollback: how recurrent (GatedDeltaNet) state
+    returns to the last kept token: "record" (states recorded per position during verify) or
+    "replay".
     """
     view = open_bundle(path)
     if view.kind != "mlx":
@@ -202,6 +205,10 @@ def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None
             dequantize_for_cpu(head)
         if dtype is not None:
             cast_floats(head, getattr(mx, dtype))
+    if mx.default_device().type == mx.DeviceType.cpu:
+        use_few_rows_linears(trunk.inner)
+        if head is not None:
+            use_few_rows_linears(head)
     mx.eval(model.parameters(), head.parameters() if head is not None else [])
     tokenizer = load_tokenizer(view.root) if view.tokenizer.kind else None
     return Runner(trunk, head, tokenizer, safe_template(view), view.tokenizer.special_tokens(),

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
@@ -19,6 +20,7 @@ from fixtures.breaker import BREAKERS
 from fixtures.decoder_models import OracleHead, tiny_runner
 from fixtures.factory import Sidecar
 from mtpkit.decoder import acceptance
+from mtpkit.decoder.rows import FEW_ROWS, FewRowsLinear, use_few_rows_linears
 from mtpkit.decoder.runner import Runner
 from mtpkit.decoder.sampling import SamplingParams, draw, probabilities
 from mtpkit.decoder.session import Session
@@ -371,3 +373,28 @@ def test_blas_detection_tells_reference_from_optimized(tmp_path: Path) -> None:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              env={**os.environ, "LD_PRELOAD": str(openblas)}, check=True)
         assert out.stdout.strip() == "optimized"
+
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 16, 17, 40])
+def test_few_rows_linear_computes_what_nn_linear_computes(rows: int) -> None:
+    mx.random.seed(rows)
+    stock = nn.Linear(96, 160, bias=True)
+    model = nn.Sequential(nn.Linear(96, 160, bias=True), nn.ReLU())
+    model.layers[0].update(stock.parameters())
+    assert use_few_rows_linears(model) == 1 and isinstance(model.layers[0], FewRowsLinear)
+    x = mx.random.normal((1, rows, 96))
+    want, got = stock(x), model.layers[0](x)
+    if 1 < rows <= FEW_ROWS:  # a different product, the same numbers
+        assert mx.allclose(want, got, rtol=1e-5, atol=1e-5)
+    else:  # one row and long inputs run mlx-lm's own graph, bit for bit
+        assert mx.array_equal(want, got)
+    assert mx.allclose(model(x), nn.relu(want), rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_load_multiplies_verify_rows_weight_first(runners: Callable[[str], Runner]) -> None:
+    runner = runners("qwen3_5")
+    assert mx.default_device().type == mx.DeviceType.cpu
+    kinds = {type(m) for _, m in runner.trunk.inner.named_modules()}
+    assert FewRowsLinear in kinds and nn.Linear not in kinds
+    assert runner.head is not None and isinstance(runner.head.roles[0].fc, FewRowsLinear)

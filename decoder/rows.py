@@ -1,0 +1,43 @@
+"""Linear layers that verify a few positions at close to the cost of one, on MLX's CPU backend.
+
+A verify pass multiplies K+1 rows by every weight matrix. OpenBLAS serves one row with gemv
+(memory-bound), but x @ W.T with 2-16 rows goes through its sgemm path, which on this machine
+costs ~25% more than one row per matrix; the same product computed as (W @ x.T).T costs ~5%
+more (BENCHMARKS.md, "Verify cost"). One row and long inputs (prefill, training) keep mlx-lm's
+own x @ W.T, so plain decoding runs exactly the stock graph.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_unflatten
+
+FEW_ROWS = 16
+
+
+class FewRowsLinear(nn.Module):
+    """nn.Linear's weights and result, with 2..FEW_ROWS rows multiplied weight-first."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.weight = linear.weight
+        if "bias" in linear:
+            self.bias = linear.bias
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if x.ndim >= 2 and 1 < x.shape[-2] <= FEW_ROWS:
+            y = mx.swapaxes(self.weight @ mx.swapaxes(x, -1, -2), -1, -2)
+        else:
+            y = x @ self.weight.T
+        return y + self.bias if "bias" in self else y
+
+
+def use_few_rows_linears(module: nn.Module) -> int:
+    """Swap every float nn.Linear under `module` (quantized ones are left alone); returns how
+    many were swapped."""
+    swaps = [(name, FewRowsLinear(m)) for name, m in module.named_modules()
+             if type(m) is nn.Linear]
+    if swaps:
+        module.update_modules(tree_unflatten(swaps))
+    return len(swaps)
