@@ -47,6 +47,21 @@ def _timed(pieces: Iterator[list[int]]) -> tuple[list[int], list[float]]:
     return tokens, times
 
 
+def timed_stream(runner, ids: list[int], max_tokens: int, depth: int):
+    """Our decoder's (tokens, per-token arrival times, Result) for one generation."""
+    result = None
+
+    def batches() -> Iterator[list[int]]:
+        nonlocal result
+        for piece in runner.stream(ids, max_tokens, depth=depth):
+            if piece.result is not None:
+                result = piece.result
+            elif piece.tokens:
+                yield piece.tokens
+    tokens, times = _timed(batches())
+    return tokens, times, result
+
+
 def steady_tps(times: list[float], drop: int) -> float:
     """Tokens per second after the first `drop` tokens: (n - 1) / (t_last - t_first)."""
     window = times[drop:] if len(times) > drop + 8 else times
@@ -89,17 +104,7 @@ def main() -> None:
         return runner.encode([{"role": "user", "content": text}] if load.chat else text)
 
     def ours(ids: list[int], depth: int):
-        result = None
-
-        def batches() -> Iterator[list[int]]:
-            nonlocal result
-            for piece in runner.stream(ids, args.max_tokens, depth=depth):
-                if piece.result is not None:
-                    result = piece.result
-                elif piece.tokens:
-                    yield piece.tokens
-        tokens, times = _timed(batches())
-        return tokens, times, result
+        return timed_stream(runner, ids, args.max_tokens, depth)
 
     def theirs(ids: list[int]):
         return _timed([r.token] for r in stream_generate(runner.trunk.model, tok, ids,

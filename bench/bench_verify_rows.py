@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_decode import _timed, steady_tps  # noqa: E402
+from bench_decode import steady_tps, timed_stream  # noqa: E402
 from common import save  # noqa: E402
 
 
@@ -58,16 +58,7 @@ def main() -> None:
             use_few_rows_linears(module)
 
     def decode(ids: list[int], depth: int) -> tuple[float, list[int], float]:
-        result = None
-
-        def batches():
-            nonlocal result
-            for piece in runner.stream(ids, args.max_tokens, depth=depth):
-                if piece.result is not None:
-                    result = piece.result
-                elif piece.tokens:
-                    yield piece.tokens
-        tokens, times = _timed(batches())
+        tokens, times, result = timed_stream(runner, ids, args.max_tokens, depth)
         accepted = result.stats.acceptance_by_depth[0] if depth else 0.0
         return steady_tps(times, args.drop), tokens, accepted
 
