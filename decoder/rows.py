@@ -16,20 +16,20 @@ from mlx.utils import tree_unflatten
 FEW_ROWS = 16
 
 
-class FewRowsLinear(nn.Module):
-    """nn.Linear's weights and result, with 2..FEW_ROWS rows multiplied weight-first."""
+class FewRowsLinear(nn.Linear):
+    """nn.Linear, with 2..FEW_ROWS rows multiplied weight-first; any other input goes through
+    nn.Linear's own __call__."""
 
     def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # takes the weights it replaces: no fresh initialisation
         self.weight = linear.weight
         if "bias" in linear:
             self.bias = linear.bias
 
     def __call__(self, x: mx.array) -> mx.array:
-        if x.ndim >= 2 and 1 < x.shape[-2] <= FEW_ROWS:
-            y = mx.swapaxes(self.weight @ mx.swapaxes(x, -1, -2), -1, -2)
-        else:
-            y = x @ self.weight.T
+        if x.ndim < 2 or not 1 < x.shape[-2] <= FEW_ROWS:
+            return super().__call__(x)
+        y = mx.swapaxes(self.weight @ mx.swapaxes(x, -1, -2), -1, -2)
         return y + self.bias if "bias" in self else y
 
 

@@ -206,7 +206,7 @@ def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None
         if dtype is not None:
             cast_floats(head, getattr(mx, dtype))
     if mx.default_device().type == mx.DeviceType.cpu:
-        use_few_rows_linears(trunk.inner)
+        use_few_rows_linears(trunk.inner)  # the layers; an untied lm_head is slower weight-first
         if head is not None:
             use_few_rows_linears(head)
     mx.eval(model.parameters(), head.parameters() if head is not None else [])

@@ -375,7 +375,6 @@ def test_blas_detection_tells_reference_from_optimized(tmp_path: Path) -> None:
         assert out.stdout.strip() == "optimized"
 
 
-
 @pytest.mark.parametrize("rows", [1, 2, 3, 16, 17, 40])
 def test_few_rows_linear_computes_what_nn_linear_computes(rows: int) -> None:
     mx.random.seed(rows)
