@@ -14,6 +14,7 @@ import argparse
 import importlib.util
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -83,6 +84,8 @@ def main() -> None:
                     help="which real-content loads (held_code, held_memo: text a default graft "
                     "never trained on)")
     ap.add_argument("--rollback", choices=["record", "replay"], default="record")
+    ap.add_argument("--nonce-seed", type=int, help="draw the nonces from this seed (the same "
+                    "texts in every run of the bench: two bundles compared paired); default fresh")
     args = ap.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
 
@@ -97,10 +100,11 @@ def main() -> None:
     runner = mtpkit.load(bundle, dtype=args.dtype, rollback=args.rollback)
     tok = runner.tokenizer
     prompts = real_loads(args.loads.split(","))
+    nonces = random.Random(args.nonce_seed) if args.nonce_seed is not None else None
 
     def ids_for(name: str) -> list[int]:
         load = prompts[name]
-        text = load.fresh()  # a nonce first: no prefix cache can help
+        text = load.fresh(nonces)  # a nonce first: no prefix cache can help
         return runner.encode([{"role": "user", "content": text}] if load.chat else text)
 
     def ours(ids: list[int], depth: int):
@@ -136,6 +140,9 @@ def main() -> None:
         row["plain_over_mlx_lm"] = row["plain"]["median"] / row["mlx_lm"]["median"]
         for depth in depths:
             row[f"mtp{depth}_over_plain"] = row[f"mtp{depth}"]["median"] / row["plain"]["median"]
+            # per run, both on the same nonce's text: the acceptance swings with the text
+            row[f"mtp{depth}_over_plain_paired"] = statistics.median(
+                m / p for m, p in zip(samples[f"mtp{depth}"], samples["plain"], strict=True))
             row[f"mtp{depth}_acceptance"] = [statistics.mean(col) for col in zip(*accept[depth], strict=True)]
         row["greedy_tokens_identical"] = same
         row["generated_tokens"] = len(plain_tokens)

@@ -4,6 +4,7 @@ message and no traceback."""
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 from click.testing import CliRunner
@@ -11,6 +12,7 @@ from click.testing import CliRunner
 from fixtures.fake_servers import running
 from mtpkit.cli import main
 from mtpkit.schemas import validate
+from mtpkit.verify.loads import real_loads
 
 QUICK = ["--loads", "code", "--runs", "1", "--max-tokens", "40", "--json"]
 
@@ -95,3 +97,13 @@ def test_floors_without_evidence_fail() -> None:
         code, doc = _verify(url, "--min-speedup", "1.2", "--min-accept", "0.4")
     assert code == 1
     assert _status(doc)["speedup"] == "fail" and _status(doc)["acceptance"] == "fail"
+
+
+def test_load_nonces_are_fresh_or_drawn_from_a_seed() -> None:
+    """Fresh nonces differ call to call; seeded ones repeat per seed (a paired bench)."""
+    zen = real_loads(["translation"])["translation"]
+    assert zen.fresh() != zen.fresh() and zen.fresh().endswith("\n" + zen.text)
+    first, second = random.Random(7), random.Random(7)
+    drawn = [zen.fresh(first) for _ in range(3)]
+    assert drawn == [zen.fresh(second) for _ in range(3)] and len(set(drawn)) == 3
+    assert drawn[0] != zen.fresh(random.Random(8))

@@ -14,6 +14,7 @@ import codecs
 import contextlib
 import inspect
 import io
+import random
 import sys
 import uuid
 from collections.abc import Iterable
@@ -31,9 +32,11 @@ class Load:
     text: str
     chat: bool
 
-    def fresh(self) -> str:
-        """The text behind a cache-busting nonce."""
-        return f"[request {uuid.uuid4().hex[:12]}]\n{self.text}"
+    def fresh(self, rng: random.Random | None = None) -> str:
+        """The text behind a cache-busting nonce; from a seeded `rng`, the same nonces in the
+        same order on every machine (two bundles compared on the same texts)."""
+        nonce = uuid.uuid4().hex[:12] if rng is None else f"{rng.getrandbits(48):012x}"
+        return f"[request {nonce}]\n{self.text}"
 
 
 def _zen() -> str:
