@@ -54,7 +54,7 @@ class GraftOptions:
     passes: int = 4  # with --steps: each window the trunk saw is trained on this many times
     rollout_batch: int = 32  # prompts the trunk continues together (decoding is batched)
     cache_bytes: int = 2 << 30  # ceiling on the cached trunk hiddens
-    eval_prompts: int = 12
+    eval_prompts: int = 24
     eval_tokens: int = 48
     sidecar: SidecarOptions = field(default_factory=lambda: SidecarOptions(policy="keep"))
     force: bool = False
