@@ -63,6 +63,11 @@ def timed_stream(runner, ids: list[int], max_tokens: int, depth: int):
     return tokens, times, result
 
 
+def load_ids(runner, load, text: str) -> list[int]:
+    """A load's token ids: raw text, or one user turn rendered by the bundle's template."""
+    return runner.encode([{"role": "user", "content": text}] if load.chat else text)
+
+
 def steady_tps(times: list[float], drop: int) -> float:
     """Tokens per second after the first `drop` tokens: (n - 1) / (t_last - t_first)."""
     window = times[drop:] if len(times) > drop + 8 else times
@@ -104,8 +109,7 @@ def main() -> None:
 
     def ids_for(name: str) -> list[int]:
         load = prompts[name]
-        text = load.fresh(nonces)  # a nonce first: no prefix cache can help
-        return runner.encode([{"role": "user", "content": text}] if load.chat else text)
+        return load_ids(runner, load, load.fresh(nonces))  # a nonce: no prefix cache can help
 
     def ours(ids: list[int], depth: int):
         return timed_stream(runner, ids, args.max_tokens, depth)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_decode import steady_tps, timed_stream  # noqa: E402
+from bench_decode import load_ids, steady_tps, timed_stream  # noqa: E402
 from common import save  # noqa: E402
 
 
@@ -64,7 +64,7 @@ def main() -> None:
 
     rows = {}
     for name, load in real_loads(args.loads.split(",")).items():
-        ids = runner.encode([{"role": "user", "content": load.text}] if load.chat else load.text)
+        ids = load_ids(runner, load, load.text)
         for depth in (0, 1):  # warm-up
             decode(ids, depth)
         arms: dict[str, dict[str, list[float]]] = {"stock": {}, "weight_first": {}}
