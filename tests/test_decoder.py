@@ -19,7 +19,7 @@ import mtpkit
 from fixtures.breaker import BREAKERS
 from fixtures.decoder_models import OracleHead, tiny_runner
 from fixtures.factory import Sidecar
-from mtpkit.decoder import acceptance
+from mtpkit.decoder import acceptance, misses
 from mtpkit.decoder.rows import FEW_ROWS, FewRowsLinear, use_few_rows_linears
 from mtpkit.decoder.runner import Runner
 from mtpkit.decoder.sampling import SamplingParams, draw, probabilities
@@ -397,3 +397,23 @@ def test_cpu_load_multiplies_verify_rows_weight_first(runners: Callable[[str], R
     kinds = {type(m) for _, m in runner.trunk.inner.named_modules()}
     assert FewRowsLinear in kinds and nn.Linear not in kinds
     assert runner.head is not None and isinstance(runner.head.roles[0].fc, FewRowsLinear)
+
+
+def test_lookup_finds_the_latest_earlier_occurrence() -> None:
+    seq = [1, 2, 3, 4, 9, 1, 2, 3, 5, 7, 1, 2, 3]
+    assert misses.lookup(seq, len(seq)) == 5  # the later "1 2 3" was followed by 5, not 4
+    assert misses.lookup(seq, 8) == 4
+    assert misses.lookup(seq, 3) is None  # too short to hold an earlier occurrence
+    assert misses.lookup([1, 2, 3, 8, 8, 2, 3], 7) is None  # "8 2 3" never occurred before
+
+
+def test_misses_are_classified_by_what_could_have_drafted_them() -> None:
+    # a loop: positions 7 and 8 repeat what followed "10 11 12" / "11 12 13" before; 6 and 3
+    # have no earlier occurrence of their three tokens; 99 breaks the loop and cannot be drafted
+    seq = [10, 11, 12, 13, 10, 11, 12, 13, 10, 11, 12, 99]
+    rounds = [(7, True), (8, False), (6, False), (11, False), (3, True)]
+    counts = misses.classify(seq, rounds, draft_vocab={10, 11, 12, 13})
+    assert counts == Counter(accepted_copyable=1, missed_copyable=1, missed_other=1,
+                             missed_out_of_vocab=1, accepted_other=1)
+    # without a draft vocabulary an unreachable token is just another miss
+    assert misses.classify(seq, [(11, False)])["missed_other"] == 1
