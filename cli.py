@@ -321,6 +321,8 @@ def generate(bundle: str, prompt: str, raw: bool, max_tokens: int, depth: int | 
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--draft-vocab", type=click.IntRange(0), default=8192, show_default=True,
               help="Draft over the corpus's N most frequent tokens (cheaper drafts); 0: all.")
+@click.option("--copy-weight", type=click.FloatRange(0), default=1.0, show_default=True,
+              help="Weight of the loss that points attention at text to copy; 0: off.")
 @click.option("--mtp-policy", type=click.Choice(POLICIES), default="keep", show_default=True)
 @click.option("--mtp-bits", type=click.IntRange(2, 8), default=4, show_default=True)
 @click.option("--mtp-group-size", type=click.Choice(["32", "64", "128"]), default="64",
@@ -329,7 +331,8 @@ def generate(bundle: str, prompt: str, raw: bool, max_tokens: int, depth: int | 
 @click.pass_context
 def graft(ctx: click.Context, bundle: str, out: Path, corpus: tuple[Path, ...],
           steps: int | None, minutes: float | None, seq_len: int, batch: int,
-          learning_rate: float, seed: int, draft_vocab: int, mtp_policy: str, mtp_bits: int,
+          learning_rate: float, seed: int, draft_vocab: int, copy_weight: float,
+          mtp_policy: str, mtp_bits: int,
           mtp_group_size: str, force: bool) -> None:
     """Train an MTP head for BUNDLE on its frozen trunk (self-distillation) and write OUT."""
     from mtpkit.convert.graft import GraftOptions
@@ -337,7 +340,8 @@ def graft(ctx: click.Context, bundle: str, out: Path, corpus: tuple[Path, ...],
 
     options = GraftOptions(
         corpus=list(corpus) or None, steps=steps, minutes=minutes, seq_len=seq_len, batch=batch,
-        learning_rate=learning_rate, seed=seed, draft_vocab=draft_vocab, force=force,
+        learning_rate=learning_rate, seed=seed, draft_vocab=draft_vocab,
+        copy_weight=copy_weight, force=force,
         command=_as_command(ctx),
         sidecar=SidecarOptions(policy=mtp_policy, bits=mtp_bits, group_size=int(mtp_group_size)))
 

@@ -26,6 +26,7 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 from mlx_lm.utils import load_model
 
 from mtpkit.convert.convert import ConvertError, finish_bundle, write_config
+from mtpkit.convert.copying import attention_of, copy_loss, copy_sources
 from mtpkit.convert.corpus import Document, prose, read_documents, split_documents
 from mtpkit.convert.rollouts import INSTRUCTIONS, Prompts, Rollouts, chat_frame, rollout
 from mtpkit.convert.sidecar import SidecarOptions, encode_sidecar
@@ -50,6 +51,7 @@ class GraftOptions:
     learning_rate: float = 1e-3
     seed: int = 0
     draft_vocab: int = 8192  # draft over the corpus's most frequent tokens; 0: full vocabulary
+    copy_weight: float = 1.0  # weight of the attention-on-the-copy loss (copying.py); 0: off
     trunk_share: float = 0.5  # with --minutes: share of the budget for the rollouts
     passes: int = 4  # with --steps: each window the trunk saw is trained on this many times
     rollout_batch: int = 32  # prompts the trunk continues together (decoding is batched)
@@ -100,15 +102,19 @@ def _initial_weights(trunk: Trunk, seed: int) -> dict[str, mx.array]:
 
 
 def _loss(head: MTPHead, hidden: mx.array, tokens: mx.array, targets: mx.array,
-          mask: mx.array) -> mx.array:
+          mask: mx.array, sources: mx.array | None, copy_weight: float) -> mx.array:
     """Cross-entropy of the trunk's greedy token at t+2 (an index into the draft vocabulary)
     under the head, averaged over the positions that train. Matching the trunk's argmax is what
     greedy acceptance counts; on SmolLM2 it beat KL to the trunk's full distribution for the
-    same minutes (31.0% vs 22.6% held-out argmax agreement; BENCHMARKS.md)."""
+    same minutes (31.0% vs 22.6% held-out argmax agreement; BENCHMARKS.md). With sources, plus
+    copy_weight times the attention-on-the-copy loss (copying.py)."""
     logits, _ = head(hidden, tokens, None, 0, full_vocab=False)
     picked = mx.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     ce = mx.logsumexp(logits, axis=-1) - picked
-    return mx.sum(ce * mask) / mx.maximum(mx.sum(mask), 1.0)
+    loss = mx.sum(ce * mask) / mx.maximum(mx.sum(mask), 1.0)
+    if sources is None:
+        return loss
+    return loss + copy_weight * copy_loss(head.layers[0], head.layer_input(hidden, tokens), sources)
 
 
 def _rollout_pass(trunk: Trunk, prompts: Prompts, eos: set[int], options: GraftOptions,
@@ -169,6 +175,7 @@ def _train_head(head: MTPHead, cache: Rollouts, vocab: np.ndarray, options: Graf
     head_start = time.perf_counter()
     head_budget = max(1e-9, budget - (head_start - start))
     targets, mask = _draft_targets(cache, vocab)
+    sources = _copy_sources(head, cache, options)
     rng = np.random.default_rng(options.seed)
     order: list[int] = []
     losses: list[float] = []
@@ -182,7 +189,8 @@ def _train_head(head: MTPHead, cache: Rollouts, vocab: np.ndarray, options: Graf
         pick = mx.array(order[:options.batch])
         del order[:options.batch]
         loss, grads = step_fn(head, cache.hidden[pick][:, :-1], cache.tokens[pick][:, 1:-1],
-                              targets[pick], mask[pick])
+                              targets[pick], mask[pick],
+                              None if sources is None else sources[pick], options.copy_weight)
         optimizer.update(head, grads)
         mx.eval(loss, head.parameters(), optimizer.state)
         losses.append(float(loss))
@@ -193,6 +201,15 @@ def _train_head(head: MTPHead, cache: Rollouts, vocab: np.ndarray, options: Graf
         progress(Progress(len(losses), losses[-1], now - start, max(0.0, min(left)), "head",
                           options.steps))
     return losses
+
+
+def _copy_sources(head: MTPHead, cache: Rollouts, options: GraftOptions) -> mx.array | None:
+    """Where the copy loss points each training position (-1: nowhere), or None when it is off
+    or the head's attention class is not in copying.QUERY_KEY_FORMS."""
+    if options.copy_weight <= 0 or attention_of(head.layers[0]) is None:
+        return None
+    sources = copy_sources(np.array(cache.tokens), np.array(cache.targets))
+    return mx.array(np.where(np.array(cache.mask) > 0, sources, -1))
 
 
 def learning_rate(peak: float, step: int, done: float) -> float:
@@ -293,6 +310,7 @@ def graft(bundle: str, out: Path, options: GraftOptions,
         weights["mtp.draft_vocab"] = mx.array(vocab)
     head = MTPHead(trunk, weights, contract, "full_attention", {})
     losses = _train_head(head, cache, vocab, options, start, budget, progress)
+    copying = options.copy_weight if attention_of(head.layers[0]) is not None else 0.0
     train_minutes = (time.perf_counter() - start) / 60
     step = len(losses)
     if not losses:
@@ -311,7 +329,7 @@ def graft(bundle: str, out: Path, options: GraftOptions,
         "rollouts": kinds | {"trained_positions": int(mx.sum(cache.mask).item())},
         "seq_len": options.seq_len, "batch": options.batch, "seed": options.seed,
         "learning_rate": options.learning_rate, "train_minutes": train_minutes,
-        "draft_vocab": len(vocab),
+        "draft_vocab": len(vocab), "copy_weight": copying,
         "final_loss": float(np.mean(losses[-10:])), "held_out_acceptance": acceptance,
     }
     return _write(view, out, head, record, options)

@@ -143,6 +143,23 @@ class MTPHead(nn.Module):
     def make_cache(self) -> list[KVCache]:
         return [KVCache() for _ in self.layers]
 
+    def _roles(self, block: int) -> _Roles:
+        return self.roles[block] if len(self.roles) > 1 else self.roles[0]
+
+    def layer_input(self, hidden: mx.array, tokens: mx.array, block: int = 0,
+                    at_start: bool = True) -> mx.array:
+        """What block's decoder layer reads: fc over the normed embedding of the next tokens
+        and the normed trunk hidden (at_start: the first position is the sequence's first)."""
+        roles = self._roles(block)
+        embed = roles.embed_tokens(tokens) if "embed_tokens" in roles else self._trunk.embed(tokens)
+        if self.contract.zero_first_embedding and at_start:
+            first = mx.arange(tokens.shape[1])[None, :, None] == 0
+            embed = mx.where(first, mx.zeros_like(embed), embed)
+        parts = [roles.pre_fc_norm_embedding(embed), roles.pre_fc_norm_hidden(hidden)]
+        if self.contract.concat_order == "hidden_first":
+            parts.reverse()
+        return roles.fc(mx.concatenate(parts, axis=-1))
+
     def __call__(self, hidden: mx.array, tokens: mx.array, cache: list[KVCache] | None,
                  step: int, full_vocab: bool = True,
                  last_only: bool = False) -> tuple[mx.array, mx.array]:
@@ -154,16 +171,9 @@ class MTPHead(nn.Module):
         prompt's worth on the first round).
         """
         block = step % self.blocks
-        roles = self.roles[block] if len(self.roles) > 1 else self.roles[0]
+        roles = self._roles(block)
         layer_cache = cache[block] if cache is not None else None  # None: training, causal
-        embed = roles.embed_tokens(tokens) if "embed_tokens" in roles else self._trunk.embed(tokens)
-        if self.contract.zero_first_embedding and (layer_cache is None or layer_cache.offset == 0):
-            first = mx.arange(tokens.shape[1])[None, :, None] == 0
-            embed = mx.where(first, mx.zeros_like(embed), embed)
-        parts = [roles.pre_fc_norm_embedding(embed), roles.pre_fc_norm_hidden(hidden)]
-        if self.contract.concat_order == "hidden_first":
-            parts.reverse()
-        x = roles.fc(mx.concatenate(parts, axis=-1))
+        x = self.layer_input(hidden, tokens, block, layer_cache is None or layer_cache.offset == 0)
         x = self.layers[block](x, create_attention_mask(x, layer_cache, return_array=True),
                                layer_cache)
         if last_only:

@@ -16,16 +16,23 @@ from collections.abc import Collection, Sequence
 LOOKUP_N = 3  # match the last three tokens, as prompt-lookup drafting does
 
 
+def lookup_sources(seq: Sequence[int], n: int = LOOKUP_N) -> list[int]:
+    """For every end in 0..len(seq): the index of the token that followed the latest earlier
+    occurrence of seq[end - n:end] inside seq[:end], or -1 when those n tokens have not occurred
+    before. One pass with a table of the n-grams seen so far."""
+    latest: dict[tuple[int, ...], int] = {}
+    out = [-1] * (len(seq) + 1)
+    for end in range(n + 1, len(seq) + 1):
+        latest[tuple(seq[end - n - 1:end - 1])] = end - n - 1  # its follower is seq[end - 1]
+        start = latest.get(tuple(seq[end - n:end]), -1)
+        out[end] = start + n if start >= 0 else -1
+    return out
+
+
 def lookup(seq: Sequence[int], end: int, n: int = LOOKUP_N) -> int | None:
-    """The token that followed the latest earlier occurrence of seq[end - n:end] inside
-    seq[:end], or None when those n tokens have not occurred before."""
-    if end < n + 1:
-        return None
-    key = list(seq[end - n:end])
-    for start in range(end - n - 1, -1, -1):
-        if list(seq[start:start + n]) == key:
-            return seq[start + n]
-    return None
+    """The token a lookup of seq[end - n:end] in seq[:end] drafts, or None."""
+    source = lookup_sources(seq[:end], n)[end]
+    return seq[source] if source >= 0 else None
 
 
 def classify(seq: Sequence[int], rounds: Sequence[tuple[int, bool]],
@@ -34,8 +41,9 @@ def classify(seq: Sequence[int], rounds: Sequence[tuple[int, bool]],
     accepted); a missed round is "copyable" when the lookup would have drafted seq[position],
     else "out_of_vocab" when that token is outside the draft vocabulary, else "other"."""
     counts: Counter[str] = Counter()
+    sources = lookup_sources(seq)
     for position, accepted in rounds:
-        copied = lookup(seq, position) == seq[position]
+        copied = sources[position] >= 0 and seq[sources[position]] == seq[position]
         if accepted:
             counts["accepted_copyable" if copied else "accepted_other"] += 1
         elif copied:

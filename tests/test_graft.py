@@ -7,15 +7,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from mlx_lm.models import llama, qwen3_next
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 import mtpkit
 from fixtures.factory import tree_hash
 from mtpkit.cli import main
 from mtpkit.convert.convert import ConvertError
+from mtpkit.convert.copying import attention_of, copy_loss, copy_sources
 from mtpkit.convert.corpus import (
     Document,
     prose,
@@ -73,6 +76,7 @@ def test_graft_writes_a_healthy_bundle_with_provenance(grafted) -> None:
     assert record["corpus"] == [str(CORPUS)] and record["documents"]["held_out"] >= 1
     assert 0.0 <= record["held_out_acceptance"]["depth1"] <= 1.0
     assert record["held_out_acceptance"]["rounds"] > 0
+    assert record["copy_weight"] == 1.0  # llama attention: copying supervised
     assert min(losses[-3:]) < losses[0], "training did not reduce the loss"
     for name in view.weights.trunk_files:  # the trunk is the source's, byte for byte
         assert sha256_file(result.out / name) == sha256_file(source / name)
@@ -202,3 +206,64 @@ def test_learning_rate_warms_up_then_decays_to_a_floor() -> None:
     assert decay == sorted(decay, reverse=True)
     assert decay[5] == pytest.approx(0.525 * peak) and decay[-1] == pytest.approx(0.05 * peak)
     assert learning_rate(peak, 10_000, 1.7) == pytest.approx(0.05 * peak)  # past the budget
+
+
+def test_copy_sources_point_at_the_head_position_holding_the_token() -> None:
+    # window "5 1 2 3 4 1 2 3 4 9"; the trunk's targets follow the text
+    window = np.array([[5, 1, 2, 3, 4, 1, 2, 3, 4, 9]])
+    targets = window[:, 2:]
+    sources = copy_sources(window, targets)
+    # head position 6 drafts token 8 (a 4): "1 2 3" was followed by token 4 before, which head
+    # position 3 reads; position 7 drafts 9, but the lookup would copy a 1; nothing repeats
+    # before position 5
+    assert sources.tolist() == [[-1, -1, -1, -1, -1, -1, 3, -1]]
+    assert copy_sources(window, np.full_like(targets, 7)).max() == -1  # a target never seen
+
+
+class _Layer(nn.Module):
+    def __init__(self, attn: nn.Module, hidden: int) -> None:
+        super().__init__()
+        self.self_attn = attn
+        self.input_layernorm = nn.RMSNorm(hidden)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_next"])
+def test_copy_loss_of_uniform_attention_is_the_log_prefix_length(kind: str) -> None:
+    """Zero queries and keys attend uniformly over the causal prefix: the loss at query t is
+    log(t + 1) whatever the source, so the expected value does not reuse the loss's code."""
+    if kind == "llama":
+        args = llama.ModelArgs(model_type="llama", hidden_size=32, num_hidden_layers=1,
+                               intermediate_size=64, num_attention_heads=4, rms_norm_eps=1e-5,
+                               vocab_size=100, num_key_value_heads=2)
+        layer = _Layer(llama.Attention(args), 32)
+    else:
+        args = qwen3_next.ModelArgs(
+            model_type="qwen3_next", hidden_size=32, num_hidden_layers=1, intermediate_size=64,
+            num_attention_heads=4, linear_num_value_heads=2, linear_num_key_heads=2,
+            linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+            num_experts=0, num_experts_per_tok=0, decoder_sparse_step=1,
+            shared_expert_intermediate_size=0, mlp_only_layers=[], moe_intermediate_size=0,
+            rms_norm_eps=1e-5, vocab_size=100, num_key_value_heads=2, rope_theta=10000.0,
+            partial_rotary_factor=0.5, max_position_embeddings=64, head_dim=8)
+        layer = _Layer(qwen3_next.Qwen3NextAttention(args), 32)
+    assert attention_of(layer) is not None
+    attn = layer.self_attn
+    attn.q_proj.weight = mx.zeros_like(attn.q_proj.weight)
+    attn.k_proj.weight = mx.zeros_like(attn.k_proj.weight)
+    x = mx.random.normal((2, 6, 32), key=mx.random.key(0))
+    sources = mx.array([[-1, 0, 1, -1, 2, 4], [-1, -1, 0, 0, -1, 5]])
+    want = np.mean([np.log(t + 1) for row in sources.tolist()
+                    for t, s in enumerate(row) if s >= 0])
+    assert float(copy_loss(layer, x, sources)) == pytest.approx(want, rel=1e-5)
+    assert attention_of(_Layer(nn.Linear(2, 2), 2)) is None  # an unknown class: not supervised
+
+
+def test_copy_weight_zero_trains_on_cross_entropy_alone(built: Callable[..., Path],
+                                                       tmp_path: Path, grafted) -> None:
+    _, _, result, losses = grafted
+    off: list[float] = []
+    plain = graft(str(built("llama")), tmp_path / "off", _options(copy_weight=0.0),
+                  progress=lambda p: off.append(p.loss) if p.phase == "head" else None)
+    assert plain.graft["copy_weight"] == 0.0
+    # the same first batch: with copying on, its loss adds the attention term
+    assert losses[0] > off[0] > 0
