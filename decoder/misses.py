@@ -29,12 +29,6 @@ def lookup_sources(seq: Sequence[int], n: int = LOOKUP_N) -> list[int]:
     return out
 
 
-def lookup(seq: Sequence[int], end: int, n: int = LOOKUP_N) -> int | None:
-    """The token a lookup of seq[end - n:end] in seq[:end] drafts, or None."""
-    source = lookup_sources(seq[:end], n)[end]
-    return seq[source] if source >= 0 else None
-
-
 def classify(seq: Sequence[int], rounds: Sequence[tuple[int, bool]],
              draft_vocab: Collection[int] | None = None) -> Counter[str]:
     """Count depth-1 rounds by outcome. `rounds` holds (position in seq of the drafted token,

@@ -400,11 +400,15 @@ def test_cpu_load_multiplies_verify_rows_weight_first(runners: Callable[[str], R
 
 
 def test_lookup_finds_the_latest_earlier_occurrence() -> None:
+    def lookup(seq: list[int], end: int) -> int | None:
+        source = misses.lookup_sources(seq)[end]
+        return seq[source] if source >= 0 else None
+
     seq = [1, 2, 3, 4, 9, 1, 2, 3, 5, 7, 1, 2, 3]
-    assert misses.lookup(seq, len(seq)) == 5  # the later "1 2 3" was followed by 5, not 4
-    assert misses.lookup(seq, 8) == 4
-    assert misses.lookup(seq, 3) is None  # too short to hold an earlier occurrence
-    assert misses.lookup([1, 2, 3, 8, 8, 2, 3], 7) is None  # "8 2 3" never occurred before
+    assert lookup(seq, len(seq)) == 5  # the later "1 2 3" was followed by 5, not 4
+    assert lookup(seq, 8) == 4
+    assert lookup(seq, 3) is None  # too short to hold an earlier occurrence
+    assert lookup([1, 2, 3, 8, 8, 2, 3], 7) is None  # "8 2 3" never occurred before
 
 
 def test_misses_are_classified_by_what_could_have_drafted_them() -> None:
