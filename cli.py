@@ -335,8 +335,8 @@ def graft(ctx: click.Context, bundle: str, out: Path, corpus: tuple[Path, ...],
           mtp_policy: str, mtp_bits: int,
           mtp_group_size: str, force: bool) -> None:
     """Train an MTP head for BUNDLE on its frozen trunk (self-distillation) and write OUT."""
-    from mtpkit.convert.graft import GraftOptions
-    from mtpkit.convert.graft import graft as run_graft
+    from mtpkit.train.graft import GraftOptions
+    from mtpkit.train.graft import graft as run_graft
 
     options = GraftOptions(
         corpus=list(corpus) or None, steps=steps, minutes=minutes, seq_len=seq_len, batch=batch,

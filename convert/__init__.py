@@ -1,1 +1,1 @@
-"""Writers: everything that produces bundle files (manifest now; the converter builds on it)."""
+"""Writers: everything that produces bundle files (trunk, sidecar, repairs, manifest, card)."""

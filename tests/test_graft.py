@@ -18,19 +18,19 @@ import mtpkit
 from fixtures.factory import tree_hash
 from mtpkit.cli import main
 from mtpkit.convert.convert import ConvertError
-from mtpkit.convert.copying import attention_of, copy_loss, copy_sources
-from mtpkit.convert.corpus import (
+from mtpkit.decoder.runner import safe_template
+from mtpkit.loaders.digest import sha256_file
+from mtpkit.schemas import validate
+from mtpkit.train.copying import attention_of, copy_loss, copy_sources
+from mtpkit.train.corpus import (
     Document,
     prose,
     read_documents,
     split_documents,
     stdlib_root,
 )
-from mtpkit.convert.graft import WARMUP_STEPS, GraftOptions, graft, learning_rate
-from mtpkit.convert.rollouts import INSTRUCTIONS, Prompts, chat_frame, rollout, training_mask
-from mtpkit.decoder.runner import safe_template
-from mtpkit.loaders.digest import sha256_file
-from mtpkit.schemas import validate
+from mtpkit.train.graft import WARMUP_STEPS, GraftOptions, graft, learning_rate
+from mtpkit.train.rollouts import INSTRUCTIONS, Prompts, chat_frame, rollout, training_mask
 from mtpkit.verify.loads import MEMO_REQUEST, real_loads
 
 CORPUS = stdlib_root() / "json"

@@ -10,8 +10,8 @@ import pytest
 
 import mtpkit
 from fixtures.trained import TRAINED, Recipe, corpus, train
-from mtpkit.convert.graft import held_out_prompts
 from mtpkit.loaders.digest import sha256_file
+from mtpkit.train.graft import held_out_prompts
 
 
 def test_held_out_text_is_never_trained_on() -> None:

@@ -69,7 +69,7 @@ def _default_loads() -> dict[str, Load]:
 def _held_out_loads() -> dict[str, Load]:
     """Code from the longest held-out module (1800 characters from its first top-level def or
     class, past any licence header) and a memo on the longest held-out docstring."""
-    from mtpkit.convert.corpus import held_out_documents, prose
+    from mtpkit.train.corpus import held_out_documents, prose
 
     held = held_out_documents()
     source = max(held, key=lambda d: len(d.text)).text

@@ -26,9 +26,6 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 from mlx_lm.utils import load_model
 
 from mtpkit.convert.convert import ConvertError, finish_bundle, write_config
-from mtpkit.convert.copying import attention_of, copy_loss, copy_sources
-from mtpkit.convert.corpus import Document, prose, read_documents, split_documents
-from mtpkit.convert.rollouts import INSTRUCTIONS, Prompts, Rollouts, chat_frame, rollout
 from mtpkit.convert.sidecar import SidecarOptions, encode_sidecar
 from mtpkit.convert.writer import staged_output, write_safetensors
 from mtpkit.decoder.head import Contract, MTPHead, canonical_name
@@ -37,6 +34,9 @@ from mtpkit.decoder.trunk import Trunk
 from mtpkit.loaders.bundle import BundleView, open_bundle
 from mtpkit.loaders.manifest import MANIFEST_FILE
 from mtpkit.loaders.weights import SIDECAR_FILE
+from mtpkit.train.copying import attention_of, copy_loss, copy_sources
+from mtpkit.train.corpus import Document, prose, read_documents, split_documents
+from mtpkit.train.rollouts import INSTRUCTIONS, Prompts, Rollouts, chat_frame, rollout
 
 WARMUP_STEPS = 50
 

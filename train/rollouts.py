@@ -17,9 +17,9 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mtpkit.convert.corpus import sequences, window_count
 from mtpkit.decoder.trunk import Trunk
 from mtpkit.loaders.templates import RENDER_ERRORS, render
+from mtpkit.train.corpus import sequences, window_count
 
 # Requests that frame a corpus snippet as a chat turn (one per batch, in turn).
 INSTRUCTIONS = (
