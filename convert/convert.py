@@ -38,7 +38,7 @@ CARRIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.
                  "chat_template.jinja", "chat_template.json", "generation_config.json")
 # Source problems convert cannot work around (the rest are repaired by converting).
 BLOCKING = ("files.", "config.", "index.path_escape", "index.missing_shard", "safetensors.",
-            "quant.incomplete", "quant.unsupported", "mtp.incomplete")
+            "quant.incomplete", "quant.unsupported", "mtp.incomplete", "mtp.norm_encoding")
 # Findings a fresh bundle may inherit from its source without the conversion being wrong.
 INHERITED = ("template.", "tokenizer.", "mtp.absent")
 

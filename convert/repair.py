@@ -18,13 +18,13 @@ import mlx.core as mx
 from mtpkit.convert.convert import ConvertError, check_source, write_config
 from mtpkit.convert.experts import stack_experts
 from mtpkit.convert.manifest import build_manifest
-from mtpkit.convert.norms import reencode_norms
 from mtpkit.convert.quant_record import config_entries, measured_policy, sidecar_record
 from mtpkit.convert.writer import staged_output, write_safetensors, write_shards, write_text
 from mtpkit.loaders.arrays import mtp_arrays
 from mtpkit.loaders.bundle import BundleView, open_bundle
 from mtpkit.loaders.findings import Finding
 from mtpkit.loaders.manifest import MANIFEST_FILE
+from mtpkit.loaders.norms import ABSOLUTE, reencode
 from mtpkit.loaders.paths import bundle_file
 from mtpkit.loaders.template_sources import find_template
 from mtpkit.loaders.weights import INDEX_FILE, SIDECAR_FILE
@@ -85,10 +85,12 @@ def _sidecar(view: BundleView, stage: Path, codes: set[str], result: RepairResul
         arrays = stack_experts(arrays, view.config.dim("hidden_size") or 0)
         result.note("mtp.experts_unstacked", "stacked the MTP experts into switch_mlp tensors")
         changed = True
-    if "mtp.norm_encoding" in codes and view.mtp.trunk_norm_level is not None:
-        moved = reencode_norms(arrays, view.mtp.trunk_norm_level)
-        result.note("mtp.norm_encoding", f"re-encoded {moved} MTP norm vectors to match the "
-                    "trunk's encoding (absolute)")
+    shifts = view.mtp.norms.shifts(ABSOLUTE) if view.mtp.norms is not None else None
+    if "mtp.norm_encoding" in codes and shifts:
+        arrays = reencode(arrays, shifts)
+        result.note("mtp.norm_encoding", f"re-encoded {len(shifts)} of {len(view.mtp.norms.offsets)} "
+                    f"MTP norm gains to the trunk's encoding (absolute), decided from "
+                    f"{view.mtp.norms.describe()}")
         changed = True
     if changed:
         write_safetensors(stage / SIDECAR_FILE, arrays, sorted(arrays), progress=progress)

@@ -11,12 +11,12 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mtpkit.convert.experts import stack_experts
-from mtpkit.convert.norms import reencode_norms
 from mtpkit.convert.quantize import quantize_rows
 from mtpkit.convert.writer import Tensor
 from mtpkit.loaders.arrays import mtp_arrays
 from mtpkit.loaders.bundle import BundleView
 from mtpkit.loaders.families import is_shifted_norm
+from mtpkit.loaders.norms import ABSOLUTE, reencode
 
 POLICIES = ("keep", "layers", "all")
 
@@ -65,8 +65,9 @@ def build_sidecar(view: BundleView, options: SidecarOptions, trunk_model: nn.Mod
         # The HF convention, applied unconditionally as mlx-lm's sanitize does for the trunk.
         arrays = {k: (v + 1.0 if v.ndim == 1 and is_shifted_norm(k) else v)
                   for k, v in arrays.items()}
-    elif view.family.zero_centred_norms:
-        reencode_norms(arrays)  # MLX sidecars in the wild: either encoding, sometimes mixed
+    elif view.mtp.norms is not None:
+        # MLX sidecars in the wild come in either encoding (some mixed): decided per head.
+        arrays = reencode(arrays, view.mtp.norms.shifts(ABSOLUTE) or {})
     return encode_sidecar(arrays, options)
 
 

@@ -26,6 +26,7 @@ from mtpkit.loaders.bundle import BundleView, open_bundle
 from mtpkit.loaders.families import is_shifted_norm
 from mtpkit.loaders.findings import UserError
 from mtpkit.loaders.mtp import DELTA_ENCODINGS
+from mtpkit.loaders.norms import ABSOLUTE, reencode
 from mtpkit.loaders.templates import render, unsafe_reach
 
 Prompt = str | list[int] | list[dict[str, Any]]
@@ -80,10 +81,14 @@ def _contract(view: BundleView, overrides: dict[str, Any]) -> Contract:
 
 
 def _head_arrays(view: BundleView) -> dict[str, mx.array]:
+    """The head's arrays with norm gains encoded like the trunk's (absolute): as doctor decided
+    from the trunk's gains, else as the config declares (MTPLX adds +1 to declared delta)."""
     arrays = mtp_arrays(view)
+    shifts = view.mtp.norms.shifts(ABSOLUTE) if view.mtp.norms is not None else None
+    if shifts is not None:
+        return reencode(arrays, shifts)
     declared = str((view.config.mtp_quantization or {}).get("norm_encoding", "")).lower()
-    if view.mtp.norm_encoding == "delta" and declared in DELTA_ENCODINGS:
-        # Zero-centred gains declared as such (MTPLX's delta encoding): +1 as MTPLX does.
+    if declared in DELTA_ENCODINGS and view.family.zero_centred_norms:
         arrays = {n: a + 1.0 if is_shifted_norm(n) and a.ndim == 1 else a
                   for n, a in arrays.items()}
     return arrays

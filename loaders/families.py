@@ -142,17 +142,32 @@ def stacked_modules(path: str) -> tuple[str, ...]:
 RECURRENT_ATTRIBUTES = ("linear_attn",)
 
 
-# RMSNorm gains that Qwen3-Next / Qwen3.5 checkpoints store zero-centred (the gated
-# linear_attn.norm is not among them: mlx-lm's sanitize leaves it alone).
-SHIFTED_NORM_SUFFIXES = (
-    "input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight",
-    "k_norm.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight",
-)
-FINAL_NORMS = ("model.norm.weight", "mtp.norm.weight")
+# RMSNorm gains that Qwen3-Next / Qwen3.5 checkpoints store zero-centred, by name suffix -> role
+# (the gated linear_attn.norm is not among them: mlx-lm's sanitize leaves it alone).
+NORM_ROLES = {
+    "input_layernorm.weight": "input_layernorm",
+    "post_attention_layernorm.weight": "post_attention_layernorm",
+    "q_norm.weight": "q_norm", "k_norm.weight": "k_norm",
+    "pre_fc_norm_embedding.weight": "pre_fc_norm_embedding",
+    "pre_fc_norm_hidden.weight": "pre_fc_norm_hidden",
+    "model.norm.weight": "final_norm", "mtp.norm.weight": "final_norm",
+}
+# Which of the trunk's roles an MTP head gain is compared with. The pre-fc norms have no twin in
+# the trunk; trained, they share the layer norms' statistics (zero-centred means 0.30-0.39 in
+# published Qwen3.5/3.6 heads), so they are compared with those.
+NORM_TWINS = {
+    "pre_fc_norm_embedding": ("input_layernorm", "post_attention_layernorm"),
+    "pre_fc_norm_hidden": ("input_layernorm", "post_attention_layernorm"),
+}
+
+
+def norm_role(name: str) -> str | None:
+    """The role of a zero-centred-by-convention RMSNorm gain, or None for any other tensor."""
+    return next((r for suffix, r in NORM_ROLES.items() if name.endswith(suffix)), None)
 
 
 def is_shifted_norm(name: str) -> bool:
-    return name.endswith(SHIFTED_NORM_SUFFIXES + FINAL_NORMS)
+    return norm_role(name) is not None
 
 
 def _attn_out(c: dict[str, Any]) -> int | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-import statistics
+from collections import Counter
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
 from pathlib import Path
@@ -21,6 +21,7 @@ from mtpkit.loaders.families import (
     is_shifted_norm,
 )
 from mtpkit.loaders.findings import Finding, finding
+from mtpkit.loaders.norms import DESCRIPTIONS, NormDecision, decide
 from mtpkit.loaders.quant import SIDECAR_POLICIES
 from mtpkit.loaders.safetensors_header import TensorInfo
 from mtpkit.loaders.tensor_data import read_small
@@ -28,7 +29,6 @@ from mtpkit.loaders.weights import Weights
 
 # Values MTPLX reads as "sidecar norms are stored zero-centred; add +1 when loading".
 DELTA_ENCODINGS = {"delta", "delta_plus_one", "mlx_delta"}
-LEVEL_NAMES = {0: "zero-centred", 1: "shifted (+1)", 2: "shifted twice (+2)"}
 
 
 @dataclass
@@ -43,7 +43,7 @@ class MTPLayout:
     expert_layout: str | None = None
     num_experts: int | None = None
     norm_encoding: str | None = None
-    trunk_norm_level: int | None = None  # see norm_level(); None when not measured
+    norms: NormDecision | None = None  # the head's norm convention and its evidence
     findings: list[Finding] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -52,6 +52,7 @@ class MTPLayout:
             "declared_layers": self.declared_layers, "blocks": self.blocks,
             "tensor_count": len(self.tensors), "expert_layout": self.expert_layout,
             "num_experts": self.num_experts, "norm_encoding": self.norm_encoding,
+            "norm_evidence": [e.to_dict() for e in self.norms.evidence] if self.norms else [],
         }
 
 
@@ -101,7 +102,7 @@ def check(layout: MTPLayout, weights: Weights, fam: Family, cfg: ModelConfig, ki
     _check_placement(layout, weights, kind)
     _check_complete(layout, fam)
     _check_experts(layout, cfg, fam, kind)
-    _check_norms(layout, weights, fam, cfg, root)
+    _check_norms(layout, weights, fam, cfg, root, kind)
     _check_policy(layout, cfg)
 
 
@@ -179,52 +180,55 @@ def _check_experts(layout: MTPLayout, cfg: ModelConfig, fam: Family, kind: str) 
             layout.source_names[next(c for c in layout.tensors if ".experts." in c)]))
 
 
-def norm_level(mean: float) -> int | None:
-    """0 for zero-centred (delta) RMSNorm gains, 1 for shifted (absolute), 2 for shifted twice;
-    None for means far outside, which is damaged data (--deep reports it), not an encoding."""
-    return min(2, max(0, round(mean))) if math.isfinite(mean) and -0.5 < mean < 2.5 else None
-
-
-def _levels(root: Path, infos: list[TensorInfo]) -> list[tuple[int, float]]:
-    out = []
-    for info in infos:
+def _means(root: Path, infos: dict[str, TensorInfo]) -> dict[str, float]:
+    """Mean of each small 1-D gain that reads back finite (damage is --deep's to report)."""
+    out = {}
+    for name, info in infos.items():
         values = read_small(root, info)
         if values is not None and values.size:
             mean = float(values.astype(np.float64).mean())
-            if (level := norm_level(mean)) is not None:
-                out.append((level, mean))
+            if math.isfinite(mean):
+                out[name] = mean
     return out
 
 
 def _check_norms(layout: MTPLayout, weights: Weights, fam: Family, cfg: ModelConfig,
-                 root: Path) -> None:
-    """Compare each MTP norm vector's encoding with the trunk's (reads only 1-D gains)."""
+                 root: Path, kind: str) -> None:
+    """Decide the head's norm convention against the trunk's gains (reads only 1-D gains)."""
     if not fam.zero_centred_norms:
         return
-    trunk_norms = [i for n, i in weights.trunk.items()
-                   if is_shifted_norm(n) and n not in layout.source_names.values()
-                   and len(i.shape) == 1]
-    mtp_norms = [i for c, i in layout.tensors.items() if is_shifted_norm(c) and len(i.shape) == 1]
-    trunk, head = _levels(root, trunk_norms), _levels(root, mtp_norms)
+    trunk = _means(root, {n: i for n, i in weights.trunk.items()
+                          if is_shifted_norm(n) and n not in layout.source_names.values()
+                          and len(i.shape) == 1})
+    head = _means(root, {c: i for c, i in layout.tensors.items()
+                         if is_shifted_norm(c) and len(i.shape) == 1})
     if not trunk or not head:
         return
-    target = round(statistics.median(level for level, _ in trunk))
-    declared = (cfg.mtp_quantization or {}).get("norm_encoding")
-    delta = str(declared).strip().lower() in DELTA_ENCODINGS
-    levels = sorted({level for level, _ in head})
-    layout.trunk_norm_level = target
-    layout.norm_encoding = ("delta" if levels == [0] else "absolute" if levels == [1]
-                            else "mixed")
-    wrong = [lv for lv, _ in head if lv + (1 if delta else 0) != target]
-    if not wrong:
+    decision = decide(head, trunk, trunk_level=1 if kind == "mlx" else 0)
+    layout.norms, layout.norm_encoding = decision, decision.encoding
+    declared = str((cfg.mtp_quantization or {}).get("norm_encoding", "")).strip().lower()
+    delta = kind == "mlx" and declared in DELTA_ENCODINGS
+    expected = (0 if delta else decision.trunk_level) - decision.trunk_level
+    if decision.consistent and decision.offset in (None, expected):
         return
-    counts = ", ".join(f"{sum(1 for lv, _ in head if lv == k)} {LEVEL_NAMES[k]}" for k in levels)
-    how = (f"MTP norm vectors are {counts}"
-           + (" and declared delta, so a runtime adds +1 again" if delta and 1 in levels else "")
-           + f"; the trunk's are {LEVEL_NAMES[target]} ({len(wrong)} of {len(head)} vectors "
-           "disagree)")
-    layout.findings.append(finding("mtp.norm_encoding", how,
-                                   layout.source_names.get("mtp.norm.weight", "mtp.norm")))
+    trunk_is = DESCRIPTIONS[decision.trunk_level]
+    if decision.consistent:
+        level = decision.trunk_level + decision.offset
+        how = (f"MTP norm gains are {DESCRIPTIONS[level]}"
+               + (", declared delta, so a runtime adds +1 again" if delta else
+                  ", not declared delta, so runtimes load them as is" if level == 0 else "")
+               + f"; the trunk's are {trunk_is}")
+    else:
+        counts = Counter(DESCRIPTIONS.get(decision.trunk_level + o, "undecided")
+                         if o is not None else "undecided" for o in decision.offsets.values())
+        how = (f"MTP norm gains mix conventions ({', '.join(f'{n} {k}' for k, n in counts.items())}); "
+               f"the trunk's are {trunk_is}")
+    layout.findings.append(finding(
+        "mtp.norm_encoding", f"{how} [head vs trunk mean gain: {decision.describe()}]",
+        layout.source_names.get("mtp.norm.weight", "mtp.norm"),
+        **({} if decision.shifts(decision.trunk_level) is not None else {
+            "fixable": False, "hint": "some gains' convention cannot be told from the trunk's; "
+            "re-convert the MTP head from the original checkpoint"})))
 
 
 def _check_policy(layout: MTPLayout, cfg: ModelConfig) -> None:
