@@ -88,14 +88,55 @@ def _config(reader: Any, arch: str, vocab: int, tied: bool, dtype: str) -> dict[
     return config
 
 
-def _tokenizer(path: Path, out: Path) -> None:
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-        convert_gguf_tokenizer,
-        get_gguf_tokenizer,
-    )
+# tokenizer.ggml.* metadata -> the names transformers' GGUF tokenizer converters read.
+TOKENIZER_KEYS = {
+    "model": "tokenizer_type", "pre": "pre_tokenizer_type", "tokens": "tokens", "scores": "scores",
+    "token_type": "token_type", "merges": "merges", "bos_token_id": "bos_token_id",
+    "eos_token_id": "eos_token_id", "unknown_token_id": "unk_token_id",
+    "padding_token_id": "pad_token_id", "add_space_prefix": "add_prefix_space",
+}
+SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
+                  "unk_token": "unk_token_id", "pad_token": "pad_token_id"}
 
-    arch, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(str(path))
-    backend, _ = convert_gguf_tokenizer(arch, tokenizer_dict)
+
+def read_gguf_tokenizer(reader: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(tokenizer_dict, tokenizer_config) from a GGUF's metadata, read with gguf-py: what
+    transformers' own `get_gguf_tokenizer` returns, without the torch that its reader imports
+    (5.17+) and in the releases that do not have it (before 5.17)."""
+    tokenizer = {name: value for key, name in TOKENIZER_KEYS.items()
+                 if (value := _field(reader, f"tokenizer.ggml.{key}")) is not None}
+    config = {name: value for name, key in (("chat_template", "tokenizer.chat_template"),
+                                            ("add_bos_token", "tokenizer.ggml.add_bos_token"),
+                                            ("add_eos_token", "tokenizer.ggml.add_eos_token"))
+              if (value := _field(reader, key)) is not None}
+    if tokenizer.get("tokenizer_type") == "llama":
+        config.setdefault("add_bos_token", True)  # llama.cpp adds BOS to sentencepiece vocabularies
+    for name, key in SPECIAL_TOKENS.items():
+        token_id = tokenizer.get(key)
+        config[name] = tokenizer["tokens"][token_id] if token_id is not None else None
+    return tokenizer, config
+
+
+def gguf_tokenizer_converter() -> Callable[[str, dict[str, Any]], tuple[Any, dict]]:
+    """transformers' `convert_gguf_tokenizer(architecture, tokenizer_dict)` from wherever the
+    installed release keeps it: integrations.gguf.gguf_tokenizer_mapping from 5.18,
+    integrations.ggml before (5.17 has the new module, but not this function in it)."""
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+    except ImportError:
+        try:
+            from transformers.integrations.ggml import convert_gguf_tokenizer
+        except ImportError as err:
+            import transformers
+
+            raise GGUFError(f"transformers {transformers.__version__} has no GGUF tokenizer converter "
+                            "(mtpkit supports transformers>=5.7,<6)") from err
+    return convert_gguf_tokenizer
+
+
+def _tokenizer(reader: Any, arch: str, out: Path) -> None:
+    tokenizer_dict, tokenizer_config = read_gguf_tokenizer(reader)
+    backend, _ = gguf_tokenizer_converter()(arch, tokenizer_dict)
     backend.save(str(out / "tokenizer.json"))
     template = tokenizer_config.pop("chat_template", None)
     if template:
@@ -131,5 +172,5 @@ def gguf_to_hf(path: Path, out: Path, dtype: str = "bfloat16",
     tied = "lm_head.weight" not in weights
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
     write_text(out / "config.json", json.dumps(_config(reader, arch, vocab, tied, dtype), indent=2))
-    _tokenizer(path, out)
+    _tokenizer(reader, arch, out)
     return out
