@@ -57,11 +57,12 @@ Exit codes: 0 generated, 2 bad input or usage.
 EXAMPLES_GRAFT = """
 \b
 Examples:
-  mtpkit graft ./SmolLM2-135M-mlx --out ./SmolLM2-135M-mtp            # 25 minutes, stdlib text
+  mtpkit graft ./SmolLM2-135M-mlx --out ./SmolLM2-135M-mtp            # 27 minutes, stdlib text
   mtpkit graft ./bundle --out ./bundle-mtp --steps 400 --corpus ./docs --corpus ./src
   mtpkit graft ./bundle --out ./bundle-mtp --minutes 10 --mtp-policy layers --mtp-bits 8
 \b
-Progress (step, loss, ETA) goes to stderr. Exit codes: 0 written, 2 bad input or usage.
+The BLAS in use, the budget's plan and progress (step, loss, ETA) go to stderr.
+Exit codes: 0 written, 2 bad input or usage.
 """
 
 
@@ -313,7 +314,8 @@ def generate(bundle: str, prompt: str, raw: bool, max_tokens: int, depth: int | 
               help="Text files or folders (repeatable). Default: the Python standard library.")
 @click.option("--steps", type=click.IntRange(1), help="Training steps (stops at steps or minutes).")
 @click.option("--minutes", type=click.FloatRange(0, min_open=True),
-              help="Training time budget (default 25 when --steps is not given).")
+              help="Budget of the whole command, scoring and writing included (default 27 "
+              "when --steps is not given).")
 @click.option("--seq-len", type=click.IntRange(8, 4096), default=128, show_default=True)
 @click.option("--batch", type=click.IntRange(1, 512), default=8, show_default=True)
 @click.option("--learning-rate", type=click.FloatRange(0, min_open=True), default=1e-3,
@@ -335,8 +337,10 @@ def graft(ctx: click.Context, bundle: str, out: Path, corpus: tuple[Path, ...],
           mtp_policy: str, mtp_bits: int,
           mtp_group_size: str, force: bool) -> None:
     """Train an MTP head for BUNDLE on its frozen trunk (self-distillation) and write OUT."""
-    from mtpkit.train.graft import GraftOptions
+    from mtpkit.decoder.blas import describe
+    from mtpkit.train.graft import GraftOptions, blas_warning
     from mtpkit.train.graft import graft as run_graft
+    from mtpkit.train.scoring import Plan
 
     options = GraftOptions(
         corpus=list(corpus) or None, steps=steps, minutes=minutes, seq_len=seq_len, batch=batch,
@@ -345,21 +349,46 @@ def graft(ctx: click.Context, bundle: str, out: Path, corpus: tuple[Path, ...],
         command=_as_command(ctx),
         sidecar=SidecarOptions(policy=mtp_policy, bits=mtp_bits, group_size=int(mtp_group_size)))
 
+    for line in (describe(), blas_warning()):
+        if line:
+            click.echo(line, err=True)
+
+    def on_plan(plan: Plan) -> None:
+        c = plan.costs
+        head = (f"budget {plan.total_s / 60:.1f} min: {plan.setup_s / 60:.1f} min loading, "
+                f"{plan.training_s / 60:.1f} min rollouts + training" if options.minutes
+                else f"training {options.steps} steps")
+        click.echo(f"{head}, then ~{plan.scoring_s / 60:.1f} min scoring {plan.raw} raw + "
+                   f"{plan.chat} chat held-out prompts and ~{plan.writing_s / 60:.1f} min writing "
+                   f"(measured here: decode step {1000 * c.step_s:.0f} ms, depth-1 round "
+                   f"{1000 * c.round_s:.0f} ms, prefill {1000 * c.prefill_s:.1f} ms/token)",
+                   err=True)
+
     def report(p) -> None:
         eta = f", ETA {p.eta_s / 60:.1f} min" if p.eta_s is not None else ""
         of = f"/{p.total}" if p.total else ""
-        what = (f"trunk rollouts {p.step}{of} windows" if p.phase == "trunk"
-                else f"graft step {p.step}{of}  loss {p.loss:.4f}")
+        if p.phase == "trunk":
+            what = f"trunk rollouts {p.step}{of} windows"
+        elif p.phase == "score":
+            what = f"scoring {p.total} held-out prompts"
+        else:
+            what = f"graft step {p.step}{of}  loss {p.loss:.4f}"
         click.echo(f"\r{what}  {p.elapsed_s / 60:.1f} min{eta}", err=True, nl=False)
 
     with _user_errors("--out"):
-        result = run_graft(bundle, out, options, progress=report)
+        result = run_graft(bundle, out, options, progress=report, on_plan=on_plan)
     acc = result.graft["held_out_acceptance"]
+    speed = result.graft["expected_speedup"]
     click.echo(f"\nwrote {result.out}: {result.graft['steps']} steps, final loss "
                f"{result.graft['final_loss']:.4f}, held-out depth-1 acceptance "
                f"{100 * acc['depth1']:.1f}% over {acc['rounds']} rounds"
                + (f" (chat requests {100 * acc['chat']['depth1']:.1f}% over "
                   f"{acc['chat']['rounds']})" if "chat" in acc else ""))
+    if speed["pays"]:
+        click.echo(f"expected depth-1 decoding here: {speed['depth1']:.2f}x of plain (a round "
+                   f"costs {speed['round_steps']:.2f} plain steps)")
+    else:
+        click.echo(f"this head will not speed decoding up here: {speed['why']}")
 
 
 EXAMPLES_SERVE = """

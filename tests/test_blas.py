@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from mtpkit.decoder import blas
+from mtpkit.train import graft as graft_mod
 
 ARCH = "x86_64-linux-gnu"
 
@@ -79,15 +80,18 @@ def test_a_missing_chosen_library_never_fails(tmp_path: Path) -> None:
         assert out.startswith("failed: ") and "point MTPKIT_BLAS at a working library" in out
 
 
-def test_notes_follow_the_blas_in_use(
+def test_notes_and_the_graft_warning_follow_the_blas_in_use(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(blas, "LOADING", blas.Loading(None, "none installed"))
     monkeypatch.setattr(blas, "in_use", lambda: ("reference", "/w/libblas-bd8a.so.3"))
     assert "reference BLAS" in (blas.describe() or "")
     assert "libopenblas0-pthread" in (blas.note() or "")
+    warning = graft_mod.blas_warning()
+    assert warning is not None and warning.startswith("warning:")
+    assert "29 steps" in warning and "sudo apt-get install libopenblas0-pthread" in warning
     monkeypatch.setattr(blas, "LOADING", blas.Loading("/l/libopenblas.so.0", "loaded"))
     monkeypatch.setattr(blas, "in_use", lambda: ("optimized", "/l/libopenblasp-r0.so"))
-    assert blas.note() is None
+    assert blas.note() is None and graft_mod.blas_warning() is None
     assert blas.describe() == ("BLAS: /l/libopenblasp-r0.so (loaded by mtpkit; "
                                "MTPKIT_BLAS=reference keeps MLX's own)")
 

@@ -21,6 +21,7 @@ from mtpkit.convert.convert import ConvertError
 from mtpkit.decoder.runner import safe_template
 from mtpkit.loaders.digest import sha256_file
 from mtpkit.schemas import validate
+from mtpkit.train import graft as graft_mod
 from mtpkit.train.copying import attention_of, copy_loss, copy_sources
 from mtpkit.train.corpus import (
     Document,
@@ -31,6 +32,7 @@ from mtpkit.train.corpus import (
 )
 from mtpkit.train.graft import WARMUP_STEPS, GraftOptions, graft, learning_rate
 from mtpkit.train.rollouts import INSTRUCTIONS, Prompts, chat_frame, rollout, training_mask
+from mtpkit.train.scoring import SCORING_SHARE, DecodeCosts, plan, verdict
 from mtpkit.verify.loads import MEMO_REQUEST, real_loads
 
 CORPUS = stdlib_root() / "json"
@@ -56,7 +58,7 @@ def grafted(built: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
             losses.append(p.loss)
 
     result = graft(str(source), out, _options(), progress=report)
-    assert phases[0] == "trunk" and phases[-1] == "head" and phases == sorted(phases, reverse=True)
+    assert list(dict.fromkeys(phases)) == ["trunk", "head", "score"]
     return source, before, result, losses
 
 
@@ -77,6 +79,16 @@ def test_graft_writes_a_healthy_bundle_with_provenance(grafted) -> None:
     assert 0.0 <= record["held_out_acceptance"]["depth1"] <= 1.0
     assert record["held_out_acceptance"]["rounds"] > 0
     assert record["copy_weight"] == 1.0  # llama attention: copying supervised
+    # the decode costs measured here and the speedup they make of the acceptance, always
+    costs, speed = record["decode_costs"], record["expected_speedup"]
+    assert costs["step_ms"] > 0 and costs["round_ms"] > 0 and costs["prefill_ms_per_token"] > 0
+    assert speed["round_steps"] == pytest.approx(costs["round_ms"] / costs["step_ms"])
+    assert speed["depth1"] == pytest.approx((1 + speed["acceptance"]) / speed["round_steps"])
+    assert speed["pays"] == ("why" not in speed) and record["blas"]["kind"] in (
+        "optimized", "reference", None)
+    budget = record["budget"]
+    assert budget["minutes"] is None and budget["reserved_training_s"] is None  # --steps alone
+    assert budget["planned_prompts"]["raw"] == record["held_out_acceptance"]["prompts"]
     assert min(losses[-3:]) < losses[0], "training did not reduce the loss"
     for name in view.weights.trunk_files:  # the trunk is the source's, byte for byte
         assert sha256_file(result.out / name) == sha256_file(source / name)
@@ -267,3 +279,72 @@ def test_copy_weight_zero_trains_on_cross_entropy_alone(built: Callable[..., Pat
     assert plain.graft["copy_weight"] == 0.0
     # the same first batch: with copying on, its loss adds the attention term
     assert losses[0] > off[0] > 0
+
+
+def _costs(step: float = 0.01, round_: float = 0.03, prefill: float = 0.001) -> DecodeCosts:
+    return DecodeCosts(step, round_, prefill)
+
+
+def test_a_head_that_cannot_pay_is_flagged(built: Callable[..., Path], tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A round priced at 3 plain steps: even every draft accepted gives 2/3 of plain speed."""
+    monkeypatch.setattr(graft_mod, "measure_costs", lambda trunk, head, ids: _costs())
+    result = CliRunner().invoke(main, ["graft", str(built("llama")), "--out",
+                                       str(tmp_path / "g"), "--corpus", str(CORPUS),
+                                       "--steps", "1", "--batch", "2", "--seq-len", "16"])
+    assert result.exit_code == 0, result.output
+    closing = result.stdout.strip().splitlines()[-1]
+    assert closing.startswith("this head will not speed decoding up here: a depth-1 round "
+                              "costs 3.00 plain decode steps")
+    assert "no acceptance can pay" in closing
+    speed = json.loads((tmp_path / "g/mtpkit.json").read_text())["graft"]["expected_speedup"]
+    assert speed["pays"] is False and speed["depth1"] <= 2 / 3 and speed["why"] in closing
+    assert "then ~" in result.stderr and "scoring" in result.stderr  # said up front
+
+
+def test_verdict_names_the_acceptance_that_would_pay() -> None:
+    paying = verdict(0.44, _costs(round_=0.012), "optimized")
+    assert paying["pays"] and paying["depth1"] == pytest.approx(1.44 / 1.2) and "why" not in paying
+    low = verdict(0.075, _costs(round_=0.012), "optimized")
+    assert not low["pays"] and "at least 26% acceptance" in low["why"]
+    assert "train longer" in low["why"]
+    dear = verdict(0.075, _costs(round_=0.021), "reference")
+    assert "no acceptance can pay" in dear["why"] and "reference BLAS" in dear["why"]
+
+
+def test_plan_reserves_scoring_and_writing_out_of_the_whole_budget() -> None:
+    costs = _costs(step=0.02, round_=0.025, prefill=0.002)
+    raw, chat = [150] * 24, [200] * 12
+    roomy = plan(27 * 60, 15.0, costs, raw, chat, 48, 32, 300_000_000)
+    assert (roomy.raw, roomy.chat) == (24, 12)
+    assert roomy.writing_s == pytest.approx(2.0 + 3.0)
+    scoring = sum(costs.prompt_s(n, 48) for n in raw + chat) + costs.probe_s(32)
+    assert roomy.scoring_s == pytest.approx(scoring)
+    assert roomy.setup_s + roomy.training_s + roomy.scoring_s + roomy.writing_s == 27 * 60
+    # the reference BLAS on a slow machine: scoring is cut to its share, raw and chat alike
+    slow = _costs(step=0.17, round_=0.37, prefill=0.12)
+    tight = plan(27 * 60, 30.0, slow, raw, chat, 48, 32, 300_000_000)
+    assert tight.scoring_s <= SCORING_SHARE * (27 * 60 - 30.0 - tight.writing_s)
+    assert 1 <= tight.raw < 24 and abs(tight.raw - 2 * tight.chat) <= 2
+    # with --steps alone nothing is cut; with no room at all one raw prompt still scores
+    assert plan(float("inf"), 1.0, slow, raw, chat, 48, 32, 0).raw == 24
+    assert (plan(10.0, 9.0, slow, raw, chat, 48, 32, 0).raw,
+            plan(10.0, 9.0, slow, raw, chat, 48, 32, 0).chat) == (1, 0)
+
+
+def test_minutes_bound_the_whole_command(built: Callable[..., Path], tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scoring priced at ~0.4 s a prompt: a 9-second budget cannot score them all."""
+    monkeypatch.setattr(graft_mod, "measure_costs",
+                        lambda trunk, head, ids: _costs(step=0.005, round_=0.008))
+    result = graft(str(built("llama")), tmp_path / "m",
+                   _options(steps=None, minutes=0.15, eval_prompts=24))
+    budget, acc = result.graft["budget"], result.graft["held_out_acceptance"]
+    assert budget["minutes"] == 0.15
+    parts = ("setup_s", "reserved_training_s", "reserved_scoring_s", "reserved_writing_s")
+    assert sum(budget[k] for k in parts) == pytest.approx(9.0)
+    planned = budget["planned_prompts"]
+    assert 1 <= planned["raw"] < len(graft_mod.held_out_prompts(
+        split_documents(read_documents([CORPUS]))[1], 24, 0))
+    assert acc["prompts"] <= planned["raw"]
+    assert acc.get("chat", {"prompts": 0})["prompts"] <= planned["chat"]

@@ -4,7 +4,9 @@ The head (fc over the normed embedding and the normed trunk hidden, one decoder 
 trunk's own class, final norm; embedding and lm_head shared and frozen) learns the trunk's own
 greedy token at position t+2 from the trunk hidden at t and token t+1, on the trunk's own greedy
 continuations of corpus prompts (rollouts.py). Training runs in float32
-(MLX's CPU backend runs bf16 matmuls without BLAS); the written trunk is the source's, unchanged.
+(MLX's CPU backend runs bf16 matmuls without BLAS), so its speed is the BLAS's (decoder/blas.py);
+the written trunk is the source's, unchanged. `--minutes` bounds the whole command: scoring and
+writing are reserved out of it from costs measured here before training (scoring.py).
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ from mlx_lm.utils import load_model
 from mtpkit.convert.convert import ConvertError, finish_bundle, write_config
 from mtpkit.convert.sidecar import SidecarOptions, encode_sidecar
 from mtpkit.convert.writer import staged_output, write_safetensors
+from mtpkit.decoder.blas import fix, in_use, loaded_blas
 from mtpkit.decoder.head import Contract, MTPHead, canonical_name
+from mtpkit.decoder.rows import use_few_rows_linears
 from mtpkit.decoder.runner import Prompt, Runner, cast_floats, dequantize_for_cpu, safe_template
 from mtpkit.decoder.trunk import Trunk
 from mtpkit.loaders.bundle import BundleView, open_bundle
@@ -37,22 +41,25 @@ from mtpkit.loaders.weights import SIDECAR_FILE
 from mtpkit.train.copying import attention_of, copy_loss, copy_sources
 from mtpkit.train.corpus import Document, prose, read_documents, split_documents
 from mtpkit.train.rollouts import INSTRUCTIONS, Prompts, Rollouts, chat_frame, rollout
+from mtpkit.train.scoring import Plan, measure_costs, plan, verdict
 
 WARMUP_STEPS = 50
+DEFAULT_MINUTES = 27.0  # the whole command; on SmolLM2 with OpenBLAS ~25 of them train
+PROBE_PROMPT = 32  # prompt tokens before the timed decode steps (scoring.measure_costs)
 
 
 @dataclass
 class GraftOptions:
     corpus: list[Path] | None = None  # None: the Python standard library's source
     steps: int | None = None
-    minutes: float | None = None  # stop at whichever of steps / minutes comes first
+    minutes: float | None = None  # whole-command budget; training stops at steps or at its share
     seq_len: int = 128
     batch: int = 8
     learning_rate: float = 1e-3
     seed: int = 0
     draft_vocab: int = 8192  # draft over the corpus's most frequent tokens; 0: full vocabulary
     copy_weight: float = 1.0  # weight of the attention-on-the-copy loss (copying.py); 0: off
-    trunk_share: float = 0.5  # with --minutes: share of the budget for the rollouts
+    trunk_share: float = 0.5  # with --minutes: share of the training time for the rollouts
     passes: int = 4  # with --steps: each window the trunk saw is trained on this many times
     rollout_batch: int = 32  # prompts the trunk continues together (decoding is batched)
     cache_bytes: int = 2 << 30  # ceiling on the cached trunk hiddens
@@ -64,7 +71,7 @@ class GraftOptions:
 
     def __post_init__(self) -> None:
         if self.steps is None and self.minutes is None:
-            self.minutes = 25.0
+            self.minutes = DEFAULT_MINUTES
 
 
 @dataclass
@@ -118,12 +125,16 @@ def _loss(head: MTPHead, hidden: mx.array, tokens: mx.array, targets: mx.array,
 
 
 def _rollout_pass(trunk: Trunk, prompts: Prompts, eos: set[int], options: GraftOptions,
-                  start: float, budget: float,
+                  start: float, budget: float, after: float, step_s: float,
                   progress: Callable[[Progress], None]) -> tuple[Rollouts, dict[str, int]]:
     """Let the frozen trunk continue corpus prompts greedily, once, and keep its hiddens. The
     trunk costs several times the head's forward and backward, so the head then trains for
-    several passes over this cache. Stops at the window target (--steps), the budget share
-    (--minutes), the corpus's distinct prompts or cache_bytes, whichever comes first."""
+    several passes over this cache. Stops at the window target (--steps), trunk_share of the
+    training time left (--minutes; training ends `budget` seconds after the command's `start`),
+    the corpus's distinct prompts or cache_bytes, whichever comes first. A batch has no more
+    rows than fit in the time left: at first priced at one single-row decode step (`step_s`)
+    per window token, the reference BLAS's cost (an optimized one batches rows for far less),
+    then at what the last batch cost per row. ETAs add `after`, what scoring and writing take."""
     total = options.seq_len + 2
     per_window = (options.seq_len + 1) * trunk.args.hidden_size * 4
     target = min(prompts.windows, options.cache_bytes // per_window)
@@ -133,16 +144,24 @@ def _rollout_pass(trunk: Trunk, prompts: Prompts, eos: set[int], options: GraftO
     if target == 0:
         raise ConvertError("graft.corpus", f"the corpus is too small for prompts of "
                            f"{prompts.span} tokens", "pass more text or a smaller --seq-len")
-    deadline = budget * options.trunk_share if options.minutes is not None else budget
+    begun = time.perf_counter() - start
+    deadline = begun + (budget - begun) * options.trunk_share if options.minutes else budget
     hiddens: list[mx.array] = []
     tokens: list[np.ndarray] = []
     targets: list[np.ndarray] = []
     masks: list[np.ndarray] = []
     kinds = {"raw": 0, "chat": 0}
     done = 0
+    row_s = total * step_s
     while done < target and (not done or time.perf_counter() - start < deadline):
-        batch, kind = prompts.next(min(options.rollout_batch, target - done))
+        fits = (deadline - (time.perf_counter() - start)) / row_s
+        rows = min(options.rollout_batch, target - done)
+        if fits < rows:  # never with --steps alone: the deadline is infinite
+            rows = max(1, int(fits))
+        began = time.perf_counter()
+        batch, kind = prompts.next(rows)
         hidden, ids, greedy, mask = rollout(trunk, batch, total, eos)
+        row_s = (time.perf_counter() - began) / rows
         hiddens.append(hidden)
         tokens.append(ids)
         targets.append(greedy)
@@ -150,8 +169,8 @@ def _rollout_pass(trunk: Trunk, prompts: Prompts, eos: set[int], options: GraftO
         kinds[kind] += len(ids)
         done += len(ids)
         elapsed = time.perf_counter() - start
-        left = elapsed / done * (target - done)
-        progress(Progress(done, None, elapsed, min(left, max(0.0, deadline - elapsed)),
+        left = row_s * (target - done)
+        progress(Progress(done, None, elapsed, min(left, max(0.0, deadline - elapsed)) + after,
                           "trunk", target if options.minutes is None else None))
     return Rollouts(mx.concatenate(hiddens), mx.array(np.concatenate(tokens)),
                     mx.array(np.concatenate(targets)), mx.array(np.concatenate(masks))), kinds
@@ -168,8 +187,10 @@ def _draft_targets(cache: Rollouts, vocab: np.ndarray) -> tuple[mx.array, mx.arr
 
 
 def _train_head(head: MTPHead, cache: Rollouts, vocab: np.ndarray, options: GraftOptions,
-                start: float, budget: float, progress: Callable[[Progress], None]) -> list[float]:
-    """Distil the trunk's greedy choices into the head over shuffled passes of the cache."""
+                start: float, budget: float, after: float,
+                progress: Callable[[Progress], None]) -> list[float]:
+    """Distil the trunk's greedy choices into the head over shuffled passes of the cache, until
+    --steps or `budget` seconds after the command's `start`."""
     optimizer = optim.AdamW(learning_rate=options.learning_rate, weight_decay=0.0)
     step_fn = nn.value_and_grad(head, _loss)
     head_start = time.perf_counter()
@@ -180,7 +201,7 @@ def _train_head(head: MTPHead, cache: Rollouts, vocab: np.ndarray, options: Graf
     order: list[int] = []
     losses: list[float] = []
     while ((options.steps is None or len(losses) < options.steps)
-           and time.perf_counter() - start < budget):
+           and (not losses or time.perf_counter() - start < budget)):
         if len(order) < options.batch:
             order.extend(rng.permutation(cache.tokens.shape[0]).tolist())
         done = max(len(losses) / options.steps if options.steps else 0.0,
@@ -198,8 +219,8 @@ def _train_head(head: MTPHead, cache: Rollouts, vocab: np.ndarray, options: Graf
         left = [budget - (now - start)]
         if options.steps is not None:
             left.append((now - head_start) / len(losses) * (options.steps - len(losses)))
-        progress(Progress(len(losses), losses[-1], now - start, max(0.0, min(left)), "head",
-                          options.steps))
+        progress(Progress(len(losses), losses[-1], now - start, max(0.0, min(left)) + after,
+                          "head", options.steps))
     return losses
 
 
@@ -254,15 +275,31 @@ def held_out_chats(held: list[Document], count: int, seed: int) -> list[list[dic
             for i, text in enumerate(held_out_prompts(held, count, seed))]
 
 
-def measure_acceptance(runner: Runner, prompts: Sequence[Prompt], tokens: int) -> dict[str, Any]:
-    """Greedy depth-1 acceptance over held-out prompts (pooled over verify rounds)."""
-    proposed = accepted = 0
+def measure_acceptance(runner: Runner, prompts: Sequence[Prompt], tokens: int,
+                       deadline: float = math.inf) -> dict[str, Any]:
+    """Greedy depth-1 acceptance over held-out prompts (pooled over verify rounds). No prompt
+    after the first starts past `deadline` (a time.perf_counter() value)."""
+    proposed = accepted = scored = 0
     for prompt in prompts:
+        if scored and time.perf_counter() >= deadline:
+            break
         stats = runner.generate(prompt, tokens, depth=1).stats
         proposed += stats.proposed[0] if stats.proposed else 0
         accepted += stats.accepted[0] if stats.accepted else 0
+        scored += 1
     return {"depth1": accepted / proposed if proposed else 0.0, "rounds": proposed,
-            "prompts": len(prompts), "tokens_per_prompt": tokens, "temperature": 0.0}
+            "prompts": scored, "tokens_per_prompt": tokens, "temperature": 0.0}
+
+
+def blas_warning() -> str | None:
+    """What the reference BLAS does to a graft, said before training starts (None otherwise)."""
+    if loaded_blas() != "reference":
+        return None
+    return ("warning: MLX is on the reference BLAS bundled with its Linux wheel: a float32 "
+            "matmul of M rows costs about M single-row ones, so this graft trains a small "
+            "fraction of the steps an optimized BLAS allows (SmolLM2-135M in 25 minutes: 29 "
+            "steps and 7.5% held-out acceptance, against ~1,550 steps and 44% with OpenBLAS) "
+            f"and its head will likely not speed decoding up. Fix: {fix()}")
 
 
 def _check(view: BundleView) -> None:
@@ -276,7 +313,11 @@ def _check(view: BundleView) -> None:
 
 
 def graft(bundle: str, out: Path, options: GraftOptions,
-          progress: Callable[[Progress], None] = lambda p: None) -> GraftResult:
+          progress: Callable[[Progress], None] = lambda p: None,
+          on_plan: Callable[[Plan], None] = lambda p: None) -> GraftResult:
+    """Graft a head onto `bundle`'s trunk and write `out`. `on_plan` hears, before training,
+    how the budget splits (what scoring and writing will take, from costs measured here)."""
+    start = time.perf_counter()
     view = open_bundle(bundle)
     _check(view)
     model, _ = load_model(view.root, lazy=True)
@@ -299,40 +340,78 @@ def graft(bundle: str, out: Path, options: GraftOptions,
     special = view.tokenizer.special_tokens()
     frame = chat_frame(template, special, tokenizer)
     prompts = Prompts(encoded, options.seq_len, frame, tokenizer, options.seed)
-    start = time.perf_counter()
-    budget = options.minutes * 60 if options.minutes is not None else math.inf
-    cache, kinds = _rollout_pass(trunk, prompts, set(tokenizer.eos_token_ids), options, start,
-                                 budget, progress)
-    vocab = frequent_tokens([*encoded, *np.array(cache.tokens)], trunk.args.vocab_size,
-                            options.draft_vocab)
     weights = _initial_weights(trunk, options.seed)
-    if len(vocab) < trunk.args.vocab_size:
-        weights["mtp.draft_vocab"] = mx.array(vocab)
-    head = MTPHead(trunk, weights, contract, "full_attention", {})
-    losses = _train_head(head, cache, vocab, options, start, budget, progress)
+    vocab_size = trunk.args.vocab_size
+    # a head of the final shape (its draft vocabulary from the corpus alone) to time a round
+    probe = Runner(trunk, _head(trunk, weights, frequent_tokens(encoded, vocab_size,
+                                                                options.draft_vocab), contract),
+                   tokenizer, template if frame else None, special)
+    raw = held_out_prompts(held, options.eval_prompts, options.seed)
+    chats = (held_out_chats(held, max(1, options.eval_prompts // 2), options.seed + 1)
+             if probe.template is not None else [])
+    probe_ids = max(encoded, key=len)[:PROBE_PROMPT]
+    assert probe.head is not None
+    costs = measure_costs(trunk, probe.head, probe_ids)
+    write_bytes = (sum(p.stat().st_size for p in view.root.rglob("*") if p.is_file())
+                   + sum(v.nbytes for v in weights.values()))
+    planned = plan(options.minutes * 60 if options.minutes is not None else math.inf,
+                  time.perf_counter() - start, costs, [len(probe.encode(p)) for p in raw],
+                  [len(probe.encode(c)) for c in chats], options.eval_tokens, len(probe_ids),
+                  write_bytes)
+    on_plan(planned)
+    train_end = planned.total_s - planned.scoring_s - planned.writing_s  # seconds after start
+    after = planned.scoring_s + planned.writing_s
+    train_start = time.perf_counter()
+    cache, kinds = _rollout_pass(trunk, prompts, set(tokenizer.eos_token_ids), options, start,
+                                 train_end, after, costs.step_s, progress)
+    vocab = frequent_tokens([*encoded, *np.array(cache.tokens)], vocab_size, options.draft_vocab)
+    head = _head(trunk, weights, vocab, contract)
+    losses = _train_head(head, cache, vocab, options, start, train_end, after, progress)
     copying = options.copy_weight if attention_of(head.layers[0]) is not None else 0.0
-    train_minutes = (time.perf_counter() - start) / 60
-    step = len(losses)
+    score_start = time.perf_counter()
     if not losses:
         raise ConvertError("graft.no_steps", "no training step ran", "raise --steps/--minutes")
-    runner = Runner(trunk, head, tokenizer, template if frame else None, special)
-    acceptance = measure_acceptance(runner, held_out_prompts(held, options.eval_prompts,
-                                                             options.seed), options.eval_tokens)
-    if runner.template is not None:
-        chats = held_out_chats(held, max(1, options.eval_prompts // 2), options.seed + 1)
-        acceptance["chat"] = measure_acceptance(runner, chats, options.eval_tokens)
+    if mx.default_device().type == mx.DeviceType.cpu:  # decode as mtpkit.load will
+        use_few_rows_linears(trunk.inner)
+        use_few_rows_linears(head)
+    runner = Runner(trunk, head, tokenizer, probe.template, special)
+    progress(Progress(0, None, score_start - start, after, "score", planned.raw + planned.chat))
+    deadline = start + train_end + planned.scoring_s - costs.probe_s(len(probe_ids))
+    acceptance = measure_acceptance(runner, raw[:planned.raw], options.eval_tokens, deadline)
+    if planned.chat and time.perf_counter() < deadline:
+        acceptance["chat"] = measure_acceptance(runner, chats[:planned.chat], options.eval_tokens,
+                                                deadline)
+    measured = measure_costs(trunk, head, probe_ids)
+    pooled = [acceptance, *([acceptance["chat"]] if "chat" in acceptance else [])]
+    rounds = sum(a["rounds"] for a in pooled)
+    kept = sum(a["depth1"] * a["rounds"] for a in pooled) / rounds if rounds else 0.0
+    blas, blas_path = in_use()
     record = {
         "corpus": [str(p) for p in options.corpus] if options.corpus else "python-stdlib",
         "documents": {"train": len(train), "held_out": len(held)},
-        "steps": step, "tokens": step * options.batch * options.seq_len,
+        "steps": len(losses), "tokens": len(losses) * options.batch * options.seq_len,
         "distinct_tokens": int(cache.tokens.shape[0]) * options.seq_len,
         "rollouts": kinds | {"trained_positions": int(mx.sum(cache.mask).item())},
         "seq_len": options.seq_len, "batch": options.batch, "seed": options.seed,
-        "learning_rate": options.learning_rate, "train_minutes": train_minutes,
+        "learning_rate": options.learning_rate,
+        "train_minutes": (score_start - train_start) / 60,
         "draft_vocab": len(vocab), "copy_weight": copying,
         "final_loss": float(np.mean(losses[-10:])), "held_out_acceptance": acceptance,
+        "blas": {"kind": blas, "path": blas_path},
+        "budget": planned.to_dict() | {"training_s": score_start - train_start,
+                                      "scoring_s": time.perf_counter() - score_start},
+        "decode_costs": measured.to_dict(),
+        "expected_speedup": verdict(kept, measured, blas),
     }
     return _write(view, out, head, record, options)
+
+
+def _head(trunk: Trunk, weights: dict[str, mx.array], vocab: np.ndarray,
+          contract: Contract) -> MTPHead:
+    """The head over the initial weights, drafting over `vocab` where it is not the whole one."""
+    if len(vocab) < trunk.args.vocab_size:
+        weights = weights | {"mtp.draft_vocab": mx.array(vocab)}
+    return MTPHead(trunk, weights, contract, "full_attention", {})
 
 
 def _write(view: BundleView, out: Path, head: MTPHead, record: dict[str, Any],
