@@ -292,8 +292,9 @@ def measure_acceptance(runner: Runner, prompts: Sequence[Prompt], tokens: int,
 
 
 def blas_warning() -> str | None:
-    """What the reference BLAS does to a graft, said before training starts (None otherwise)."""
-    if loaded_blas() != "reference":
+    """What the reference BLAS does to a graft on MLX's CPU backend, said before training
+    starts (None otherwise: GPUs do not multiply through it)."""
+    if loaded_blas() != "reference" or mx.default_device().type != mx.DeviceType.cpu:
         return None
     return ("warning: MLX is on the reference BLAS bundled with its Linux wheel: a float32 "
             "matmul of M rows costs about M single-row ones, so this graft trains a small "
@@ -371,7 +372,8 @@ def graft(bundle: str, out: Path, options: GraftOptions,
     score_start = time.perf_counter()
     if not losses:
         raise ConvertError("graft.no_steps", "no training step ran", "raise --steps/--minutes")
-    if mx.default_device().type == mx.DeviceType.cpu:  # decode as mtpkit.load will
+    cpu = mx.default_device().type == mx.DeviceType.cpu
+    if cpu:  # decode as mtpkit.load will
         use_few_rows_linears(trunk.inner)
         use_few_rows_linears(head)
     runner = Runner(trunk, head, tokenizer, probe.template, special)
@@ -401,7 +403,7 @@ def graft(bundle: str, out: Path, options: GraftOptions,
         "budget": planned.to_dict() | {"training_s": score_start - train_start,
                                       "scoring_s": time.perf_counter() - score_start},
         "decode_costs": measured.to_dict(),
-        "expected_speedup": verdict(kept, measured, blas),
+        "expected_speedup": verdict(kept, measured, blas if cpu else None),
     }
     return _write(view, out, head, record, options)
 
