@@ -12,6 +12,9 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+# mtpkit first: importing it loads an installed optimized BLAS before anything imports MLX, so
+# the suite multiplies as users' processes do (the fixtures below import MLX).
+import mtpkit  # noqa: E402, F401
 from fixtures.factory import Sidecar, build_hf, build_mlx  # noqa: E402
 
 DEFAULT_SIDECAR = Sidecar()
