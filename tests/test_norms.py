@@ -23,6 +23,7 @@ from mtpkit.cli import main
 from mtpkit.convert.convert import ConvertOptions, convert
 from mtpkit.convert.repair import repair
 from mtpkit.loaders.norms import decide, role_offset
+from mtpkit.schemas import validate
 
 ABSOLUTE = Sidecar()
 DELTA_DECLARED = Sidecar(norms="delta")
@@ -81,7 +82,9 @@ def test_zero_centred_undeclared_is_found_and_fixed(built: Callable[..., Path], 
                                        str(tmp_path / "fixed"), "--json"])
     assert result.exit_code == 0, result.output
     doc = json.loads(result.output)
+    validate(doc, "doctor_report")
     assert doc["bundle"]["mtp"]["norm_encoding"] == "absolute" and doc["findings"] == []
+    assert {e["offset"] for e in doc["bundle"]["mtp"]["norm_evidence"]} == {0}
     assert doc["repair"]["applied"][0]["code"] == "mtp.norm_encoding"
     fixed, correct = _sidecar(tmp_path / "fixed"), _sidecar(built("qwen3_5", ABSOLUTE, gains=gains))
     assert sorted(fixed) == sorted(correct)
