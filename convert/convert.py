@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +20,7 @@ from mtpkit.convert.trunk import QuantOptions, build_trunk
 from mtpkit.convert.writer import (
     OutputExists,
     Tensor,
+    scratch,
     staged_output,
     write_safetensors,
     write_shards,
@@ -164,10 +164,9 @@ def _convert_gguf(src: Path, out: Path, options: ConvertOptions,
 
     if out.exists() and not options.force:
         raise OutputExists(f"{out.resolve()} already exists")
-    out.resolve().parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.resolve().parent, prefix=".mtpkit-gguf-") as tmp:
+    with scratch(out) as tmp:
         try:
-            hf = gguf_to_hf(src, Path(tmp) / "hf", dtype=options.quant.dtype or "bfloat16")
+            hf = gguf_to_hf(src, tmp / "hf", dtype=options.quant.dtype or "bfloat16")
         except GGUFError as exc:
             raise ConvertError("gguf.unsupported", str(exc),
                                "convert the original Hugging Face checkpoint instead") from None

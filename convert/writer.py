@@ -1,4 +1,4 @@
-"""Streaming safetensors writer and atomic output folders.
+"""Streaming safetensors writer; atomic output folders and file replacement.
 
 The header of a safetensors file lists every tensor's byte range before any data, and lazy MLX
 arrays know their shapes and dtypes before they are computed, so a shard is written by laying
@@ -8,12 +8,18 @@ memory is one tensor (plus whatever the caller keeps), never a whole shard.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import hashlib
 import json
 import os
+import re
 import shutil
+import socket
 import struct
+import time
 import uuid
+import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -173,30 +179,203 @@ def write_text(path: Path, text: str) -> None:
         os.fsync(fh.fileno())
 
 
+# -- atomic output ---------------------------------------------------------------------------
+# Leftovers are named `.{name}.{kind}-{host}-{pid}-{tag}` beside what they stand for, so a later
+# run can tell the ones whose process has ended (on this machine) from those still at work.
+HOST = f"{zlib.crc32(socket.gethostname().encode()):08x}"
+STAGE, ASIDE = "mtpkit", "old"
+AT_FDCWD = -100
+EXCHANGE = 2  # Linux renameat2 RENAME_EXCHANGE; macOS renamex_np RENAME_SWAP
+
+
+def _leftover(target: Path, kind: str, tag: str) -> Path:
+    return target.parent / f".{target.name}.{kind}-{HOST}-{os.getpid()}-{tag}"
+
+
+def _dead_leftovers(target: Path, kind: str) -> list[tuple[int, Path]]:
+    """(tag, path) of `target`'s leftovers of `kind` whose process on this machine has ended."""
+    pattern = re.compile(rf"\.{re.escape(target.name)}\.{kind}-{HOST}-(\d+)-(\d+)")
+    found: list[tuple[int, Path]] = []
+    for path in target.parent.iterdir() if target.parent.is_dir() else []:
+        match = pattern.fullmatch(path.name)
+        if match and int(match[1]) > 0 and not _alive(int(match[1])):
+            found.append((int(match[2]), path))
+    return sorted(found)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # it exists, under another user
+    return True
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _fsync_path(path: str | Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file and folder under `root`: copied files (shutil) were never synced, and
+    a rename must not publish a bundle whose bytes are still only in the page cache."""
+    for folder, _, files in os.walk(root):
+        for name in files:
+            _fsync_path(os.path.join(folder, name))
+        _fsync_path(folder)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths in one atomic step; False where the OS or filesystem cannot
+    (then the caller sets the old one aside and renames twice)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if hasattr(libc, "renameat2"):
+        libc.renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                                   ctypes.c_uint]
+        rc = libc.renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), EXCHANGE)
+    elif hasattr(libc, "renamex_np"):
+        libc.renamex_np.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_uint]
+        rc = libc.renamex_np(os.fsencode(a), os.fsencode(b), EXCHANGE)
+    else:
+        return False
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _recover(out: Path) -> None:
+    """Clean up after runs that were killed: an output one of them had set aside (killed between
+    its two renames) goes back to `out`; their staging folders and set-aside copies go."""
+    aside = _dead_leftovers(out, ASIDE)
+    if aside and not out.exists():
+        os.rename(aside.pop()[1], out)
+    for _, path in [*aside, *_dead_leftovers(out, STAGE)]:
+        _remove(path)
+
+
+def _swap(stage: Path, out: Path, force: bool) -> None:
+    """Publish the fsynced `stage` as `out`. A previous `out` is exchanged with the stage in one
+    atomic step where the OS can, else set aside and the stage renamed in. If any step fails,
+    the steps done are undone in reverse (the previous output back at `out`), the stage is
+    removed and the error raised; if an undo fails too, what is left is named for `_recover`."""
+    replacing = out.exists()
+    if replacing and not force:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise OutputExists(f"{out} already exists")
+    undo: list[Callable[[], object]] = []
+    previous = None
+    try:
+        if replacing and _exchange(stage, out):
+            undo.append(lambda: _exchange(stage, out))
+            previous = stage
+        else:
+            if replacing:
+                previous = _leftover(out, ASIDE, str(time.time_ns()))
+                os.rename(out, previous)
+                undo.append(lambda: os.rename(previous, out))
+            os.rename(stage, out)
+            undo.append(lambda: os.rename(out, stage))
+        _fsync_path(out.parent)
+    except BaseException:
+        for step in reversed(undo):
+            step()
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    if previous is not None:
+        shutil.rmtree(previous, ignore_errors=True)
+
+
 @contextmanager
 def staged_output(out: Path, force: bool = False) -> Iterator[Path]:
-    """Yield a staging folder beside `out`; on success rename it into place (replacing `out`
-    only with force=True); on failure remove it. `out` is never left half-written."""
+    """Yield a staging folder beside `out`; when the block succeeds, fsync it and swap it into
+    place (replacing `out` only with force=True); on failure remove it. `out` is at every step
+    the previous output, whole, or the new one, whole (absent, where the OS has no atomic
+    exchange, only while this process sits between its two renames: if it dies there, the
+    next run writing `out` puts the previous one back)."""
     out = out.resolve()
+    _recover(out)
     if out.exists() and not force:
         raise OutputExists(f"{out} already exists")
     out.parent.mkdir(parents=True, exist_ok=True)
-    stage = out.parent / f".{out.name}.mtpkit-{uuid.uuid4().hex[:8]}"
+    stage = _leftover(out, STAGE, str(uuid.uuid4().int % 10**12))
     stage.mkdir()
     try:
         yield stage
-        dirfd = os.open(stage, os.O_RDONLY)
-        try:
-            os.fsync(dirfd)
-        finally:
-            os.close(dirfd)
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-            out.rename(old)
-            stage.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            stage.rename(out)
+        _fsync_tree(stage)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
+    _swap(stage, out, force)
+
+
+@contextmanager
+def scratch(out: Path) -> Iterator[Path]:
+    """A hidden working folder beside `out` (a GGUF source dequantized for convert), removed on
+    exit; named like a staging folder, so if this process is killed a later run removes it."""
+    out = out.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    path = _leftover(out, STAGE, str(uuid.uuid4().int % 10**12))
+    path.mkdir()
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _temporary(path: Path, data: bytes) -> Path:
+    """`data` in a fsynced hidden file beside `path` (named for `_recover`)."""
+    temp = _leftover(path, STAGE, str(uuid.uuid4().int % 10**12))
+    try:
+        temp.write_bytes(data)
+        _fsync_path(temp)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    return temp
+
+
+def replace_files(texts: dict[Path, str]) -> None:
+    """Replace small text files of one folder (a bundle's card and manifest) together. The new
+    texts and copies of the current files are written to fsynced temporaries first, then the
+    new ones are renamed over their files in order (put the one that commits the others last).
+    If any step fails, the files already replaced get their copies back (a rename: it cannot
+    run out of space) and the temporaries go."""
+    new: dict[Path, Path] = {}
+    backup: dict[Path, Path | None] = {}
+    done: list[Path] = []
+    try:
+        for path, text in texts.items():
+            _recover(path)
+            backup[path] = _temporary(path, path.read_bytes()) if path.exists() else None
+            new[path] = _temporary(path, text.encode("utf-8"))
+        for path, temp in new.items():
+            os.replace(temp, path)
+            done.append(path)
+        _fsync_path(next(iter(texts)).parent)
+    except BaseException:
+        for path in reversed(done):
+            saved = backup[path]
+            if saved is None:
+                path.unlink()
+            else:
+                os.replace(saved, path)
+        raise
+    finally:
+        for temp in [*new.values(), *backup.values()]:
+            if temp is not None:
+                temp.unlink(missing_ok=True)
