@@ -11,6 +11,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from mtpkit.convert.writer import replace_files
 from mtpkit.loaders.bundle import BundleView
 from mtpkit.loaders.digest import sha256_file
 from mtpkit.loaders.findings import UserError
@@ -50,12 +51,6 @@ def fingerprint(view: BundleView) -> dict[str, Any]:
     return {"sha256": overall.hexdigest(), "files": files}
 
 
-def _replace(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def require_manifest(root: Path) -> Path:
     """The bundle's manifest path; a bundle mtpkit did not write has no record to extend."""
     path = root / MANIFEST_FILE
@@ -78,9 +73,11 @@ def stamp(root: Path, report: dict[str, Any]) -> None:
              f"(weights sha256 `{report['record'].get('fingerprint', {}).get('sha256', '?')}`).",
              "", "| check | result | evidence |", "|---|---|---|"]
     lines += [f"| {c['name']} | {c['status']} | {c['summary']} |" for c in report["checks"]]
-    _replace(card_path, card + "\n".join(lines) + "\n")
+    card = card + "\n".join(lines) + "\n"
+    data = card.encode("utf-8")
     for entry in manifest.get("files", []):
         if entry.get("path") == "README.md":
-            entry["bytes"], entry["sha256"] = card_path.stat().st_size, sha256_file(card_path)
+            entry["bytes"], entry["sha256"] = len(data), hashlib.sha256(data).hexdigest()
     manifest["verification"] = {k: report[k] for k in ("passed", "checks", "speed", "record")}
-    _replace(manifest_path, json.dumps(manifest, indent=2) + "\n")
+    # The manifest goes last: it records the card's bytes, so it commits both.
+    replace_files({card_path: card, manifest_path: json.dumps(manifest, indent=2) + "\n"})
