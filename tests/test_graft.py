@@ -18,6 +18,7 @@ import mtpkit
 from fixtures.factory import tree_hash
 from mtpkit.cli import main
 from mtpkit.convert.convert import ConvertError
+from mtpkit.convert.writer import OutputExists
 from mtpkit.decoder.runner import safe_template
 from mtpkit.loaders.digest import sha256_file
 from mtpkit.schemas import validate
@@ -119,6 +120,17 @@ def test_graft_refuses_bad_input(built: Callable[..., Path], tmp_path: Path) -> 
         graft(str(built("llama")), tmp_path / "b", _options(corpus=[empty]))
     assert corpus.value.code == "graft.corpus"
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_graft_into_an_existing_out_fails_before_training(built: Callable[..., Path],
+                                                         tmp_path: Path) -> None:
+    """Refused up front, not after the whole budget has been spent."""
+    (tmp_path / "out").mkdir()
+    phases: list[str] = []
+    with pytest.raises(OutputExists):
+        graft(str(built("llama")), tmp_path / "out", _options(),
+              progress=lambda p: phases.append(p.phase))
+    assert phases == [] and list((tmp_path / "out").iterdir()) == []
 
 
 def test_corpus_holds_out_by_document_and_finds_prose() -> None:

@@ -29,7 +29,7 @@ from mlx_lm.utils import load_model
 
 from mtpkit.convert.convert import ConvertError, finish_bundle, write_config
 from mtpkit.convert.sidecar import SidecarOptions, encode_sidecar
-from mtpkit.convert.writer import staged_output, write_safetensors
+from mtpkit.convert.writer import OutputExists, staged_output, write_safetensors
 from mtpkit.decoder.blas import fix, in_use, loaded_blas
 from mtpkit.decoder.head import Contract, MTPHead, canonical_name
 from mtpkit.decoder.rows import use_few_rows_linears
@@ -319,6 +319,8 @@ def graft(bundle: str, out: Path, options: GraftOptions,
     """Graft a head onto `bundle`'s trunk and write `out`. `on_plan` hears, before training,
     how the budget splits (what scoring and writing will take, from costs measured here)."""
     start = time.perf_counter()
+    if out.exists() and not options.force:  # before the budget is spent, not after
+        raise OutputExists(f"{out.resolve()} already exists")
     view = open_bundle(bundle)
     _check(view)
     model, _ = load_model(view.root, lazy=True)
