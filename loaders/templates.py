@@ -2,18 +2,19 @@
 
 Templates are untrusted code. Before anything renders, the parsed template is searched for
 reaches into Python internals (underscore attributes, `attr('__...')`); such a template is
-reported, never executed. Rendering uses ImmutableSandboxedEnvironment as transformers does,
-with a wall-clock bound where the platform allows it.
+reported, never executed. What the static check cannot see (a computed name such as
+`attr('_' ~ '_class__')`) the sandbox stops while rendering: ImmutableSandboxedEnvironment, as
+transformers uses, with arithmetic that would run as one endless C call refused, and a
+wall-clock bound on compiling and rendering in whichever thread renders.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import re
-import signal
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -30,6 +31,8 @@ from mtpkit.loaders.findings import Finding, finding
 from mtpkit.loaders.paths import bundle_file
 
 RENDER_SECONDS = 5
+MAX_REPEAT = 1 << 20  # items or characters one `*` may build
+MAX_POWER_BITS = 1 << 16  # bits one integer `**` may produce
 MAX_EXTRA_VARIABLES = 3
 STANDARD_CONVERSATION = [
     {"role": "system", "content": "You are a careful assistant."},
@@ -60,7 +63,7 @@ class _RaisedByTemplate(Exception):
 
 # What rendering an untrusted template can raise, short of the sandbox stopping it.
 RENDER_ERRORS = (_RaisedByTemplate, TemplateError, TimeoutError, TypeError, ValueError, KeyError,
-                 AttributeError, IndexError, RecursionError)
+                 AttributeError, IndexError, RecursionError, ArithmeticError)
 
 
 @dataclass
@@ -120,9 +123,32 @@ def locate(root: Path, tokenizer_config: dict[str, Any],
     return None, None, named
 
 
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """The sandbox with `*` and `**` checked before they run: `9 ** (9 ** 9)` or `'a' * 10 ** 12`
+    is one C call that no time bound interrupts (and jinja2 would fold it while compiling)."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "**" and _is_int(left) and _is_int(right) and right > 0 and \
+                right * abs(left).bit_length() > MAX_POWER_BITS:
+            raise SecurityError(f"{left} ** {right} is over {MAX_POWER_BITS} bits")
+        if operator == "*":
+            items, times = (left, right) if _is_int(right) else (right, left)
+            if isinstance(items, str | list | tuple) and _is_int(times) and \
+                    len(items) * times > MAX_REPEAT:
+                raise SecurityError(f"repeating {len(items)} items {times} times is over "
+                                    f"{MAX_REPEAT}")
+        return super().call_binop(context, operator, left, right)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[loopcontrols, GenerationBlocks])
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True,
+                   extensions=[loopcontrols, GenerationBlocks])
 
     def raise_exception(message: str) -> None:
         raise _RaisedByTemplate(message)
@@ -153,32 +179,66 @@ def unsafe_reach(source: str) -> str | None:
     return None
 
 
-@contextmanager
-def _time_limit(seconds: int) -> Iterator[None]:
-    """SIGALRM bound on the main thread; elsewhere the sandbox's own range limit must do."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal,
-                                                                                 "SIGALRM"):
-        yield
-        return
+class _Expired(BaseException):
+    """Raised inside a render past its deadline; a BaseException, so that no `except Exception`
+    on the way (jinja2's, a filter's) swallows it."""
 
-    def expire(signum: int, frame: Any) -> None:
-        raise TimeoutError(f"rendering took longer than {seconds}s")
 
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+def _raise_in(thread_id: int, exc: type[BaseException] | None) -> None:
+    """Set (None: clear) the exception a thread raises at its next bytecode (CPython API)."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id),
+                                               ctypes.py_object(exc) if exc else None)
+
+
+def _bounded(work: Callable[[], str], seconds: float) -> str:
+    """work() or TimeoutError after `seconds`, in any thread (serve renders in its request
+    threads, where SIGALRM cannot reach): a timer raises _Expired in the rendering thread at its
+    next bytecode, so a template loop ends there; nothing of the render survives."""
+    target, lock, state = threading.get_ident(), threading.Lock(), {"done": False, "fired": False}
+
+    def expire() -> None:
+        with lock:
+            if not state["done"]:
+                state["fired"] = True
+                _raise_in(target, _Expired)
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
     try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        try:
+            return work()
+        finally:
+            timer.cancel()
+            with lock:
+                state["done"] = True
+                if state["fired"]:  # fired as the work ended: drop it if not yet delivered
+                    _raise_in(target, None)
+    except _Expired:
+        raise TimeoutError(f"rendering took longer than {seconds}s") from None
 
 
 def render(source: str, messages: list[dict[str, Any]], special: dict[str, str],
            **kwargs: Any) -> str:
-    """Render a chat template in the sandbox (the caller has already checked unsafe_reach)."""
-    template = _environment().from_string(source)
-    with _time_limit(RENDER_SECONDS):
+    """Render a chat template in the sandbox (the caller has already checked unsafe_reach);
+    compiling counts against the bound too."""
+    def work() -> str:
+        template = _environment().from_string(source)
         return template.render(messages=messages, add_generation_prompt=True, **special, **kwargs)
+
+    return _bounded(work, RENDER_SECONDS)
+
+
+def describe_failure(exc: BaseException) -> str:
+    """One line saying why a render failed, for someone who cannot see the template."""
+    detail = " ".join(str(exc).split())[:200]
+    if isinstance(exc, _RaisedByTemplate):
+        return f"the chat template rejects these messages: {detail}"
+    if isinstance(exc, SecurityError):
+        return f"the sandbox stopped the chat template: {detail}"
+    if isinstance(exc, TimeoutError):
+        return f"the chat template ran too long: {detail}"
+    return f"the chat template fails on these messages: {type(exc).__name__}: {detail}"
 
 
 def _render_standard(report: TemplateReport, source: str, context: dict[str, Any]) -> str:

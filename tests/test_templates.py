@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -99,19 +101,83 @@ def test_hostile_templates_are_reported_not_run(tmp_path, text, monkeypatch):
 def test_sandbox_stops_what_static_check_cannot_see(tmp_path):
     report = _check(tmp_path, "{% set l = [] %}{{ l.append(1) }}{{ messages[0].content }}")
     assert [f.code for f in report.findings] == ["template.unsafe"]
+    assert "sandbox stopped it" in report.findings[0].message
+
+
+def test_computed_attribute_name_is_stopped_by_the_sandbox_at_render_time(tmp_path):
+    """A name built at run time passes the static check; only the sandbox stands between it
+    and the class: printed it is empty, used it is a SecurityError (template.unsafe)."""
+    reach = "{{ (messages|attr('_' ~ '_class__')).mro() }}"
+    assert templates.unsafe_reach(reach) is None
+    report = _check(tmp_path, reach)
+    assert [f.code for f in report.findings] == ["template.unsafe"] and not report.renders
+    assert report.findings[0].message == (
+        "sandbox stopped it: access to attribute '__class__' of 'list' object is unsafe.")
+    assert templates.render("{{ messages|attr('_' ~ '_class__') }}", [], {}) == ""
+
+
+def test_arithmetic_bombs_are_refused_before_they_run(tmp_path):
+    """`9 ** (9 ** 9)` is one C call (about an hour of CPU, folded by jinja2 while compiling) and
+    `'a' * 10 ** 12` one allocation: no time bound interrupts either, so the sandbox refuses."""
+    for i, bomb in enumerate(["{{ 9 ** (9 ** 9) }}", "{{ 'a' * 10 ** 12 }}",
+                              "{{ [0] * 10 ** 7 }}"]):
+        (folder := tmp_path / str(i)).mkdir()
+        start = time.monotonic()
+        report = _check(folder, bomb)
+        assert [f.code for f in report.findings] == ["template.unsafe"], bomb
+        assert time.monotonic() - start < 2, bomb
+    assert templates.render("{{ 2 ** 10 }} {{ '=' * 3 }} {{ 2 * 'ab' }} {{ [1] * 2 }}", [],
+                            {}) == "1024 === abab [1, 1]"
+
+
+RUNAWAY = "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"
 
 
 def test_runaway_template_is_bounded(tmp_path, monkeypatch):
     monkeypatch.setattr(templates, "RENDER_SECONDS", 1)
-    report = _check(tmp_path, "{% for a in range(100000) %}{% for b in range(100000) %}"
-                              "{% endfor %}{% endfor %}")
+    report = _check(tmp_path, RUNAWAY)
     assert [f.code for f in report.findings] == ["template.render_failed"]
-    assert "TimeoutError" in report.findings[0].message
+    assert report.findings[0].message == (
+        "standard conversation fails: TimeoutError: rendering took longer than 1s")
+
+
+def test_runaway_template_is_bounded_outside_the_main_thread(monkeypatch):
+    """serve renders in its request threads, where SIGALRM cannot reach."""
+    monkeypatch.setattr(templates, "RENDER_SECONDS", 1)
+    raised: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            templates.render(RUNAWAY, [], {})
+        except BaseException as exc:  # whatever ends the render is the answer
+            raised.append(exc)
+
+    thread = threading.Thread(target=work, daemon=True)
+    start = time.monotonic()
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive(), "the render was not stopped"
+    assert [type(e) for e in raised] == [TimeoutError] and time.monotonic() - start < 3
+
+
+def test_a_finished_render_leaves_no_deadline_behind(monkeypatch):
+    monkeypatch.setattr(templates, "RENDER_SECONDS", 0.2)
+    assert templates.render("{{ messages[0].content }}", [{"content": "x"}], {}) == "x"
+    for _ in range(60):  # past the deadline, running Python: nothing may be raised here
+        time.sleep(0.01)
+
+
+def test_arithmetic_errors_are_render_failed_not_a_crash(tmp_path):
+    report = _check(tmp_path, "{{ messages|length / 0 }}")
+    assert [f.code for f in report.findings] == ["template.render_failed"]
+    assert report.findings[0].message == (
+        "standard conversation fails: ZeroDivisionError: division by zero")
 
 
 def test_template_that_rejects_everything_is_render_failed(tmp_path):
     report = _check(tmp_path, "{{ raise_exception('no') }}")
     assert [f.code for f in report.findings] == ["template.render_failed"]
+    assert report.findings[0].message == "standard conversation fails: _RaisedByTemplate: no"
 
 
 def test_generation_blocks_and_loop_controls(tmp_path):
