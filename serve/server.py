@@ -7,6 +7,7 @@ import hmac
 import ipaddress
 import json
 import socket
+import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -39,19 +40,40 @@ class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     timeout = SOCKET_TIMEOUT_S
 
+    streaming = False  # the SSE headers are out: an error can no longer change the status
+
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (stdlib signature)
         if self.server.verbose:
             super().log_message(format, *args)
 
+    def log_error(self, format: str, *args: Any) -> None:  # noqa: A002 (stdlib signature)
+        """Errors are logged even when requests are not."""
+        super().log_message(format, *args)
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """The standard library's own refusals (unknown method, malformed request line,
+        oversized headers) in the same JSON shape as ours."""
+        reason = message or self.responses.get(code, ("error",))[0]
+        self._json(code, RequestError(code, reason).body(), close=True)
+
     # -- plumbing ---------------------------------------------------------------------------
 
-    def _json(self, status: int, doc: dict[str, Any]) -> None:
+    def _json(self, status: int, doc: dict[str, Any], close: bool = False) -> None:
         body = json.dumps(doc).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
+        if close:
+            self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(body)
+
+    def _error(self, err: RequestError) -> None:
+        """JSON with the status; on a stream already started, a last SSE event instead."""
+        if self.streaming:
+            self._sse(err.body())
+        else:
+            self._json(err.status, err.body(), close=self.close_connection)
 
     def _authorized(self) -> bool:
         key = self.server.api_key
@@ -60,10 +82,13 @@ class Handler(BaseHTTPRequestHandler):
         given = self.headers.get("Authorization", "")
         return hmac.compare_digest(given.encode(), f"Bearer {key}".encode())
 
-    def _body(self) -> Any:
+    def _body(self) -> bytes:
+        """The whole body, read before anything is answered, so that a kept-alive connection
+        never takes an unread body for the next request."""
         try:
             length = int(self.headers.get("Content-Length", ""))
         except ValueError:
+            self.close_connection = True  # a body of unknown length may follow: cannot skip it
             raise RequestError(411, "Content-Length is required") from None
         if not 0 <= length <= MAX_BODY_BYTES:
             self.close_connection = True
@@ -71,10 +96,7 @@ class Handler(BaseHTTPRequestHandler):
                 while length > 0:
                     length -= len(self.rfile.read(min(length, 1 << 16)) or b"x" * length)
             raise RequestError(413, f"request body over {MAX_BODY_BYTES} bytes")
-        try:
-            return json.loads(self.rfile.read(length) or b"null")
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise RequestError(400, "the body is not valid JSON") from None
+        return self.rfile.read(length)
 
     def _sse(self, doc: dict[str, Any] | str) -> None:
         data = doc if isinstance(doc, str) else json.dumps(doc)
@@ -98,21 +120,31 @@ class Handler(BaseHTTPRequestHandler):
         routes = {"/v1/chat/completions": True, "/v1/completions": False}
         chat = routes.get(self.path.rstrip("/"))
         try:
+            raw = self._body()
             if not self._authorized():
                 raise RequestError(401, "invalid API key", kind="authentication_error")
             if chat is None:
                 raise RequestError(404, f"no route {self.path}", kind="not_found")
-            req = parse(self._body(), chat, self.server.service.max_tokens)
+            try:
+                body = json.loads(raw or b"null")
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise RequestError(400, "the body is not valid JSON") from None
+            req = parse(body, chat, self.server.service.max_tokens)
             if req.stream:
                 self._stream(req)
             else:
                 self._complete(req)
         except RequestError as err:
-            self._json(err.status, err.body())
+            self._error(err)
         except UserError as err:
-            self._json(400, RequestError(400, f"{err.code}: {err}").body())
+            self._error(RequestError(400, f"{err.code}: {err}"))
         except (TimeoutError, BrokenPipeError, ConnectionResetError):
             self.close_connection = True
+        except Exception as exc:  # a bug of ours: answer it, and log the traceback
+            self.log_error("%s", traceback.format_exc())
+            detail = " ".join(str(exc).split())[:200]
+            self._error(RequestError(500, f"internal error: {type(exc).__name__}: {detail}",
+                                     kind="server_error"))
 
     def _complete(self, req: Any) -> None:
         service = self.server.service
@@ -142,12 +174,13 @@ class Handler(BaseHTTPRequestHandler):
     def _stream(self, req: Any) -> None:
         service = self.server.service
         cid = completion_id(req.chat)
+        deltas = service.deltas(req)  # request errors surface here, before the 200
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Connection", "close")
         self.end_headers()
-        self.close_connection = True
+        self.close_connection = self.streaming = True
         held = ""  # with tools, content is held back until the calls in it are known
 
         def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
@@ -157,7 +190,7 @@ class Handler(BaseHTTPRequestHandler):
 
         if req.chat:
             self._sse(chunk({"role": "assistant", "content": ""}))
-        for d in service.deltas(req):
+        for d in deltas:
             delta: dict[str, Any] = {}
             if d.reasoning:
                 delta["reasoning_content"] = d.reasoning

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mtpkit.decoder.runner import Result, Runner
+from mtpkit.loaders.templates import RENDER_ERRORS, describe_failure
 from mtpkit.serve.channels import OPEN, ChannelSplitter
 from mtpkit.serve.protocol import Request, RequestError
 
@@ -63,7 +64,15 @@ class Service:
         self.lock = threading.Lock()
 
     def _prompt(self, req: Request) -> tuple[list[int], bool]:
-        """Token ids, and whether the rendered prompt leaves the model inside <think>."""
+        """Token ids, and whether the rendered prompt leaves the model inside <think>. A request
+        the bundle cannot take (ids off the vocabulary, messages its template refuses) is a 400:
+        the template rendered doctor's standard conversation, so these messages are the cause."""
+        if isinstance(req.prompt, list):
+            vocab = self.runner.trunk.args.vocab_size
+            bad = next((t for t in req.prompt if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise RequestError(400, f"prompt token id {bad} is outside the vocabulary "
+                                   f"(size {vocab}: ids 0 to {vocab - 1})", "prompt")
         if not req.chat:
             return self.runner.encode(req.prompt), False
         if self.runner.template is None:
@@ -74,16 +83,24 @@ class Service:
             options["enable_thinking"] = req.enable_thinking
         if req.tools:
             options["tools"] = req.tools
-        text = self.runner.render(req.messages, **options)
+        try:
+            text = self.runner.render(req.messages, **options)
+        except RENDER_ERRORS as exc:
+            raise RequestError(400, describe_failure(exc), "messages") from None
         tokenizer = self.runner.tokenizer
         assert tokenizer is not None
         return list(tokenizer.encode(text, add_special_tokens=False)), text.rstrip().endswith(OPEN)
 
     def deltas(self, req: Request) -> Iterator[Delta]:
+        """The prompt is prepared here, before the first delta is asked for, so that a request
+        error is raised while the HTTP layer can still answer it with a status."""
         ids, opened = self._prompt(req)
         depth = self.depth if req.depth is None else req.depth
         if self.runner.head is None:
             depth = 0
+        return self._generate(req, ids, opened, depth)
+
+    def _generate(self, req: Request, ids: list[int], opened: bool, depth: int) -> Iterator[Delta]:
         splitter = ChannelSplitter(opened) if req.chat else None
         with self.lock:
             for piece in self.runner.stream(ids, req.max_tokens, depth=depth, **req.sampling):

@@ -3,13 +3,16 @@ it and against stock mlx_lm.server (real peers on loopback)."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 from click.testing import CliRunner
@@ -17,6 +20,8 @@ from click.testing import CliRunner
 import mtpkit
 from fixtures.fake_servers import in_thread
 from mtpkit.cli import main
+from mtpkit.decoder.runner import Piece, Result, Runner
+from mtpkit.loaders import templates
 from mtpkit.loaders.findings import UserError
 from mtpkit.schemas import validate
 from mtpkit.serve.channels import ChannelSplitter
@@ -25,12 +30,13 @@ from mtpkit.serve.service import Service, tool_calls
 from mtpkit.verify.endpoint import Endpoint, EndpointError
 
 
-def serving(bundle: Path, depth: int = 2, api_key: str | None = None,
+def serving(bundle: Path | Runner, depth: int = 2, api_key: str | None = None,
             max_tokens: int = 512) -> Any:
-    """Our own server over `bundle` on loopback (a context manager yielding its base URL)."""
-    runner = mtpkit.load(bundle, dtype="float32")
-    return in_thread(Server(Service(runner, bundle.name, depth, max_tokens), "127.0.0.1", 0,
-                            api_key))
+    """Our own server over a bundle (or a runner already loaded) on loopback (a context manager
+    yielding its base URL)."""
+    runner = bundle if isinstance(bundle, Runner) else mtpkit.load(bundle, dtype="float32")
+    return in_thread(Server(Service(runner, "m" if isinstance(bundle, Runner) else bundle.name,
+                                    depth, max_tokens), "127.0.0.1", 0, api_key))
 
 
 @pytest.mark.parametrize(("pieces", "opened", "want"), [
@@ -64,22 +70,38 @@ def test_refuses_non_loopback_without_key(trained) -> None:
     assert result.exit_code == 2 and "error [serve.exposed]" in result.output
 
 
-def _post(url: str, path: str, body: dict | bytes, key: str | None = None) -> tuple[int, dict]:
-    import http.client
-    from urllib.parse import urlsplit
-
+def _connect(url: str) -> http.client.HTTPConnection:
     parts = urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+    return http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+
+
+def _post(url: str, path: str, body: dict | bytes, key: str | None = None) -> tuple[int, dict]:
+    conn = _connect(url)
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
-    conn.request("POST", parts.path + path, raw, headers)
+    conn.request("POST", urlsplit(url).path + path, raw, headers)
     response = conn.getresponse()
     return response.status, json.loads(response.read())
+
+
+def _events(url: str, path: str, body: dict) -> list[dict]:
+    """Every SSE data document of a streamed answer, up to [DONE] (which must come)."""
+    conn = _connect(url)
+    conn.request("POST", urlsplit(url).path + path, json.dumps(body | {"stream": True}).encode(),
+                 {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    lines = [line[len(b"data: "):].strip() for line in response.read().splitlines()
+             if line.startswith(b"data: ")]
+    assert lines[-1] == b"[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
 
 
 def test_api_answers_streams_and_reports_usage_with_mtp(trained) -> None:
     bundle = trained["qwen3_5"][0]
     messages = [{"role": "user", "content": "Write a parser."}]
+    runner = mtpkit.load(bundle, dtype="float32")
+    expected = runner.generate("def parse(self, line):", 24, depth=0)
     with serving(bundle) as url:
         endpoint = Endpoint(url)
         assert endpoint.model() == bundle.name
@@ -92,10 +114,12 @@ def test_api_answers_streams_and_reports_usage_with_mtp(trained) -> None:
     assert whole.tokens == streamed.tokens == 48 and whole.mtp["depth"] == 2
     assert len(whole.mtp["acceptance_by_depth"]) == 2 and plain.mtp["depth"] == 0
     assert plain.content == whole.content, "greedy MTP must answer exactly like plain"
-    assert len(streamed.text_chunks) <= streamed.tokens
-    assert text.tokens == 24 and text.content
+    assert len(streamed.text_chunks) < streamed.tokens, "MTP commits several tokens per chunk"
+    assert (text.content, text.tokens, text.finish_reason) == (expected.text, 24, "length")
     assert status == 200 and doc["object"] == "chat.completion"
-    assert doc["usage"]["completion_tokens"] == 8 and doc["usage"]["prompt_tokens"] > 0
+    assert doc["choices"][0]["finish_reason"] == "length"
+    assert doc["usage"]["completion_tokens"] == 8
+    assert doc["usage"]["prompt_tokens"] == len(runner.encode(messages))
 
 
 def test_api_errors_are_json_and_bounded(trained) -> None:
@@ -112,9 +136,218 @@ def test_api_errors_are_json_and_bounded(trained) -> None:
         for body, status, words in cases:
             path = "/completions" if isinstance(body, dict) and "prompt" in body else "/chat/completions"
             got, doc = _post(url, path, body, key="s3cret")
-            assert got == status and words in doc["error"]["message"], (body, doc)
+            assert got == status == doc["error"]["code"] and words in doc["error"]["message"], (body, doc)
         with pytest.raises(EndpointError, match="HTTP 401"):
             Endpoint(url, api_key="wrong").model()
+
+
+# Renders doctor's standard conversation (so a bundle loads with it), then refuses, reaches or
+# spins on messages a request chooses: two user turns in a row, a "reach" or a "spin" message.
+TRAPS = (
+    "{%- for m in messages %}"
+    "{%- if m.role == 'user' and loop.previtem is defined and loop.previtem.role == 'user' %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- elif m.content == 'reach' %}{{ (m|attr('_' ~ '_class__')).mro() }}"
+    "{%- elif m.content == 'spin' %}"
+    "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"
+    "{%- endif %}"
+    "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}{{- '<|im_start|>assistant\\n' }}"
+)
+
+
+def test_template_errors_on_the_requests_own_messages_are_json_400(bundle_copy, monkeypatch) -> None:
+    """The template is the bundle's and renders a standard conversation; these messages are what
+    it refuses, so they are a 400, streamed or not, answered within the render bound from a
+    request thread (where no signal can stop the template)."""
+    bundle = bundle_copy("qwen3_5")
+    (bundle / "chat_template.jinja").write_text(TRAPS)
+    monkeypatch.setattr(templates, "RENDER_SECONDS", 1)
+    user = {"role": "user", "content": "hi"}
+    cases = [([user, user], "the chat template rejects these messages: Conversation roles must "
+                            "alternate user/assistant/user/assistant/..."),
+             ([user, {"role": "tool", "content": "reach"}],
+              "the sandbox stopped the chat template: access to attribute '__class__' of 'dict' "
+              "object is unsafe."),
+             ([{"role": "user", "content": "spin"}],
+              "the chat template ran too long: rendering took longer than 1s")]
+    with serving(bundle) as url:
+        assert _post(url, "/chat/completions", {"messages": [user], "max_tokens": 2})[0] == 200
+        for messages, message in cases:
+            for stream in (False, True):
+                start = time.monotonic()
+                status, doc = _post(url, "/chat/completions",
+                                    {"messages": messages, "max_tokens": 2, "stream": stream})
+                assert (status, doc["error"]) == (400, {
+                    "message": message, "type": "invalid_request_error", "param": "messages",
+                    "code": 400}), (messages, stream)
+                assert time.monotonic() - start < 5
+
+
+def test_prompt_token_ids_are_checked_against_the_vocabulary(built) -> None:
+    runner = mtpkit.load(built("qwen3_5"), dtype="float32")
+    vocab = runner.trunk.args.vocab_size
+    with serving(runner) as url:
+        ok, doc = _post(url, "/completions", {"prompt": [0, vocab - 1], "max_tokens": 2})
+        assert ok == 200 and doc["usage"]["prompt_tokens"] == 2
+        for bad in (vocab, -1, 1 << 40):
+            for stream in (False, True):
+                status, doc = _post(url, "/completions", {"prompt": [1, bad, vocab + 5],
+                                                          "stream": stream})
+                assert (status, doc["error"]["param"], doc["error"]["message"]) == (
+                    400, "prompt", f"prompt token id {bad} is outside the vocabulary "
+                                   f"(size {vocab}: ids 0 to {vocab - 1})")
+
+
+def test_http_refusals_are_json_and_leave_the_connection_usable(built) -> None:
+    with serving(built("qwen3_5")) as url:
+        base = urlsplit(url).path
+        conn = _connect(url)  # one kept-alive connection through refusals
+        conn.request("GET", base + "/nowhere")
+        response = conn.getresponse()
+        assert (response.status, json.loads(response.read())["error"]) == (404, {
+            "message": f"no route {base}/nowhere", "type": "not_found", "param": None,
+            "code": 404})
+        conn.request("POST", base + "/chat/nowhere", json.dumps({"messages": []}).encode(),
+                     {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        assert response.status == 404 and json.loads(response.read())["error"]["code"] == 404
+        conn.request("GET", base + "/models")  # the 404's body was read, not taken as a request
+        response = conn.getresponse()
+        assert response.status == 200 and json.loads(response.read())["data"][0]["id"]
+
+        bare = _connect(url)  # no Content-Length: 411, and the connection closes
+        bare.putrequest("POST", base + "/chat/completions")
+        bare.endheaders()
+        response = bare.getresponse()
+        assert (response.status, response.getheader("Connection")) == (411, "close")
+        assert json.loads(response.read())["error"]["message"] == "Content-Length is required"
+        chunked = _connect(url)
+        chunked.request("POST", base + "/chat/completions", iter([b'{"messages": []}']))
+        response = chunked.getresponse()
+        assert (response.status, response.getheader("Connection")) == (411, "close")
+
+        method = _connect(url)  # the standard library's own refusals speak JSON too
+        method.request("PUT", base + "/models")
+        response = method.getresponse()
+        assert response.status == 501 and json.loads(response.read())["error"] == {
+            "message": "Unsupported method ('PUT')", "type": "invalid_request_error",
+            "param": None, "code": 501}
+        parts = urlsplit(url)
+        with socket.create_connection((parts.hostname, parts.port), timeout=60) as raw:
+            raw.sendall(f"GET {base}/models HTTP/1.1\r\n".encode() + b"X: y\r\n" * 120 + b"\r\n")
+            head, _, body = raw.makefile("rb").read().partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 431 ") and json.loads(body)["error"] == {
+            "message": "Too many headers", "type": "invalid_request_error", "param": None,
+            "code": 431}
+
+
+def test_a_server_fault_is_a_json_500_and_a_last_stream_event(built, monkeypatch) -> None:
+    runner = mtpkit.load(built("qwen3_5"), dtype="float32")
+
+    def broken(*args: Any, **kwargs: Any) -> Iterator[Piece]:
+        yield Piece("partial", [1])
+        raise RuntimeError("decoder fell over\nsecond line")
+
+    monkeypatch.setattr(runner, "stream", broken)
+    error = {"message": "internal error: RuntimeError: decoder fell over second line",
+             "type": "server_error", "param": None, "code": 500}
+    with serving(runner) as url:
+        status, doc = _post(url, "/completions", {"prompt": "x"})
+        assert (status, doc["error"]) == (500, error)
+        conn = _connect(url)
+        conn.request("POST", urlsplit(url).path + "/completions",
+                     json.dumps({"prompt": "x", "stream": True}).encode())
+        response = conn.getresponse()
+        events = [json.loads(line[len(b"data: "):]) for line in response.read().splitlines()
+                  if line.startswith(b"data: ")]
+    assert response.status == 200 and events[0]["choices"][0]["text"] == "partial"
+    assert events[-1] == {"error": error}
+
+
+def _scripted(runner: Runner, pieces: list[str]) -> None:
+    """The runner's stream replaced by a model that says `pieces` (real stats of a real run)."""
+    stats = runner.generate([1, 2, 3], 2, depth=0).stats
+
+    def stream(ids: list[int], max_tokens: int, **options: Any) -> Iterator[Piece]:
+        for i, text in enumerate(pieces):
+            yield Piece(text, [i])
+        yield Piece("", [], Result(list(range(len(pieces))), "".join(pieces), stats, "stop"))
+
+    runner.stream = stream  # type: ignore[method-assign]
+
+
+def test_tool_calls_are_parsed_from_the_models_output_over_http(built) -> None:
+    runner = mtpkit.load(built("qwen3_5"), dtype="float32")
+    said = ["Let me check", ".<tool", '_call>{"name": "get_time", ', '"arguments": {"tz": "UTC"}}',
+            "</tool_call>"]
+    _scripted(runner, said)
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {}}}]
+    body = {"messages": [{"role": "user", "content": "time?"}], "tools": tools,
+            "chat_template_kwargs": {"enable_thinking": False}}
+    call = {"id": "call_0", "type": "function",
+            "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'}}
+    with serving(runner) as url:
+        status, doc = _post(url, "/chat/completions", body)
+        events = _events(url, "/chat/completions", body)
+        _, untooled = _post(url, "/chat/completions", {**body, "tools": None})
+        _scripted(runner, ["<tool_call>{not json}</tool_call>"])
+        _, malformed = _post(url, "/chat/completions", body)
+    assert status == 200 and doc["choices"][0]["finish_reason"] == "tool_calls"
+    assert doc["choices"][0]["message"] == {"role": "assistant", "content": "Let me check.",
+                                            "tool_calls": [call]}
+    deltas = [e["choices"][0] for e in events if e["choices"]]
+    assert "".join(d["delta"].get("content", "") for d in deltas) == "Let me check."
+    assert deltas[-1]["delta"]["tool_calls"] == [{"index": 0, **call}]
+    assert deltas[-1]["finish_reason"] == "tool_calls"
+    assert untooled["choices"][0] == {"index": 0, "finish_reason": "stop", "message": {
+        "role": "assistant", "content": "".join(said)}}
+    assert malformed["choices"][0]["finish_reason"] == "stop"
+    assert malformed["choices"][0]["message"]["content"] == "<tool_call>{not json}</tool_call>"
+
+
+def test_sampling_seed_and_depth_over_http_reach_the_decoder(built) -> None:
+    runner = mtpkit.load(built("qwen3_5"), dtype="float32")
+    seen: list[dict[str, Any]] = []
+    stream = runner.stream
+
+    def spy(ids: list[int], max_tokens: int, **options: Any) -> Iterator[Piece]:
+        seen.append(options)
+        return stream(ids, max_tokens, **options)
+
+    runner.stream = spy  # type: ignore[method-assign]
+    prompt = {"prompt": "The quick brown fox", "max_tokens": 16}
+    hot = prompt | {"temperature": 1.5}
+
+    def text(body: dict) -> tuple[str, dict]:
+        status, doc = _post(url, "/completions", body)
+        assert status == 200, doc
+        return doc["choices"][0]["text"], doc["usage"]["mtp"]
+
+    with serving(runner, depth=2) as url:
+        text(prompt | {"temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.05, "seed": 7,
+                       "mtp_depth": 1})
+        assert seen[-1] == {"depth": 1, "temperature": 0.7, "top_p": 0.9, "top_k": 5,
+                            "min_p": 0.05, "seed": 7}
+        greedy, greedy_mtp = text(prompt)
+        assert seen[-1]["depth"] == 2 and greedy_mtp["depth"] == 2
+        assert text(hot | {"seed": 1})[0] == text(hot | {"seed": 1})[0], "same seed, same text"
+        assert text(hot | {"seed": 1})[0] != text(hot | {"seed": 2})[0], "the seed is used"
+        assert text(hot | {"seed": 1})[0] != greedy, "the temperature is used"
+        assert text(hot | {"seed": 1, "top_k": 1})[0] == greedy, "top_k=1 is greedy"
+        assert text(hot | {"seed": 1, "top_p": 1e-9})[0] == greedy, "a tiny top_p is greedy"
+        for depth in (0, 1, 3):
+            got, mtp = text(prompt | {"mtp_depth": depth})
+            assert got == greedy and mtp["depth"] == depth, depth
+            assert len(mtp["acceptance_by_depth"]) == depth
+        calls = len(seen)
+        for name, value in [("temperature", 2.5), ("temperature", "hot"), ("top_p", 0),
+                            ("top_k", -1), ("top_k", 1.5), ("min_p", 2), ("seed", "x"),
+                            ("seed", True), ("mtp_depth", -1), ("mtp_depth", 17),
+                            ("mtp_depth", 1.0)]:
+            status, doc = _post(url, "/completions", prompt | {name: value})
+            assert (status, doc["error"]["param"]) == (400, name), (name, value)
+        assert len(seen) == calls, "a refused request never reaches the decoder"
 
 
 def test_verify_run_passes_our_own_serve(trained) -> None:
@@ -129,7 +362,10 @@ def test_verify_run_passes_our_own_serve(trained) -> None:
     status = {c["name"]: c["status"] for c in doc["checks"]}
     assert status["streaming"] == status["counting"] == status["exactness"] == "pass"
     assert status["acceptance"] == status["speedup"] == "pass"
-    assert doc["speed"]["mtp_control"] and doc["speed"]["depth"] in (1, 2, 3, 4)
+    sweep = doc["speed"]["sweep"]
+    assert doc["speed"]["mtp_control"] and sorted(sweep["depths"]) == ["1", "2", "3", "4"]
+    assert doc["speed"]["depth"] == sweep["fastest"] == int(max(
+        sweep["depths"], key=lambda d: sweep["depths"][d]["speedup"] or 0.0))
     assert status["answer"] == "fail" and "reasoning" in next(
         c["summary"] for c in doc["checks"] if c["name"] == "answer")
     assert result.exit_code == 1
