@@ -1,0 +1,290 @@
+"""Exactness with power: tests that a subtly wrong decoder fails.
+
+1. The sampled law, round state by round state. On a Markov target (a llama trunk whose
+   attention output is zeroed: it still attends, caches and rolls back, but its next-token law
+   depends on the last token only, so every transition law is known exactly) long runs at
+   depths 2, 3 and 4 are tested with a chi-square stratified by what is known before each
+   token: the two tokens before it, the round's draft count and the token's index in the round.
+   Acceptance at every draft position, the correction after a rejection at any position and the
+   bonus after K kept drafts are each checked against the target law, not only their mixture.
+   Settings: plain temperature, top-k, top-p with min-p, and a truncated draft vocabulary.
+2. The joint law of the first six tokens on an attending trunk (3-token vocabulary, enumerated
+   exactly: 3^5 prefixes in one batched forward) against many seeded runs at depth 4: the first
+   round drafts 4 tokens, later ones what max_tokens leaves (3, 2, 1).
+3. Greedy identity with stock mlx-lm (`stream_generate`, the loop `mlx_lm.generate` runs) on
+   every family, plain and MTP, on the same float32 weights.
+4. Rollback on the recurrent families: an oracle drafter forces rejections at every draft
+   position (and bonus rounds) under both rollbacks; the tokens must equal stock mlx-lm's.
+
+Every test asserts the round structure it claims to exercise (rounds of 2, 3 and 4 drafts, each
+ending at every possible position). Their power was measured with mutants of the decoder (issue
+18): a replacement drawn from p, drafts accepted untested from the second position on, the bonus
+from the previous position's law, q taken before the sampler's processing, rollback committing
+one recurrent state too many or too few; each fails at least one test here by far.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from scipy.stats import chi2, chisquare
+
+import mtpkit
+from fixtures.decoder_models import OracleHead, tiny_runner
+from mtpkit.decoder.runner import Runner
+from mtpkit.decoder.sampling import SamplingParams, probabilities
+
+ALPHA = 1e-5  # the correct decoder passes at the fixed seeds; the mutants scored far below
+SETTINGS = {
+    "temperature": (SamplingParams(1.0), None),
+    "top_k": (SamplingParams(0.7, top_k=2), None),
+    "top_p_min_p": (SamplingParams(0.7, top_p=0.85, min_p=0.15), None),
+    "draft_vocab": (SamplingParams(1.0), [0, 2]),
+}
+FILTERS = {"temperature": [], "top_k": [{"top_k": 0}],
+           "top_p_min_p": [{"top_p": 1.0}, {"min_p": 0.0}], "draft_vocab": []}
+
+
+def options(params: SamplingParams) -> dict[str, Any]:
+    return {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+            "min_p": params.min_p}
+
+
+def rounds_of(runner: Runner, ids: list[int], max_tokens: int, depth: int,
+              **kwargs: Any) -> tuple[list[int], list[tuple[int, int]]]:
+    """The generated tokens and each round's (drafted, kept), read from the streamed batches
+    (the first batch is the prefill's token; a round drafts min(depth, max_tokens - n - 1))."""
+    pieces = [p.tokens for p in runner.stream(ids, max_tokens, depth=depth, **kwargs)
+              if p.result is None]
+    tokens, outcomes = list(pieces[0]), []
+    for batch in pieces[1:]:
+        outcomes.append((min(depth, max_tokens - len(tokens) - 1), len(batch) - 1))
+        tokens += batch
+    return tokens, outcomes
+
+
+def assert_every_outcome(outcomes: list[tuple[int, int]], drafts: tuple[int, ...]) -> None:
+    """Rounds of each draft count end in a rejection at every draft position and in a bonus:
+    every chain length was verified and every rollback point taken."""
+    for drafted in drafts:
+        kept = {k for d, k in outcomes if d == drafted}
+        assert kept == set(range(drafted + 1)), (drafted, sorted(kept))
+
+
+def assert_filters_bite(runner: Runner, setting: str, law: Callable[[SamplingParams], Any],
+                        distance: Callable[[Any, Any], float]) -> None:
+    """Each filter of the setting changes the target law (it is exercised, not idle), and a
+    draft vocabulary gives q = 0 outside it."""
+    params, draft_vocab = SETTINGS[setting]
+    for off in FILTERS[setting]:
+        assert distance(law(replace(params, **off)), law(params)) > 0.02, off
+    if draft_vocab is not None:
+        assert runner.head is not None
+        q, _ = runner.head(mx.zeros((1, 1, 32)), mx.array([[1]]), runner.head.make_cache(), 0)
+        q = np.array(q)[0, 0]
+        outside = np.setdiff1d(np.arange(q.shape[-1]), draft_vocab)
+        assert np.isinf(q[outside]).all() and np.isfinite(q[draft_vocab]).all()
+
+
+# -- 1. long runs on a Markov target: the law in every round state ---------------------------
+
+MV = 4  # the Markov target's vocabulary
+LONG = 1500  # tokens per run
+MARKOV_PROMPT = [0, 1, 2, 3]
+MARKOV_TINY = {"logit_scale": 0.15, "head_norm": 0.3}  # rows keep 2-4 tokens under the filters
+
+
+def transition_law(runner: Runner, params: SamplingParams) -> np.ndarray:
+    """(MV, MV): row a is the processed law of the token after a. Checks that the trunk is
+    Markov: on a longer sequence every position's law is its last token's row."""
+    seq = [0, 1, 2, 3, 3, 1, 0, 0, 2, 1, 3, 2, 0, 3, 1, 1, 2, 2]
+    logits = runner.trunk.model(mx.array([seq]))[0]
+    law = probabilities(logits[:MV], params)
+    np.testing.assert_allclose(probabilities(logits, params), law[seq], atol=1e-5)
+    return law
+
+
+def stratified_test(law: np.ndarray, tokens: list[int],
+                    outcomes: list[tuple[int, int]]) -> tuple[float, int]:
+    """Chi-square (statistic, df) of the emitted tokens against law[last token], stratified by
+    what is known before each token: the two tokens before it, the round's draft count and the
+    token's index in the round (index K after K kept drafts: the bonus). Exactness means every
+    stratum's tokens are i.i.d. from its row of the law. Strata expecting fewer than 5 of some
+    possible token are pooled by their last token. A token the filters forbid must not occur."""
+    visits: dict[tuple, Counter] = {}
+    seq = MARKOV_PROMPT + tokens
+    at = len(MARKOV_PROMPT) + 1  # the prefill's token is not part of a round
+    for drafted, kept in outcomes:
+        for j in range(kept + 1):
+            visits.setdefault((seq[at - 2], seq[at - 1], drafted, j), Counter())[seq[at]] += 1
+            at += 1
+    assert at == len(seq)
+    strata: dict[tuple, Counter] = {}
+    for key, counts in visits.items():
+        row = law[key[1]]
+        pooled = sum(counts.values()) * row[row > 0].min() < 5
+        strata.setdefault((None, key[1]) if pooled else key, Counter()).update(counts)
+    stat, df = 0.0, 0
+    for key, counts in strata.items():
+        row = law[key[1]]
+        observed = np.array([counts[v] for v in range(MV)], dtype=np.float64)
+        assert observed[row == 0].sum() == 0, f"a token the filters remove was emitted: {key}"
+        support = row > 0
+        expected = observed.sum() * row[support]
+        stat += float(((observed[support] - expected) ** 2 / expected).sum())
+        df += int(support.sum()) - 1
+    return stat, df
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_every_round_state_emits_the_target_law(setting: str) -> None:
+    params, draft_vocab = SETTINGS[setting]
+    runner = tiny_runner(vocab=MV, draft_vocab=draft_vocab, markov=True, **MARKOV_TINY)
+    law = transition_law(runner, params)
+    assert_filters_bite(runner, setting, lambda p: transition_law(runner, p),
+                        lambda a, b: float(np.abs(a - b).sum(axis=1).max()) / 2)
+    stat, df = 0.0, 0
+    for depth in (2, 3, 4):
+        tokens, outcomes = rounds_of(runner, MARKOV_PROMPT, LONG, depth, seed=depth,
+                                     **options(params))
+        assert len(tokens) == LONG
+        assert_every_outcome(outcomes, (depth,))
+        s, d = stratified_test(law, tokens, outcomes)
+        stat, df = stat + s, df + d
+    assert chi2.sf(stat, df) > ALPHA, (stat, df)
+
+
+# -- 2. the joint law of the first six tokens on an attending trunk --------------------------
+
+V = 3  # vocabulary: 3^6 = 729 sequences of six tokens
+N = 6  # tokens per run: the first round drafts min(DEPTH, N - 2) = 4
+DEPTH = 4
+TINY_PROMPT = [0, 1, 2, 1]
+RUNS = 1500
+TINY = {"logit_scale": 0.2, "head_norm": 0.3}
+
+
+def exact_law(runner: Runner, params: SamplingParams) -> dict[tuple[int, ...], float]:
+    """P(first N tokens = x) for every x, by the chain rule over the processed target law."""
+    prefixes = list(itertools.product(range(V), repeat=N - 1))
+    logits = runner.trunk.model(mx.array([TINY_PROMPT + list(x) for x in prefixes]))
+    rows = logits[:, len(TINY_PROMPT) - 1:].reshape(-1, V)
+    p = probabilities(rows, params).reshape(len(prefixes), N, V)
+    law = {}
+    for b, prefix in enumerate(prefixes):
+        mass = float(np.prod([p[b, t, x] for t, x in enumerate(prefix)]))
+        for x in range(V):
+            law[(*prefix, x)] = mass * float(p[b, N - 1, x])
+    return law
+
+
+def sample(runner: Runner, params: SamplingParams, runs: int,
+           first_seed: int = 0) -> tuple[Counter, list[tuple[int, int]]]:
+    """(first N tokens -> runs, every round's (drafted, kept)) over seeded generations."""
+    counts: Counter = Counter()
+    outcomes: list[tuple[int, int]] = []
+    for seed in range(first_seed, first_seed + runs):
+        tokens, rounds = rounds_of(runner, TINY_PROMPT, N, DEPTH, seed=seed, **options(params))
+        counts[tuple(tokens)] += 1
+        outcomes += rounds
+    return counts, outcomes
+
+
+def law_test(law: dict[tuple[int, ...], float], counts: Counter,
+             runs: int) -> tuple[float, int, float]:
+    """Chi-square (statistic, df, p) of the observed sequences against the exact law; sequences
+    expected fewer than 5 times are pooled. A sequence the filters forbid must never occur."""
+    forbidden = {k: c for k, c in counts.items() if law.get(k, 0.0) == 0.0}
+    assert not forbidden, f"sequences with target probability 0 were emitted: {forbidden}"
+    total = sum(law.values())  # 1 up to the float32 logits' rounding
+    cells = [k for k, p in law.items() if p > 0]
+    small = [k for k in cells if law[k] * runs < 5]
+    big = [k for k in cells if law[k] * runs >= 5]
+    observed = [counts[k] for k in big] + [sum(counts[k] for k in small)]
+    expected = [law[k] / total * runs for k in big] + [sum(law[k] for k in small) / total * runs]
+    result = chisquare(observed, expected)
+    return float(result.statistic), len(observed) - 1, float(result.pvalue)
+
+
+@pytest.mark.parametrize("setting", ["temperature", "top_k"])
+def test_first_six_tokens_follow_the_enumerated_joint_law(setting: str) -> None:
+    params, draft_vocab = SETTINGS[setting]
+    runner = tiny_runner(vocab=V, draft_vocab=draft_vocab, **TINY)
+    law = exact_law(runner, params)
+    assert sum(law.values()) == pytest.approx(1.0, abs=1e-6)  # float32 logits
+    assert_filters_bite(runner, setting, lambda p: exact_law(runner, p),
+                        lambda a, b: sum(abs(a[k] - b[k]) for k in a) / 2)
+    counts, outcomes = sample(runner, params, RUNS)
+    assert sum(d == DEPTH for d, _ in outcomes) == RUNS  # every run's first round drafts 4
+    assert_every_outcome(outcomes, (2, 3, 4))
+    assert law_test(law, counts, RUNS)[2] > ALPHA
+
+
+# -- 3. greedy identity with stock mlx-lm ----------------------------------------------------
+
+FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "deepseek_v3", "mimo", "llama")
+PROMPT = [5, 17, 42, 99, 7, 3]
+
+
+def stock_greedy(path: Path, ids: list[int], max_tokens: int) -> tuple[list[int], str]:
+    """Tokens and finish reason of stock mlx-lm's generation loop on the bundle's trunk, with
+    the weights mtpkit.load(dtype="float32") runs: dequantized and widened by mlx-lm and mlx."""
+    import mlx_lm
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.utils import dequantize_model
+
+    model, tokenizer = mlx_lm.load(str(path))
+    dequantize_model(model)
+    model.set_dtype(mx.float32)
+    out = list(stream_generate(model, tokenizer, ids, max_tokens=max_tokens))
+    tokens = [r.token for r in out]
+    if out[-1].finish_reason == "stop":  # the last response carries the EOS token itself
+        tokens.pop()
+    return tokens, out[-1].finish_reason
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_tokens_equal_stock_mlx_lm(built: Callable[..., Path], family: str) -> None:
+    path = built(family)
+    reference, reason = stock_greedy(path, PROMPT, 64)
+    runner = mtpkit.load(path, dtype="float32")
+    for depth in (0, 3) if runner.head is not None else (0,):
+        result = runner.generate(PROMPT, 64, depth=depth)
+        assert result.tokens == reference, (family, depth)
+        assert result.finish_reason == reason
+
+
+# -- 4. rollback under forced rejections, against stock --------------------------------------
+
+LONG_PROMPT = [9, 8, 7, 6, 5, 4]  # no EOS within 160 greedy tokens on either recurrent fixture
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("rollback", ["record", "replay"])
+def test_forced_rejections_keep_greedy_equal_to_stock(built: Callable[..., Path], family: str,
+                                                      rollback: str) -> None:
+    """A drafter wrong at a random 30% of positions: rounds of 2-4 drafts are rejected at every
+    position and fully kept, the recurrent (GatedDeltaNet) state rolls back each time, and the
+    tokens still equal stock mlx-lm's plain greedy decode."""
+    path = built(family)
+    reference, reason = stock_greedy(path, LONG_PROMPT, 160)
+    assert reason == "length"
+    runner = mtpkit.load(path, dtype="float32", rollback=rollback)
+    assert runner.trunk.recorders and runner.rollback == rollback
+    seq = LONG_PROMPT + reference
+    vocab = runner.trunk.args.vocab_size
+    wrong = np.random.default_rng(0).random(len(seq)) < 0.3
+    script = {i: (t + 1) % vocab if wrong[i] else t for i, t in enumerate(seq)}
+    oracle = Runner(runner.trunk, OracleHead(vocab, script, len(LONG_PROMPT)),  # type: ignore[arg-type]
+                    None, rollback=rollback)
+    for depth in (2, 3, 4):
+        tokens, outcomes = rounds_of(oracle, LONG_PROMPT, 160, depth)
+        assert tokens == reference, (family, rollback, depth)
+        assert_every_outcome(outcomes, (depth,))
