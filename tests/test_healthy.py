@@ -63,10 +63,14 @@ def test_zero_centred_sidecar_declared_delta_is_fine(built):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_stock_mlx_lm_loads_the_trunk_strictly(built, family):
     import mlx_lm
+    from mlx.utils import tree_flatten
 
     model, tokenizer = mlx_lm.load(str(built(family, Sidecar(policy="layers"))))
-    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
-                                         add_generation_prompt=True)
+    assert not [k for k, _ in tree_flatten(model.parameters()) if "mtp" in k]
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
+                                        add_generation_prompt=True)
+    assert tokenizer.decode(ids).startswith("<|im_start|>user\nhi<|im_end|>\n"
+                                            "<|im_start|>assistant\n")
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
