@@ -192,39 +192,8 @@ def _chi_square(runner: Runner, params: SamplingParams, depth: int, runs: int) -
     return float(chisquare(observed, expected).pvalue)
 
 
-SETTINGS = [SamplingParams(1.0), SamplingParams(0.7, top_k=3),
-            SamplingParams(1.0, top_p=0.85, min_p=0.05)]
-
-
-@pytest.mark.parametrize("params", SETTINGS, ids=["temperature", "top_k", "top_p_min_p"])
-def test_speculative_output_has_the_target_distribution(tiny: Runner,
-                                                        params: SamplingParams) -> None:
-    """Depth 2 drafts tokens 2-3 (accepted, corrected or bonus): the joint law of the first
-    three tokens over 1200 seeds matches the enumerated target law."""
-    assert _chi_square(tiny, params, depth=2, runs=1200) > 1e-3
-
-
-def test_a_truncated_draft_vocabulary_stays_exact() -> None:
-    """Drafting over 3 of 5 tokens (q = 0 elsewhere) still yields the target law."""
-    runner = tiny_runner(vocab=V, draft_vocab=[0, 2, 3])
-    drafts = runner.head(mx.zeros((1, 1, 32)), mx.array([[1]]), runner.head.make_cache(), 0)[0]
-    assert np.isinf(np.array(drafts)[0, 0, [1, 4]]).all()
-    assert _chi_square(runner, SETTINGS[0], depth=2, runs=1200) > 1e-3
-
-
 def test_plain_sampling_has_the_target_distribution(tiny: Runner) -> None:
     assert _chi_square(tiny, SamplingParams(0.7, top_k=3), depth=0, runs=1200) > 1e-3
-
-
-def test_a_wrong_acceptance_rule_fails_the_same_test(tiny: Runner,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """Accepting every draft (an 'optimistic' mode) emits the drafter's law: the test sees it."""
-    def accept_all(drafts: list[int], q: np.ndarray, p: np.ndarray,
-                   rng: np.random.Generator) -> acceptance.Verdict:
-        return acceptance.Verdict(len(drafts), draw(p[len(drafts)], rng))
-
-    monkeypatch.setattr(acceptance, "accept_sampled", accept_all)
-    assert _chi_square(tiny, SETTINGS[0], depth=2, runs=1200) < 1e-6
 
 
 def test_acceptance_rule_emits_the_target_law() -> None:
@@ -281,7 +250,7 @@ def test_seeded_runs_are_reproducible(tiny: Runner) -> None:
 def test_text_chat_stream_and_stats(built: Callable[..., Path]) -> None:
     runner = mtpkit.load(built("qwen3_5"))
     result = runner.generate("Hello there", 24, depth=2)
-    assert len(result.tokens) <= 24 and result.finish_reason in ("stop", "length")
+    assert len(result.tokens) == 24 and result.finish_reason == "length"  # no EOS within 24
     pieces = list(runner.stream("Hello there", 24, depth=2))
     assert "".join(p.text for p in pieces) == result.text
     assert sum(len(p.tokens) for p in pieces) == len(result.tokens)
@@ -290,8 +259,9 @@ def test_text_chat_stream_and_stats(built: Callable[..., Path]) -> None:
     assert stats["generated_tokens"] == len(result.tokens)
     assert stats["ttft_s"] > 0 and stats["prefill_tps"] > 0 and stats["peak_memory_bytes"] > 0
     assert stats["decode_tps"] > 0 and len(stats["acceptance_by_depth"]) == 2
-    chat = runner.generate([{"role": "user", "content": "Hi"}], 8, depth=1)
-    assert chat.stats.prompt_tokens > 2
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = runner.generate(messages, 8, depth=1)
+    assert chat.stats.prompt_tokens == len(runner.encode(messages)) > 2
 
 
 def test_eos_stops_and_is_not_returned(tiny: Runner) -> None:
