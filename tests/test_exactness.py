@@ -39,15 +39,18 @@ from scipy.stats import chi2, chisquare
 
 import mtpkit
 from fixtures.decoder_models import OracleHead, tiny_runner
+from mtpkit.decoder import acceptance
 from mtpkit.decoder.runner import Runner
-from mtpkit.decoder.sampling import SamplingParams, probabilities
+from mtpkit.decoder.sampling import SamplingParams, draw, probabilities
 
 ALPHA = 1e-5  # the correct decoder passes at the fixed seeds; the mutants scored far below
+# name -> (sampling, draft vocabulary, the head's norm gain: a flatter q at 0.3, one sharp
+# enough at 0.6 for top-p and min-p to cut it too)
 SETTINGS = {
-    "temperature": (SamplingParams(1.0), None),
-    "top_k": (SamplingParams(0.7, top_k=2), None),
-    "top_p_min_p": (SamplingParams(0.7, top_p=0.85, min_p=0.15), None),
-    "draft_vocab": (SamplingParams(1.0), [0, 2]),
+    "temperature": (SamplingParams(1.0), None, 0.3),
+    "top_k": (SamplingParams(0.7, top_k=2), None, 0.3),
+    "top_p_min_p": (SamplingParams(0.7, top_p=0.85, min_p=0.15), None, 0.6),
+    "draft_vocab": (SamplingParams(1.0), [0, 2], 0.3),
 }
 FILTERS = {"temperature": [], "top_k": [{"top_k": 0}],
            "top_p_min_p": [{"top_p": 1.0}, {"min_p": 0.0}], "draft_vocab": []}
@@ -83,7 +86,7 @@ def assert_filters_bite(runner: Runner, setting: str, law: Callable[[SamplingPar
                         distance: Callable[[Any, Any], float]) -> None:
     """Each filter of the setting changes the target law (it is exercised, not idle), and a
     draft vocabulary gives q = 0 outside it."""
-    params, draft_vocab = SETTINGS[setting]
+    params, draft_vocab, _ = SETTINGS[setting]
     for off in FILTERS[setting]:
         assert distance(law(replace(params, **off)), law(params)) > 0.02, off
     if draft_vocab is not None:
@@ -99,7 +102,7 @@ def assert_filters_bite(runner: Runner, setting: str, law: Callable[[SamplingPar
 MV = 4  # the Markov target's vocabulary
 LONG = 1500  # tokens per run
 MARKOV_PROMPT = [0, 1, 2, 3]
-MARKOV_TINY = {"logit_scale": 0.15, "head_norm": 0.3}  # rows keep 2-4 tokens under the filters
+MARKOV_LOGITS = 0.15  # the trunk's logit scale: rows keep 2-4 tokens under the filters
 
 
 def transition_law(runner: Runner, params: SamplingParams) -> np.ndarray:
@@ -144,10 +147,12 @@ def stratified_test(law: np.ndarray, tokens: list[int],
     return stat, df
 
 
-@pytest.mark.parametrize("setting", SETTINGS)
-def test_every_round_state_emits_the_target_law(setting: str) -> None:
-    params, draft_vocab = SETTINGS[setting]
-    runner = tiny_runner(vocab=MV, draft_vocab=draft_vocab, markov=True, **MARKOV_TINY)
+def markov_statistic(setting: str) -> tuple[float, int]:
+    """The stratified chi-square (statistic, df) of runs at depths 2, 3 and 4, after checking
+    the setting's filters bite and every round outcome occurs at every depth."""
+    params, draft_vocab, head_norm = SETTINGS[setting]
+    runner = tiny_runner(vocab=MV, draft_vocab=draft_vocab, head_norm=head_norm, markov=True,
+                         logit_scale=MARKOV_LOGITS)
     law = transition_law(runner, params)
     assert_filters_bite(runner, setting, lambda p: transition_law(runner, p),
                         lambda a, b: float(np.abs(a - b).sum(axis=1).max()) / 2)
@@ -159,7 +164,45 @@ def test_every_round_state_emits_the_target_law(setting: str) -> None:
         assert_every_outcome(outcomes, (depth,))
         s, d = stratified_test(law, tokens, outcomes)
         stat, df = stat + s, df + d
+    return stat, df
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_every_round_state_emits_the_target_law(setting: str) -> None:
+    stat, df = markov_statistic(setting)
     assert chi2.sf(stat, df) > ALPHA, (stat, df)
+
+
+def replacement_from_p(drafts: list[int], q: np.ndarray, p: np.ndarray,
+                       rng: np.random.Generator) -> acceptance.Verdict:
+    """Wrong: after a rejection at i, emit a token from p_i, not normalize(max(0, p_i - q_i))."""
+    for i, x in enumerate(drafts):
+        if rng.random() * q[i, x] >= p[i, x]:
+            return acceptance.Verdict(i, draw(p[i], rng))
+    return acceptance.Verdict(len(drafts), draw(p[len(drafts)], rng))
+
+
+def bonus_from_previous_position(drafts: list[int], q: np.ndarray, p: np.ndarray,
+                                 rng: np.random.Generator) -> acceptance.Verdict:
+    """Wrong: after K kept drafts, the bonus comes from p_K instead of p_{K+1}."""
+    shifted = p.copy()
+    shifted[len(drafts)] = p[max(len(drafts) - 1, 0)]
+    return RIGHT_RULE(drafts, q, shifted, rng)
+
+
+RIGHT_RULE = acceptance.accept_sampled
+WRONG_RULES = {"replacement_from_p": replacement_from_p,
+               "bonus_from_previous_position": bonus_from_previous_position}
+
+
+@pytest.mark.parametrize("rule", WRONG_RULES)
+def test_the_law_test_fails_a_subtly_wrong_rule(rule: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The test above keeps its power: two rules only slightly off (the round structure is
+    unchanged) fail it by far, not only an accept-everything rule."""
+    monkeypatch.setattr(acceptance, "accept_sampled", WRONG_RULES[rule])
+    stat, df = markov_statistic("temperature")
+    assert chi2.sf(stat, df) < 1e-10, (stat, df)
 
 
 # -- 2. the joint law of the first six tokens on an attending trunk --------------------------
@@ -169,7 +212,7 @@ N = 6  # tokens per run: the first round drafts min(DEPTH, N - 2) = 4
 DEPTH = 4
 TINY_PROMPT = [0, 1, 2, 1]
 RUNS = 1500
-TINY = {"logit_scale": 0.2, "head_norm": 0.3}
+TINY_LOGITS = 0.2
 
 
 def exact_law(runner: Runner, params: SamplingParams) -> dict[tuple[int, ...], float]:
@@ -216,8 +259,9 @@ def law_test(law: dict[tuple[int, ...], float], counts: Counter,
 
 @pytest.mark.parametrize("setting", ["temperature", "top_k"])
 def test_first_six_tokens_follow_the_enumerated_joint_law(setting: str) -> None:
-    params, draft_vocab = SETTINGS[setting]
-    runner = tiny_runner(vocab=V, draft_vocab=draft_vocab, **TINY)
+    params, draft_vocab, head_norm = SETTINGS[setting]
+    runner = tiny_runner(vocab=V, draft_vocab=draft_vocab, head_norm=head_norm,
+                         logit_scale=TINY_LOGITS)
     law = exact_law(runner, params)
     assert sum(law.values()) == pytest.approx(1.0, abs=1e-6)  # float32 logits
     assert_filters_bite(runner, setting, lambda p: exact_law(runner, p),
