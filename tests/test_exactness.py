@@ -64,13 +64,20 @@ def options(params: SamplingParams) -> dict[str, Any]:
 def rounds_of(runner: Runner, ids: list[int], max_tokens: int, depth: int,
               **kwargs: Any) -> tuple[list[int], list[tuple[int, int]]]:
     """The generated tokens and each round's (drafted, kept), read from the streamed batches
-    (the first batch is the prefill's token; a round drafts min(depth, max_tokens - n - 1))."""
-    pieces = [p.tokens for p in runner.stream(ids, max_tokens, depth=depth, **kwargs)
-              if p.result is None]
-    tokens, outcomes = list(pieces[0]), []
-    for batch in pieces[1:]:
-        outcomes.append((min(depth, max_tokens - len(tokens) - 1), len(batch) - 1))
-        tokens += batch
+    (the first batch is the prefill's token; a round drafts min(depth, max_tokens - n - 1)).
+    The generation's statistics must count exactly these rounds, per draft position."""
+    *pieces, last = runner.stream(ids, max_tokens, depth=depth, **kwargs)
+    tokens, outcomes = list(pieces[0].tokens), []
+    for piece in pieces[1:]:
+        outcomes.append((min(depth, max_tokens - len(tokens) - 1), len(piece.tokens) - 1))
+        tokens += piece.tokens
+    assert last.result is not None and last.result.tokens == tokens
+    stats, verified = last.result.stats, [(d, k) for d, k in outcomes if d > 0]
+    assert stats.verify_calls == len(verified)
+    assert stats.proposed == [sum(d > i for d, _ in verified) for i in range(depth)]
+    assert stats.accepted == [sum(k > i for _, k in verified) for i in range(depth)]
+    assert stats.bonus == sum(k == d for d, k in verified)
+    assert stats.corrections == len(verified) - stats.bonus
     return tokens, outcomes
 
 
