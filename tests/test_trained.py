@@ -76,10 +76,15 @@ def test_generate_compare_reports_speedup_and_identity(trained) -> None:
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     validate(doc, "generation")
-    assert doc["compare"]["tokens_identical"] is True and doc["compare"]["speedup"] > 0
+    assert doc["compare"]["tokens_identical"] is True
+    assert doc["stats"]["decode_tps"] > 0 and doc["compare"]["plain_decode_tps"] > 0
+    assert doc["compare"]["speedup"] == pytest.approx(doc["stats"]["decode_tps"]
+                                                      / doc["compare"]["plain_decode_tps"])
     text = CliRunner().invoke(main, args)
     assert "speedup" in text.stderr and "tokens identical to plain: yes" in text.stderr
     runner = mtpkit.load(bundle, dtype="float32")
     sampled = compare(runner, "import os", 24, 2, temperature=0.7, seed=3)
     assert sampled.identical is None and sampled.mtp.stats.depth == 2
-    assert sampled.plain.stats.depth == 0 and sampled.speedup > 0
+    assert sampled.plain.stats.depth == 0 and sampled.plain.stats.verify_calls == 0
+    assert sampled.speedup == pytest.approx(sampled.mtp.stats.decode_tps
+                                            / sampled.plain.stats.decode_tps)
