@@ -55,14 +55,18 @@ class NormDecision:
     offsets: dict[str, int | None] = field(default_factory=dict)  # head gain -> its offset
 
     @property
+    def _decided(self) -> set[int]:
+        return {o for o in self.offsets.values() if o is not None}
+
+    @property
     def consistent(self) -> bool:
         """Every decided gain shares one offset (the head uses one convention throughout)."""
-        return len({o for o in self.offsets.values() if o is not None}) <= 1
+        return len(self._decided) <= 1
 
     @property
     def offset(self) -> int | None:
         """The head's single offset from the trunk, or None when undecided or mixed."""
-        found = {o for o in self.offsets.values() if o is not None}
+        found = self._decided
         return found.pop() if len(found) == 1 and None not in self.offsets.values() else None
 
     @property
@@ -70,7 +74,7 @@ class NormDecision:
         """delta | absolute | shifted_twice | mixed, or None when no role could tell."""
         if not self.consistent:
             return "mixed"
-        found = {o for o in self.offsets.values() if o is not None}
+        found = self._decided
         return LEVEL_NAMES[self.trunk_level + found.pop()] if found else None
 
     def shifts(self, target: int) -> dict[str, float] | None:
