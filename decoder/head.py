@@ -17,6 +17,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
+from mtpkit.decoder.shapes import PaddedKVCache
 from mtpkit.decoder.trunk import Trunk
 from mtpkit.loaders.quant import ModuleQuant
 
@@ -140,8 +141,8 @@ class MTPHead(nn.Module):
     def blocks(self) -> int:
         return len(self.layers)
 
-    def make_cache(self) -> list[KVCache]:
-        return [KVCache() for _ in self.layers]
+    def make_cache(self, bounded: bool = False) -> list[KVCache]:
+        return [PaddedKVCache() if bounded else KVCache() for _ in self.layers]
 
     def _roles(self, block: int) -> _Roles:
         return self.roles[block] if len(self.roles) > 1 else self.roles[0]

@@ -15,8 +15,11 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from mlx_lm.utils import dequantize_model, load_model
 
+from mtpkit.decoder import kernels
+from mtpkit.decoder.costs import CostCurve, costs_for
 from mtpkit.decoder.head import Contract, MTPHead
-from mtpkit.decoder.rows import use_few_rows_linears
+from mtpkit.decoder.policy import DepthPolicy
+from mtpkit.decoder.rows import use_few_rows_linears, use_kernel_linears
 from mtpkit.decoder.sampling import SamplingParams
 from mtpkit.decoder.session import Session, generate_ids
 from mtpkit.decoder.stats import Stats
@@ -30,6 +33,8 @@ from mtpkit.loaders.norms import ABSOLUTE, reencode
 from mtpkit.loaders.templates import render, unsafe_reach
 
 Prompt = str | list[int] | list[dict[str, Any]]
+Depth = int | str | None
+MAX_AUTO_DEPTH = 8  # deepest round --depth auto considers (the cost curve covers 16 rows)
 # Findings that do not stop the weights from running: the template and tokenizer only matter for
 # text and chat prompts (checked when used), a stale manifest is reported by doctor, and a
 # declared-but-missing head still allows plain decoding.
@@ -99,10 +104,32 @@ class Runner:
 
     def __init__(self, trunk: Trunk, head: MTPHead | None, tokenizer: TokenizerWrapper | None,
                  template: str | None = None, special: dict[str, str] | None = None,
-                 rollback: str = "record") -> None:
+                 rollback: str = "record", root: Path | None = None,
+                 load_options: dict[str, Any] | None = None) -> None:
         self.trunk, self.head, self.tokenizer = trunk, head, tokenizer
         self.template, self.special = template, special or {}
         self.rollback = rollback
+        self.root, self.load_options = root, load_options or {}
+        self._costs: CostCurve | None = None
+
+    def costs(self, refresh: bool = False) -> CostCurve:
+        """This machine's cost curve for this runner (measured once, cached per bundle)."""
+        if self._costs is None or refresh:
+            self._costs = costs_for(self, refresh)
+        return self._costs
+
+    def policy(self, depth: Depth) -> tuple[int, DepthPolicy | None]:
+        """(deepest depth, policy or None) for a depth argument: a number forces that depth;
+        "auto" lets measured costs and online acceptance choose, up to MAX_AUTO_DEPTH."""
+        if depth == "auto":
+            if self.head is None:
+                return 0, None
+            return MAX_AUTO_DEPTH, DepthPolicy(self.costs(), MAX_AUTO_DEPTH)
+        if depth is None:
+            return (self.head.blocks if self.head is not None else 0), None
+        if not isinstance(depth, int) or depth < 0:
+            raise ValueError("depth must be 'auto' or an integer >= 0")
+        return depth, None
 
     def encode(self, prompt: Prompt, **template_options: Any) -> list[int]:
         """Text as is, token ids as given, chat messages through the bundle's template (with
@@ -126,16 +153,16 @@ class Runner:
 
     def stream(self, prompt: Prompt, max_tokens: int = 256, temperature: float = 0.0,
                top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
-               depth: int | None = None, seed: int | None = None) -> Iterator[Piece]:
-        """Yield text as it is committed; the last piece carries the Result."""
-        depth = (self.head.blocks if self.head is not None else 0) if depth is None else depth
-        if depth < 0:
-            raise ValueError("depth must be >= 0")
+               depth: Depth = "auto", seed: int | None = None) -> Iterator[Piece]:
+        """Yield text as it is committed; the last piece carries the Result. depth: "auto"
+        (chosen per round from this machine's measured costs), a number (forced; 0 is plain
+        decoding) or None (the head's layer count)."""
+        depth, policy = self.policy(depth)
         ids = self.encode(prompt)
         if not ids:
             raise ValueError("empty prompt")
         params = SamplingParams(temperature, top_p, top_k, min_p)
-        session = Session(self.trunk, self.head, params, depth, seed, self.rollback)
+        session = Session(self.trunk, self.head, params, depth, seed, self.rollback, policy)
         eos = set(self.tokenizer.eos_token_ids) if self.tokenizer is not None else set()
         detok = self.tokenizer.detokenizer if self.tokenizer is not None else None
         if detok is not None:
@@ -214,10 +241,15 @@ def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None
         use_few_rows_linears(trunk.inner)  # the layers; an untied lm_head is slower weight-first
         if head is not None:
             use_few_rows_linears(head)
+    elif kernels.cuda_available():
+        use_kernel_linears(trunk.text)
+        if head is not None:
+            use_kernel_linears(head)
     mx.eval(model.parameters(), head.parameters() if head is not None else [])
     tokenizer = load_tokenizer(view.root) if view.tokenizer.kind else None
+    options = {"dequantize": flat, "dtype": dtype, "contract": contract.to_dict()}
     return Runner(trunk, head, tokenizer, safe_template(view), view.tokenizer.special_tokens(),
-                  rollback)
+                  rollback, Path(view.root), options)
 
 
 def safe_template(view: BundleView) -> str | None:

@@ -5,20 +5,26 @@ current token is read). A speculative round drafts K tokens with the head, verif
 trunk forward over K+1 positions, keeps what the acceptance rule keeps, and rolls every cache back
 to the last kept token. The head's own cache only ever holds committed (trunk hidden, next token)
 pairs: the pairs of a round are owed to the head and consumed by the next round's first draft.
+With a DepthPolicy (`--depth auto`) each round's depth is chosen from measured costs and the
+acceptance seen so far, and stretches of plain decoding run pipelined like depth 0. With
+`bounded` (the default on a GPU) every attention pass has a shape from a bounded set
+(decoder/shapes.py), so no round pays a kernel compile.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 import numpy as np
 
 from mtpkit.decoder import acceptance
 from mtpkit.decoder.head import MTPHead
+from mtpkit.decoder.policy import DepthPolicy
 from mtpkit.decoder.sampling import SamplingParams, draw, greedy, probabilities, tempered
-from mtpkit.decoder.state import commit_recorded, rewind, snapshot, trim
+from mtpkit.decoder.shapes import STEP, pieces
+from mtpkit.decoder.state import commit_recorded, rewind, snapshot, trim, trimmable
 from mtpkit.decoder.stats import Stats
 from mtpkit.decoder.trunk import Trunk
 
@@ -27,23 +33,34 @@ STREAM = mx.new_thread_local_stream(mx.default_device())
 ROLLBACKS = ("record", "replay")
 
 
+def gpu_backend() -> bool:
+    return mx.default_device().type == mx.DeviceType.gpu
+
+
 class Session:
     """The state of one generation: caches, the last committed token, and the pairs owed to
     the head. `prefill` returns the first token; each `round` returns the tokens it commits."""
 
     def __init__(self, trunk: Trunk, head: MTPHead | None, params: SamplingParams, depth: int,
-                 seed: int | None = None, rollback: str = "record") -> None:
+                 seed: int | None = None, rollback: str = "record",
+                 policy: DepthPolicy | None = None, bounded: bool | None = None) -> None:
+        """depth: the draft depth (0: plain decoding), or with a policy the deepest it may
+        choose. bounded: attention shapes from a bounded set (default: on a GPU backend)."""
         if depth > 0 and head is None:
             raise ValueError("depth > 0 needs an MTP head; this bundle has none")
         if rollback not in ROLLBACKS:
             raise ValueError(f"rollback must be one of {', '.join(ROLLBACKS)}")
         self.recorders = trunk.recorders if rollback == "record" else []
         self.trunk, self.head, self.params, self.depth = trunk, head, params, depth
-        self.cache = trunk.make_cache()
-        self.mtp_cache = head.make_cache() if head is not None and depth > 0 else []
+        self.policy = policy if depth > 0 else None
+        self.bounded = gpu_backend() if bounded is None else bounded
+        self.cache = trunk.make_cache(self.bounded)
+        self.mtp_cache = head.make_cache(self.bounded) if head is not None and depth > 0 else []
         self.rng = np.random.default_rng(seed)
         self.key = mx.random.key(int(self.rng.integers(2**63)))
         self.stats = Stats(depth)
+        if self.policy is not None:
+            self.stats.plain_s = self.policy.curve.plain
         self.last = -1
         self.owed: tuple[mx.array, mx.array] | None = None
 
@@ -56,47 +73,82 @@ class Session:
         self.key, sub = mx.random.split(self.key)
         return mx.random.categorical(tempered(logits, self.params), key=sub)
 
+    def _chunks(self, n: int) -> list[tuple[int, int]]:
+        """(length, padding) of each prefill pass. Bounded: whole STEPs, the last one padded
+        where every cache can be trimmed (else the rest in power-of-two pieces)."""
+        if not self.bounded:
+            return [(min(PREFILL_STEP, n - at), 0) for at in range(0, n, PREFILL_STEP)]
+        if trimmable(self.cache):
+            return [(min(STEP, n - at), max(0, at + STEP - n)) for at in range(0, n, STEP)]
+        return [(size, 0) for size in pieces(n)]
+
     def _prefill(self, ids: list[int], keep_hidden: bool) -> tuple[mx.array | None, mx.array]:
         """Run the prompt through the trunk in chunks: (hidden of every position, last logits)."""
         start = time.perf_counter()
-        tokens = mx.array(ids)[None]
-        hiddens = []
-        for at in range(0, len(ids), PREFILL_STEP):
-            chunk = tokens[:, at:at + PREFILL_STEP]
-            last = at + PREFILL_STEP >= len(ids)
-            hidden, logits = self.trunk(chunk, self.cache, logits_for=1 if last else 0)
+        hiddens, at = [], 0
+        chunks = self._chunks(len(ids))
+        for i, (size, pad) in enumerate(chunks):
+            last = i == len(chunks) - 1
+            chunk = mx.array(ids[at:at + size] + ids[at + size - 1:at + size] * pad)[None]
+            hidden, logits = self.trunk(chunk, self.cache, logits_for=1 if last else 0,
+                                        real=size if pad else None)
+            if pad:
+                for c in self.cache:
+                    c.trim(pad)
             if keep_hidden:
                 hiddens.append(hidden)
             mx.eval([c.state for c in self.cache], hiddens[-1:] if keep_hidden else [])
+            at += size
         self.stats.prompt_tokens = len(ids)
         self.stats.prefill_s = time.perf_counter() - start
         return (mx.concatenate(hiddens, axis=1) if keep_hidden else None), logits[:, -1]
 
     # -- plain ------------------------------------------------------------------------------
 
-    def plain(self, ids: list[int], max_tokens: int) -> Iterator[int]:
-        """Yield tokens one at a time, the next forward already queued on its own stream (as
-        mlx-lm's generate_step does), so reading a token overlaps the next step's work."""
+    def plain_steps(self, count: int) -> Iterator[int]:
+        """Decode `count` tokens after the last committed one, each next forward already queued
+        on its own stream (as mlx-lm's generate_step does), so reading a token overlaps the next
+        step's work. In a speculative session the trunk hiddens are owed to the head."""
+        if count <= 0:
+            return
+        owe = bool(self.mtp_cache)
+        hiddens, tokens = [], []
         with mx.stream(STREAM):
-            _, logits = self._prefill(ids, keep_hidden=False)
-            y = self._sample(logits)
+            hidden, logits = self.trunk(mx.array([[self.last]]), self.cache, logits_for=1)
+            y = self._sample(logits[:, -1])
         mx.async_eval(y)
-        for n in range(max_tokens):
+        for n in range(count):
             nxt = None
-            if n + 1 < max_tokens:
+            if n + 1 < count:
                 with mx.stream(STREAM):
-                    _, logits = self.trunk(y[None], self.cache, logits_for=1)
+                    nxt_hidden, logits = self.trunk(y[None], self.cache, logits_for=1)
                     nxt = self._sample(logits[:, -1])
                 mx.async_eval(nxt)
-            yield int(y.item())
-            y = nxt
+            token = int(y.item())
+            if owe:
+                hiddens.append(hidden)
+                tokens.append(token)
+            self.last = token
+            yield token
+            if nxt is not None:
+                y, hidden = nxt, nxt_hidden
+        if owe and tokens:
+            self._owe(mx.concatenate(hiddens, axis=1), tokens)
+
+    def plain(self, ids: list[int], max_tokens: int) -> Iterator[int]:
+        """Plain decoding: the prompt's next token, then pipelined steps."""
+        yield self.start(ids)
+        yield from self.plain_steps(max_tokens - 1)
 
     # -- speculative ------------------------------------------------------------------------
 
     def start(self, ids: list[int]) -> int:
-        hidden, logits = self._prefill(ids, keep_hidden=True)
+        """Prefill the prompt and commit its next token."""
+        speculative = bool(self.mtp_cache)
+        hidden, logits = self._prefill(ids, keep_hidden=speculative)
         self.last = int(self._sample(logits).item())
-        self._owe(hidden, [*ids[1:], self.last])
+        if speculative:
+            self._owe(hidden, [*ids[1:], self.last])
         return self.last
 
     def _owe(self, hidden: mx.array, tokens: list[int]) -> None:
@@ -113,6 +165,14 @@ class Session:
         assert self.head is not None and self.owed is not None
         hidden, tokens = self.owed
         self.owed = None
+        if self.bounded:  # a long owed run (prompt, plain stretch) goes in bounded pieces
+            sizes = pieces(tokens.shape[1])
+            at = 0
+            for size in sizes[:-1]:  # cache updates only: their logits are never evaluated
+                self.head(hidden[:, at:at + size], tokens[:, at:at + size], self.mtp_cache, 0,
+                          last_only=True)
+                at += size
+            hidden, tokens = hidden[:, at:], tokens[:, at:]
         chain, rows = [mx.array([[self.last]])], []
         chained = [0] * self.head.blocks
         for k in range(depth):
@@ -129,16 +189,22 @@ class Session:
         return mx.concatenate(chain, axis=1), (np.stack(rows) if rows else None), chained
 
     def round(self, depth: int) -> list[int]:
-        """Draft `depth` tokens, verify them in one trunk pass, commit and roll back."""
+        """Draft `depth` tokens, verify them in one trunk pass, commit and roll back. The pass
+        may be padded to a wider, cheaper width (the policy's cost curve); padding rows repeat
+        the last token and are rolled back like rejected drafts."""
         if depth > 0:
             tokens, q, chained = self._draft(depth)
         else:
             tokens, q, chained = mx.array([[self.last]]), None, []
+        width = self.policy.curve.width(depth + 1) if self.policy is not None else depth + 1
+        verify = tokens
+        if width > depth + 1:
+            verify = mx.concatenate([tokens] + [tokens[:, -1:]] * (width - depth - 1), axis=1)
         saved = snapshot(self.cache)
         for recorder in self.recorders:
             recorder.recording = True
         try:
-            hidden, logits = self.trunk(tokens, self.cache)
+            hidden, logits = self.trunk(verify, self.cache, real=depth + 1)
         finally:
             for recorder in self.recorders:
                 recorder.recording = False
@@ -154,8 +220,8 @@ class Session:
                                                 self.rng)
         kept = verdict.accepted
         if self.recorders:
-            commit_recorded(self.cache, self.recorders, depth + 1, kept + 1)
-        elif rewind(self.cache, saved, depth + 1, kept + 1):
+            commit_recorded(self.cache, self.recorders, width, kept + 1)
+        elif rewind(self.cache, saved, width, kept + 1):
             self.trunk(tokens[:, :kept + 1], self.cache, logits_for=0)
             mx.eval([c.state for c in self.cache])
         trim(self.mtp_cache, chained)
@@ -169,7 +235,42 @@ class Session:
                 self.stats.accepted[i] += i < kept
             self.stats.bonus += verdict.bonus(depth)
             self.stats.corrections += not verdict.bonus(depth)
+            if self.policy is not None:
+                self.policy.record(depth, kept)
+                self.stats.predicted_s += self.policy.curve.round_cost(depth)
         return committed
+
+    def auto_rounds(self, left: Callable[[], int]) -> Iterator[list[int]]:
+        """Rounds at the depth the policy chooses; where plain decoding wins, a pipelined plain
+        stretch and then a depth-1 probe. `left()`: tokens still wanted."""
+        policy = self.policy
+        assert policy is not None
+        while True:
+            depth = min(policy.best(), left() - 1)
+            if depth > 0 or left() <= 1:
+                policy.reset_stretch()
+                yield self.round(max(depth, 0))
+                continue
+            for token in self.plain_steps(min(policy.plain_stretch(), left())):
+                policy.chosen[0] = policy.chosen.get(0, 0) + 1
+                self.stats.predicted_s += policy.curve.plain
+                yield [token]
+            if left() > 1:
+                yield self.round(1)  # the probe
+
+    def draft_step_time(self, repeats: int) -> float:
+        """Median seconds of one chained head draft step (after a started session)."""
+        self._draft(1)  # consume the owed pairs
+        hidden = mx.zeros((1, 1, self.trunk.args.hidden_size))
+        token = mx.array([[self.last]])
+        times = []
+        for _ in range(repeats + 1):
+            begin = time.perf_counter()
+            logits, _ = self.head(hidden, token, self.mtp_cache, 1, last_only=True)
+            mx.eval(greedy(logits[:, -1]))
+            times.append(time.perf_counter() - begin)
+            trim(self.mtp_cache, [int(b == 1 % self.head.blocks) for b in range(self.head.blocks)])
+        return sorted(times[1:])[len(times[1:]) // 2]
 
 
 def generate_ids(session: Session, ids: list[int], max_tokens: int,
@@ -183,13 +284,18 @@ def generate_ids(session: Session, ids: list[int], max_tokens: int,
     if max_tokens <= 0:
         return
 
+    def left() -> int:
+        return max_tokens - stats.generated_tokens
+
     def batches() -> Iterator[list[int]]:
         if session.depth == 0:
             yield from ([t] for t in session.plain(ids, max_tokens))
             return
         yield [session.start(ids)]
+        if session.policy is not None:
+            yield from session.auto_rounds(left)
         while True:
-            yield session.round(min(session.depth, max_tokens - stats.generated_tokens - 1))
+            yield session.round(min(session.depth, left() - 1))
 
     for batch in batches():
         now = time.perf_counter()
@@ -203,5 +309,7 @@ def generate_ids(session: Session, ids: list[int], max_tokens: int,
         stats.peak_memory_bytes = mx.get_peak_memory()
         if batch:
             yield batch
+        if session.policy is not None:
+            stats.depths = dict(sorted(session.policy.chosen.items()))
         if stop is not None or stats.generated_tokens >= max_tokens:
             return

@@ -23,6 +23,11 @@ class Stats:
     prefill_s: float = 0.0
     decode_window_s: float = 0.0
     peak_memory_bytes: int = 0
+    # --depth auto: rounds per chosen depth (0: plain steps), and the seconds the measured cost
+    # curve predicts for them (plain_s: one plain step), for the predicted speedup
+    depths: dict[int, int] = field(default_factory=dict)
+    predicted_s: float = 0.0
+    plain_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.proposed = self.proposed or [0] * self.depth
@@ -36,6 +41,15 @@ class Stats:
     @property
     def mean_accepted(self) -> float:
         return sum(self.accepted) / self.verify_calls if self.verify_calls else 0.0
+
+    @property
+    def predicted_speedup(self) -> float | None:
+        """What the cost curve and this generation's acceptance predict over plain decoding
+        (tokens after the first, each worth one plain step, over the predicted seconds)."""
+        n = self.generated_tokens - 1
+        if not self.depths or self.predicted_s <= 0 or n <= 0:
+            return None
+        return n * self.plain_s / self.predicted_s
 
     @property
     def prefill_tps(self) -> float:
@@ -54,4 +68,6 @@ class Stats:
             "bonus": self.bonus, "corrections": self.corrections, "ttft_s": self.ttft_s,
             "prefill_tps": self.prefill_tps, "decode_tps": self.decode_tps,
             "decode_window_s": self.decode_window_s, "peak_memory_bytes": self.peak_memory_bytes,
+            "depths": {str(d): n for d, n in self.depths.items()},
+            "predicted_speedup": self.predicted_speedup,
         }

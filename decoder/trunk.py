@@ -16,6 +16,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from mtpkit.decoder.recording import install
+from mtpkit.decoder.shapes import bounded_caches
 
 
 class _NormTap(nn.Module):
@@ -50,8 +51,11 @@ class Trunk:
     def tied(self) -> bool:
         return not hasattr(self.text, "lm_head")
 
-    def make_cache(self) -> list[Any]:
-        return make_prompt_cache(self.model)
+    def make_cache(self, bounded: bool = False) -> list[Any]:
+        """mlx-lm's caches for this model; `bounded`: attention views of bounded shapes
+        (decoder/shapes.py)."""
+        cache = make_prompt_cache(self.model)
+        return bounded_caches(cache) if bounded else cache
 
     def embed(self, tokens: mx.array) -> mx.array:
         return self.inner.embed_tokens(tokens)
@@ -68,12 +72,15 @@ class Trunk:
             raise ValueError("a draft vocabulary needs float unembedding weights (dequantize)")
         return weight[ids]
 
-    def __call__(self, tokens: mx.array, cache: list[Any],
-                 logits_for: int | None = None) -> tuple[mx.array, mx.array | None]:
+    def __call__(self, tokens: mx.array, cache: list[Any], logits_for: int | None = None,
+                 real: int | None = None) -> tuple[mx.array, mx.array | None]:
         """tokens (1, S) -> (hidden fed to the MTP head (1, S, H), logits (1, S', V)) where
-        logits cover the last `logits_for` positions (all when None, none when 0)."""
+        logits cover the last `logits_for` positions (all when None, none when 0). With `real`,
+        only the first `real` positions count (the rest pad the pass to a bounded shape)."""
         post = self.inner(tokens, cache=cache)
         hidden = self._tap.last_input if self._tap is not None else post
+        if real is not None:
+            post, hidden = post[:, :real], hidden[:, :real]
         if logits_for == 0:
             return hidden, None
         return hidden, self.logits(post if logits_for is None else post[:, -logits_for:])

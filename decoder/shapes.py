@@ -1,0 +1,81 @@
+"""Attention shapes from a bounded set, so a GPU backend compiles each one once.
+
+On MLX's CUDA backend, `mx.fast.scaled_dot_product_attention` with more than one query row builds a
+cuDNN graph per (query length, key length, key buffer) it has not seen (45-85 ms on an H100), and
+every verify round of speculative decoding has a new key length. `PaddedKVCache` is mlx-lm's own
+KVCache with two hooks changed: a multi-row pass sees the keys padded to a multiple of 256 (the
+buffer is always allocated in whole 256-position steps) and a bool mask that hides the padding;
+one-row decoding sees exactly what mlx-lm's cache gives it. Query lengths are bounded by the
+callers: verify passes have 1 + depth rows, and long inputs go in `pieces`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+STEP = 256  # mlx-lm's KV allocation step; cuDNN's own decoding path keys on it too
+
+
+def padded(n: int) -> int:
+    return -(-n // STEP) * STEP
+
+
+class PaddedKVCache(KVCache):
+    """A KVCache whose multi-row views have a key length that is a multiple of STEP."""
+
+    step = STEP
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        rows = keys.shape[2]
+        end = self.offset + rows
+        have = 0 if self.keys is None else self.keys.shape[2]
+        if end > have:  # grow by whole steps, never slicing first: the buffer stays STEP-aligned
+            grow = padded(end) - have
+            b, heads, _, kd = keys.shape
+            extra_k = mx.zeros((b, heads, grow, kd), keys.dtype)
+            extra_v = mx.zeros((b, heads, grow, values.shape[3]), values.dtype)
+            if self.keys is None:
+                self.keys, self.values = extra_k, extra_v
+            else:
+                self.keys = mx.concatenate([self.keys, extra_k], axis=2)
+                self.values = mx.concatenate([self.values, extra_v], axis=2)
+        self.keys[..., self.offset:end, :] = keys
+        self.values[..., self.offset:end, :] = values
+        self.offset = end
+        if rows == 1:
+            return self.keys_and_values()
+        view = padded(end)
+        return self.keys[..., :view, :], self.values[..., :view, :]
+
+    def make_mask(self, n: int, return_array: bool = False,
+                  window_size: int | None = None) -> Any:
+        """For n > 1 rows: a bool (n, padded key length) causal mask, False over the padding
+        (positions at or past the end of this pass); one row needs no mask."""
+        if window_size is not None or n == 1:
+            return super().make_mask(n, return_array=return_array, window_size=window_size)
+        rows = mx.arange(self.offset, self.offset + n)[:, None]
+        cols = mx.arange(padded(self.offset + n))[None]
+        return rows >= cols
+
+
+def bounded_caches(caches: list[Any]) -> list[Any]:
+    """mlx-lm's caches with every plain KVCache replaced by a PaddedKVCache (rotating,
+    quantized and recurrent caches are kept: they have their own shapes)."""
+    return [PaddedKVCache() if type(c) is KVCache else c for c in caches]
+
+
+def pieces(n: int) -> list[int]:
+    """Split n positions into chunks whose lengths come from a fixed set: whole STEPs, then the
+    powers of two of the rest (at most log2(STEP) extra passes)."""
+    out = [STEP] * (n // STEP)
+    rest = n % STEP
+    bit = STEP
+    while rest:
+        bit //= 2
+        if rest >= bit:
+            out.append(bit)
+            rest -= bit
+    return out
