@@ -81,7 +81,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=320)
     ap.add_argument("--drop", type=int, default=64)
-    ap.add_argument("--depths", default="1,2,3,4")
+    ap.add_argument("--depths", default="1,2,3,4", help="comma-separated; 'auto' is the policy")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], help="cast weights (default: as "
                     "stored, quantized ones dequantized to bf16 on CPU)")
     ap.add_argument("--tag", default="decode", help="result file name")
@@ -118,7 +118,8 @@ def main() -> None:
         return _timed([r.token] for r in stream_generate(runner.trunk.model, tok, ids,
                                                          max_tokens=args.max_tokens))
 
-    depths = [int(d) for d in args.depths.split(",")] if runner.head is not None else []
+    depths = [d if d == "auto" else int(d) for d in args.depths.split(",")] \
+        if runner.head is not None else []
     rows: dict[str, dict] = {}
     for name in prompts:
         ours(ids_for(name), 0)  # warm-up, each tool
@@ -126,7 +127,8 @@ def main() -> None:
         for depth in depths:
             ours(ids_for(name), depth)
         samples: dict[str, list] = {"mlx_lm": [], "plain": [], **{f"mtp{d}": [] for d in depths}}
-        accept: dict[int, list[list[float]]] = {d: [] for d in depths}
+        accept: dict[int | str, list[list[float]]] = {d: [] for d in depths}
+        chosen: dict[int | str, list[dict]] = {d: [] for d in depths}
         same = True
         for _ in range(args.runs):  # baseline first, then ours plain, then one depth at a time
             ids = ids_for(name)
@@ -139,6 +141,8 @@ def main() -> None:
                 tokens, times, result = ours(ids, depth)
                 samples[f"mtp{depth}"].append(steady_tps(times, args.drop))
                 accept[depth].append(result.stats.acceptance_by_depth)
+                chosen[depth].append({"depths": result.stats.depths,
+                                      "predicted_speedup": result.stats.predicted_speedup})
                 same &= tokens == plain_tokens
         row = {k: summary(v) for k, v in samples.items()}
         row["plain_over_mlx_lm"] = row["plain"]["median"] / row["mlx_lm"]["median"]
@@ -148,6 +152,8 @@ def main() -> None:
             row[f"mtp{depth}_over_plain_paired"] = statistics.median(
                 m / p for m, p in zip(samples[f"mtp{depth}"], samples["plain"], strict=True))
             row[f"mtp{depth}_acceptance"] = [statistics.mean(col) for col in zip(*accept[depth], strict=True)]
+            if depth == "auto":  # what the policy chose, and what its cost curve predicted
+                row["mtpauto_chosen"] = chosen[depth]
         row["greedy_tokens_identical"] = same
         row["generated_tokens"] = len(plain_tokens)
         rows[name] = row

@@ -137,15 +137,18 @@ def _median_time(run: Any, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure(runner: Runner, context: int = CONTEXT, repeats: int = REPEATS) -> CostCurve:
+def measure(runner: Runner, context: int = CONTEXT, repeats: int = REPEATS,
+            bounded: bool | None = None) -> CostCurve:
     """Time the trunk at T = 1..MAX_ROWS rows at a `context`-token cache (each shape warmed up
-    first, so compiles are not counted), a pipelined plain step and a head draft step."""
+    first, so compiles are not counted), a pipelined plain step and a head draft step.
+    bounded: the session's attention shapes (default: as decoding runs on this backend)."""
     from mtpkit.decoder.sampling import SamplingParams, greedy
     from mtpkit.decoder.session import Session
 
     vocab = runner.trunk.args.vocab_size
     ids = [(7 * i + 3) % vocab for i in range(context)]
-    session = Session(runner.trunk, runner.head, SamplingParams(), 1 if runner.head else 0)
+    session = Session(runner.trunk, runner.head, SamplingParams(), 1 if runner.head else 0,
+                      bounded=bounded)
     session.start(ids)
     cache = session.cache
 

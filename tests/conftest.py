@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -11,6 +12,8 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# --depth auto caches measured cost curves; the suite keeps its own, never the user's
+os.environ["MTPKIT_CACHE"] = tempfile.mkdtemp(prefix="mtpkit-test-cache-")
 
 # mtpkit first: importing it loads an installed optimized BLAS before anything imports MLX, so
 # the suite multiplies as users' processes do (the fixtures below import MLX).

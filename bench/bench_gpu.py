@@ -1,0 +1,234 @@
+"""MTP mechanics on a GPU: verify cost curves before/after, the compile per round, and an oracle.
+
+A MECHANICS benchmark: the trunks have random weights (Llama-3-8B shapes, 4-bit g64 and bf16),
+and the drafter is an oracle that proposes the trunk's own greedy continuation, right with
+per-position acceptance 73/48/32% (a published figure for a 27B model at depth 3) and costs
+nothing. It measures what the decoder's machinery delivers on this machine, not what any real
+head accepts (bench_decode.py measures a real grafted head).
+
+1. c(T), T = 1..16, for each trunk "before" (MLX's ops, mlx-lm's own KV cache) and "after"
+   (verify kernel, bounded attention shapes): decoder/costs.py's measure, medians after warm-up.
+2. A T=2 verify at a new cache length every pass (what decoding does), before and after: the
+   compile per round shows as the median pass time.
+3. Oracle decoding on the 4-bit trunk: plain vs depths 1-3 vs --depth auto; measured speedup
+   beside the ideal one from c(T): E[tokens per round] / (c(K + 1) / plain step).
+
+    python bench/bench_gpu.py [--smollm2 BUNDLE] [--tokens 256] [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import save, summary  # noqa: E402
+
+RATES = (0.73, 0.48, 0.32)
+
+
+def llama8b(bits: int | None, small: bool = False):
+    """A Llama-3-8B-shaped mlx-lm model with random weights (bf16, or quantized g64); small:
+    the same architecture scaled down, to check this script on a CPU."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.models.llama import Model, ModelArgs
+
+    scale = 16 if small else 1
+    args = ModelArgs(model_type="llama", hidden_size=4096 // scale,
+                     num_hidden_layers=32 // scale, intermediate_size=14336 // scale,
+                     num_attention_heads=32 // scale, num_key_value_heads=max(1, 8 // scale),
+                     rms_norm_eps=1e-5, vocab_size=128256 // scale, rope_theta=500000.0,
+                     tie_word_embeddings=False)
+    mx.random.seed(0)
+    model = Model(args)
+    model.set_dtype(mx.bfloat16)
+    for layer in [*model.model.layers, model]:  # materialize layer by layer: bounded peak
+        if bits is not None and layer is not model:
+            nn.quantize(layer, group_size=64, bits=bits)
+        mx.eval(layer.parameters())
+    if bits is not None:
+        nn.quantize(model, group_size=64, bits=bits,
+                    class_predicate=lambda p, m: p in ("lm_head", "model.embed_tokens"))
+    mx.eval(model.parameters())
+    return model
+
+
+class Oracle:
+    """Stands in for an MTP head: proposes ref[position] (the trunk's own greedy token) with the
+    conditional chance that gives unconditional acceptance RATES per draft position (and never
+    past the last), else a wrong token; costs one tiny array per draft."""
+
+    blocks = 1
+
+    def __init__(self, ref: list[int], vocab: int, rates: tuple[float, ...], seed: int) -> None:
+        import numpy as np
+
+        self.ref, self.vocab = ref, vocab
+        self.conditional = [rates[0]] + [rates[i] / rates[i - 1] for i in range(1, len(rates))]
+        self.rng = np.random.default_rng(seed)
+        self.position, self.right = 0, True
+
+    def make_cache(self, bounded: bool = False):
+        from mlx_lm.models.cache import KVCache
+
+        return [KVCache()]  # its offset counts committed tokens (trimmed like a real head's)
+
+    def __call__(self, hidden, tokens, cache, step, last_only=False):
+        import mlx.core as mx
+
+        if step == 0:  # owed pairs end at the committed token at index `offset`
+            cache[0].offset += tokens.shape[1]
+            self.position, self.right = cache[0].offset + 1, True
+        else:
+            cache[0].offset += 1
+            self.position += 1
+        chance = self.conditional[step] if step < len(self.conditional) else 0.0
+        self.right = self.right and self.rng.random() < chance
+        want = self.ref[self.position] if self.position < len(self.ref) else 0
+        token = want if self.right else (want + 1) % self.vocab
+        return mx.zeros((1, 1, self.vocab)).at[..., token].add(1e9), hidden[:, -1:]
+
+
+def curves(runner, label: str) -> dict:
+    """c(T) before (MLX's ops, mlx-lm's caches: call with the runner's stock linears) and after
+    (verify kernel swapped in, bounded shapes)."""
+    from mtpkit.decoder.costs import measure
+    from mtpkit.decoder.rows import use_kernel_linears
+
+    text = runner.trunk.text
+    before = measure(runner, bounded=False)
+    before_moving = moving_verify(runner, bounded=False)
+    use_kernel_linears(text)
+    after = measure(runner, bounded=True)
+    after_moving = moving_verify(runner, bounded=True)
+    out = {"before": before.to_dict(), "after": after.to_dict(),
+           "moving_t2_ms": {"before": before_moving, "after": after_moving}}
+    print(label, "c(T)/c(1) before", [round(r, 2) for r in before.ratios()], flush=True)
+    print(label, "c(T)/c(1) after ", [round(r, 2) for r in after.ratios()], flush=True)
+    print(label, "plain ms", round(1000 * after.plain, 2), "c(1) ms",
+          round(1000 * after.verify[0], 2), "moving T=2 ms before/after",
+          before_moving["median"], after_moving["median"], flush=True)
+    return out
+
+
+def moving_verify(runner, bounded: bool, passes: int = 24) -> dict:
+    """Median ms of T=2 verify passes, each at a cache one token longer than the last (as
+    decoding goes), after a 300-token prompt."""
+    import mlx.core as mx
+
+    from mtpkit.decoder.sampling import SamplingParams, greedy
+    from mtpkit.decoder.session import Session
+
+    session = Session(runner.trunk, None, SamplingParams(), 0, bounded=bounded)
+    vocab = runner.trunk.args.vocab_size
+    session.start([(11 * i + 5) % vocab for i in range(300)])
+    times = []
+    for i in range(passes):
+        start = time.perf_counter()
+        _, logits = runner.trunk(mx.array([[i % vocab, (i + 1) % vocab]]), session.cache)
+        mx.eval(greedy(logits[0]))
+        times.append(1000 * (time.perf_counter() - start))
+        for c in session.cache:
+            c.trim(1)  # keep one: the next pass sees a new length
+    return summary(times)
+
+
+def oracle_decoding(runner, tokens: int, runs: int) -> dict:
+    """Plain vs oracle MTP (depths 1-3 and auto) on the 4-bit trunk, with the ideal speedups."""
+    import numpy as np
+
+    from mtpkit.decoder.costs import measure
+    from mtpkit.decoder.runner import Runner
+
+    vocab = runner.trunk.args.vocab_size
+    prompt = [(13 * i + 7) % vocab for i in range(128)]
+    plain = runner.generate(prompt, tokens, depth=0)
+    ref = prompt + plain.tokens
+    oracle = Oracle(ref, vocab, RATES, seed=0)
+    mtp = Runner(runner.trunk, oracle, None)
+    curve = measure(mtp)
+    mtp._costs = curve
+    plain_s = curve.plain
+    rows: dict = {"curve": curve.to_dict()}
+    for depth in (0, 1, 2, 3, "auto"):
+        mtp.generate(prompt, 32, depth=depth)  # warm-up
+        tps, same, accept, chosen, predicted = [], True, [], {}, []
+        for run in range(runs):
+            oracle.rng = np.random.default_rng(run)
+            result = mtp.generate(prompt, tokens, depth=depth)
+            tps.append(result.stats.decode_tps)
+            same &= result.tokens == plain.tokens
+            accept.append(result.stats.acceptance_by_depth)
+            chosen = result.stats.depths or chosen
+            predicted.append(result.stats.predicted_speedup)
+        row = {"decode_tps": summary(tps), "greedy_tokens_identical": same}
+        if depth not in (0, "auto"):
+            a = [statistics.mean(col) for col in zip(*accept, strict=True)]
+            row["acceptance_by_depth"] = a
+            row["ideal_speedup"] = (1 + sum(RATES[:depth])) / (curve.round_cost(depth) / plain_s)
+            row["ideal_speedup_measured_acceptance"] = (1 + sum(a)) / (
+                curve.round_cost(depth) / plain_s)
+        if depth == "auto":
+            row["depths"] = chosen
+            row["predicted_speedup"] = statistics.median(p for p in predicted if p is not None)
+            row["ideal_best"] = max((1 + sum(RATES[:d])) / (curve.round_cost(d) / plain_s)
+                                    for d in range(1, 4))
+        rows[str(depth)] = row
+    base = rows["0"]["decode_tps"]["median"]
+    for key, row in rows.items():
+        if key not in ("curve", "0"):
+            row["speedup"] = row["decode_tps"]["median"] / base
+            ideal = row.get("ideal_speedup") or row.get("ideal_best")
+            row["measured_over_ideal"] = row["speedup"] / ideal if ideal else None
+            print("oracle depth", key, f"{row['speedup']:.2f}x (ideal {ideal:.2f}x)",
+                  row.get("acceptance_by_depth") or row.get("depths"), flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--smollm2", type=Path, help="a SmolLM2 bundle for its c(T) (optional)")
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--parts", default="q4,bf16,smollm2,oracle")
+    ap.add_argument("--tag", default="gpu-mechanics")
+    ap.add_argument("--small", action="store_true", help="scaled-down trunks (a CPU smoke run)")
+    args = ap.parse_args()
+
+    import mlx.core as mx
+
+    import mtpkit
+    from mtpkit.decoder.rows import use_kernel_linears
+    from mtpkit.decoder.runner import Runner
+    from mtpkit.decoder.trunk import Trunk
+
+    parts = set(args.parts.split(","))
+    out: dict = {"rates": RATES, "tokens": args.tokens, "runs": args.runs,
+                 "device": mx.device_info() if hasattr(mx, "device_info") else {}}
+    if parts & {"q4", "oracle"}:
+        runner = Runner(Trunk(llama8b(4, args.small)), None, None)
+        if "q4" in parts:
+            out["llama8b_4bit"] = curves(runner, "8B 4-bit")
+        use_kernel_linears(runner.trunk.text)  # (no-op after curves)
+        if "oracle" in parts:
+            out["oracle_8b_4bit"] = oracle_decoding(runner, args.tokens, args.runs)
+        del runner
+        mx.clear_cache()
+    if "bf16" in parts:
+        runner = Runner(Trunk(llama8b(None, args.small)), None, None)
+        out["llama8b_bf16"] = curves(runner, "8B bf16")
+        del runner
+        mx.clear_cache()
+    if "smollm2" in parts and args.smollm2:
+        out["smollm2"] = curves(mtpkit.load(args.smollm2), "SmolLM2")
+    out["peak_memory_gb"] = mx.get_peak_memory() / 2**30
+    print(f"saved {save(args.tag, out)}")
+
+
+if __name__ == "__main__":
+    main()

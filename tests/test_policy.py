@@ -1,0 +1,163 @@
+"""--depth auto (decoder/policy.py, decoder/costs.py): the depth that measured costs and online
+acceptance favour, plain decoding when nothing beats it, padding to a cheaper width, and exact
+decoding whatever it chooses."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mtpkit
+from fixtures.decoder_models import OracleHead
+from mtpkit.decoder import costs
+from mtpkit.decoder.costs import CostCurve
+from mtpkit.decoder.policy import MAX_STRETCH, MIN_STRETCH, DepthPolicy
+from mtpkit.decoder.runner import Runner
+
+PROMPT = [5, 17, 42, 99, 7, 3]
+
+
+def gpu_like() -> CostCurve:
+    """A verify of T rows costs about one step (what a good GPU kernel gives)."""
+    return CostCurve([1.0 + 0.03 * t for t in range(16)], plain=1.0, draft=0.02)
+
+
+def cpu_like() -> CostCurve:
+    """Each extra row costs most of a step (what a CPU gives)."""
+    return CostCurve([1.0 + 0.8 * t for t in range(16)], plain=1.0, draft=0.1)
+
+
+def trained(curve: CostCurve, rates: list[float], rounds: int = 200, depth: int = 4,
+            max_depth: int = 8) -> DepthPolicy:
+    """A policy that has seen `rounds` rounds at `depth` with exactly `rates` (chance that the
+    first i drafts are kept)."""
+    policy = DepthPolicy(curve, max_depth)
+    rng = np.random.default_rng(0)
+    for _ in range(rounds):
+        u = rng.random()  # one uniform: draft i is kept iff u < a_i (the a_i decrease)
+        policy.record(depth, sum(1 for a in rates[:depth] if u < a))
+    return policy
+
+
+def test_high_acceptance_on_cheap_verify_goes_deep() -> None:
+    policy = trained(gpu_like(), [0.9, 0.8, 0.7, 0.6])
+    assert policy.best() >= 3
+    assert policy.predicted_speedup() > 2.0
+
+
+def test_low_acceptance_or_costly_verify_decodes_plainly() -> None:
+    assert trained(gpu_like(), [0.0, 0.0, 0.0, 0.0]).best() == 0
+    assert trained(cpu_like(), [0.3, 0.1, 0.0, 0.0]).best() == 0
+    # and costly verify with a near-perfect head still speculates where it pays: 1.99 tokens
+    # for 1.9 steps at depth 1
+    assert trained(cpu_like(), [1.0, 1.0, 1.0, 1.0]).best() >= 1
+
+
+def test_depth_follows_acceptance_as_it_changes() -> None:
+    policy = trained(gpu_like(), [0.9, 0.8, 0.7, 0.6])
+    deep = policy.best()
+    for _ in range(200):  # the text changes: nothing is accepted any more
+        policy.record(deep, 0)
+    assert policy.best() == 0
+
+
+def test_acceptance_estimates_are_non_increasing_and_extrapolate() -> None:
+    policy = trained(gpu_like(), [0.8, 0.6], depth=2)
+    a = policy.acceptance()
+    assert all(x >= y for x, y in zip(a, a[1:], strict=False))
+    # about the last 30 rounds weigh in: estimates within sampling noise of the truth
+    assert abs(a[0] - 0.8) < 0.1 and abs(a[1] - 0.6) < 0.1
+    assert a[2] == pytest.approx(a[1] * a[1] / a[0], rel=0.05)  # never tried: the last
+    # conditional rate carried on
+
+
+def test_verify_pads_to_a_cheaper_width() -> None:
+    verify = [1.0, 1.2, 1.4, 2.2, 2.6, 3.0, 3.4, 1.7] + [1.8] * 8  # 8 rows cheaper than 4-7
+    curve = CostCurve(verify, plain=1.0, draft=0.0)
+    assert [curve.width(t) for t in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 3, 8, 8, 8, 9]
+    assert curve.round_cost(4) == pytest.approx(1.7)  # 5 rows run as 8
+
+
+def test_plain_stretches_double_up_to_the_cap() -> None:
+    policy = DepthPolicy(cpu_like(), 4)
+    stretches = [policy.plain_stretch() for _ in range(8)]
+    assert stretches[0] == MIN_STRETCH and stretches[-1] == MAX_STRETCH
+    assert all(b == min(2 * a, MAX_STRETCH) for a, b in zip(stretches, stretches[1:], strict=False))
+    policy.reset_stretch()
+    assert policy.plain_stretch() == MIN_STRETCH
+
+
+def _oracle(runner: Runner, wrong_every: int, n: int) -> tuple[Runner, list[int]]:
+    """An oracle head over the runner's trunk, wrong at every `wrong_every`-th position (1:
+    always wrong), and the plain greedy tokens it is measured against."""
+    plain = Runner(runner.trunk, runner.head, None).generate(PROMPT, n, depth=0).tokens
+    vocab = runner.trunk.args.vocab_size
+    script = {i: (t + 1) % vocab if i % wrong_every == 0 else t
+              for i, t in enumerate(PROMPT + plain)}
+    return Runner(runner.trunk, OracleHead(vocab, script, len(PROMPT)), None), plain  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def qwen(built: Callable[..., Path]) -> Runner:
+    return mtpkit.load(built("qwen3_5"), dtype="float32")
+
+
+def test_auto_with_a_useless_head_decodes_almost_only_plainly(qwen: Runner) -> None:
+    oracle, plain = _oracle(qwen, 1, 200)
+    oracle._costs = cpu_like()
+    result = oracle.generate(PROMPT, 200, depth="auto")
+    assert result.tokens == plain
+    depths = result.stats.depths
+    assert depths.get(0, 0) >= 180  # plain steps; probes are rare and back off
+    assert sum(n for d, n in depths.items() if d > 0) <= 8
+    assert result.stats.acceptance_by_depth[0] == 0.0
+
+
+def test_auto_with_a_good_head_speculates_and_stays_exact(qwen: Runner) -> None:
+    oracle, plain = _oracle(qwen, 9, 200)
+    oracle._costs = gpu_like()
+    result = oracle.generate(PROMPT, 200, depth="auto")
+    assert result.tokens == plain
+    depths = result.stats.depths
+    assert sum(n for d, n in depths.items() if d >= 3) >= 10
+    assert depths.get(0, 0) == 0
+    assert result.stats.predicted_speedup is not None and result.stats.predicted_speedup > 2.0
+
+
+def test_auto_with_sampling_stays_seeded_and_in_range(qwen: Runner) -> None:
+    """Sampling goes through the same acceptance rule at whatever depth the policy picks (its
+    law is tested in test_exactness); here: reproducible, and plain stretches sample too."""
+    qwen._costs = cpu_like()
+    runs = [qwen.generate(PROMPT, 60, depth="auto", temperature=0.8, seed=7).tokens
+            for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) > 0
+
+
+def test_cost_curve_is_cached_per_bundle_and_remeasured_when_weights_change(
+        built: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+
+    monkeypatch.setenv("MTPKIT_CACHE", str(tmp_path / "cache"))
+    bundle = tmp_path / "b"
+    shutil.copytree(built("qwen3_5"), bundle)
+    first = mtpkit.load(bundle, dtype="float32").costs()
+    assert len(first.verify) == costs.MAX_ROWS and all(c > 0 for c in first.verify)
+    assert first.plain > 0 and first.draft > 0
+    stored = list((tmp_path / "cache" / "costs").glob("*.json"))
+    assert len(stored) == 1 and json.loads(stored[0].read_text())["verify"] == first.verify
+
+    def refuse(*a: object, **k: object) -> CostCurve:
+        raise AssertionError("measured again although cached")
+
+    monkeypatch.setattr(costs, "measure", refuse)
+    assert mtpkit.load(bundle, dtype="float32").costs().verify == first.verify
+    with pytest.raises(AssertionError, match="measured again"):  # another dtype: another key
+        mtpkit.load(bundle).costs()
+    weights = sorted(bundle.glob("*.safetensors"))[0]
+    weights.write_bytes(weights.read_bytes())  # rewritten: a new mtime
+    with pytest.raises(AssertionError, match="measured again"):
+        mtpkit.load(bundle, dtype="float32").costs()
