@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +20,7 @@ import mtpkit
 from fixtures.breaker import BREAKERS
 from fixtures.decoder_models import OracleHead, tiny_runner
 from fixtures.factory import Sidecar
+from fixtures.numerics import RTOL, assert_close, difference
 from mtpkit.decoder import acceptance, misses
 from mtpkit.decoder.rows import FEW_ROWS, FewRowsLinear, use_few_rows_linears
 from mtpkit.decoder.runner import Runner
@@ -43,13 +45,43 @@ def runners(built: Callable[..., Path]) -> Callable[[str], Runner]:
     return get
 
 
+def _no_eos(runner: Runner) -> Runner:
+    """The runner without its tokenizer: token-id prompts, and no EOS to stop at. Where a
+    backend's rounding takes greedy decoding of these random fixtures (which do emit their EOS id)
+    is not what these tests are about; every run goes to its max_tokens."""
+    return Runner(runner.trunk, runner.head, None)
+
+
+# -- numerics --------------------------------------------------------------------------------
+
+def test_float32_matmuls_run_in_float32() -> None:
+    """The float32 comparisons below hold only if float32 products are float32 on the default
+    device, for one row (plain steps) and for several (verify passes): fixtures/numerics.py turns
+    off the TF32 tensor-core path MLX's GPU backends take by default. Bound: recursive float32
+    summation of K=128 products errs by at most ~(K+1) * 2**-24 = 7.7e-6 of sum |a||b|; TF32's
+    10-bit inputs err by ~1e-4 of it here (an order of magnitude above the bound, at least)."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 128)).astype(np.float32)
+    w = rng.standard_normal((512, 128)).astype(np.float32)  # as nn.Linear stores it: x @ w.T
+    exact = x.astype(np.float64) @ w.astype(np.float64).T
+    bound = np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64)).T
+    for rows in (1, 2, 5, 64):
+        got = np.array(mx.array(x[:rows]) @ mx.array(w).T).astype(np.float64)
+        err = float(np.max(np.abs(got - exact[:rows]) / bound[:rows]))
+        assert err < 129 * 2.0**-24, (
+            f"{rows}-row float32 matmul on {mx.default_device()} errs by {err:.2g} of sum |a||b|: "
+            "it runs at reduced precision (TF32); MLX_ENABLE_TF32 must be 0 before MLX's first "
+            f"matmul (it is {os.environ.get('MLX_ENABLE_TF32')!r})")
+
+
 # -- greedy identity -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("family", MTP_FAMILIES)
 def test_greedy_identity_every_depth(runners: Callable[[str], Runner], family: str) -> None:
-    runner = runners(family)
+    runner = _no_eos(runners(family))
     plain = runner.generate(PROMPT, 64, depth=0)
-    assert len(plain.tokens) == 64 and plain.stats.verify_calls == 0
+    assert len(plain.tokens) == 64 and plain.finish_reason == "length"
+    assert plain.stats.verify_calls == 0
     for depth in (1, 2, 3, 4):
         spec = runner.generate(PROMPT, 64, depth=depth)
         assert spec.tokens == plain.tokens, (family, depth)
@@ -60,7 +92,9 @@ def test_greedy_identity_every_depth(runners: Callable[[str], Runner], family: s
 
 
 def _plain_greedy(runner: Runner, ids: list[int], n: int) -> list[int]:
-    return runner.generate(ids, n, depth=0).tokens
+    tokens = _no_eos(runner).generate(ids, n, depth=0).tokens
+    assert len(tokens) == n
+    return tokens
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "llama"])
@@ -84,6 +118,34 @@ def test_long_generation_with_acceptance_is_identical(runners: Callable[[str], R
 
 # -- rollback --------------------------------------------------------------------------------
 
+ROLLBACK_FAMILIES = ("qwen3_5", "qwen3_next", "llama")
+
+
+@pytest.fixture(scope="module")
+def rollback_runners(built: Callable[..., Path]) -> Callable[[str], Runner]:
+    """float32 runners whose GatedDeltaNet layers remember. Their per-token decay is
+    exp(-exp(A_log) * softplus(a + dt_bias)): the fixtures' dt_bias 1 (with A in 1-16) keeps
+    under 0.27 of the state per token, so a rejected token's trace left under the replayed ones
+    (a replay over a recurrent state that was not restored) fades to as little as 1.2e-5 of the
+    state's magnitude, at the float32 tolerance; dt_bias -5 keeps 0.90-0.99 per token, and the
+    same wrong rollback moves the state by 0.5 to 1.2 of its magnitude (measured on CPU). The
+    rollback must hold for any weights."""
+    cache: dict[str, Runner] = {}
+
+    def get(family: str) -> Runner:
+        if family not in cache:
+            runner = mtpkit.load(built(family), dtype="float32")
+            slow = [m for _, m in runner.trunk.inner.named_modules() if "dt_bias" in m]
+            assert bool(slow) == (family != "llama")
+            for m in slow:
+                m.dt_bias = mx.full(m.dt_bias.shape, -5.0, m.dt_bias.dtype)
+            mx.eval(runner.trunk.model.parameters())
+            cache[family] = runner
+        return cache[family]
+
+    return get
+
+
 def _plain_state(runner: Runner, tokens: list[int]) -> list:
     """The trunk cache after a plain decode fed `tokens`: prompt in one pass, then one by one."""
     cache = runner.trunk.make_cache()
@@ -94,28 +156,45 @@ def _plain_state(runner: Runner, tokens: list[int]) -> list:
     return cache
 
 
+def _state_arrays(cache: list) -> list[tuple[str, mx.array]]:
+    """(name, array) of every cache: KV entries up to the offset, recurrent (conv, state)."""
+    out = []
+    for i, c in enumerate(cache):
+        if isinstance(c, KVCache):
+            out += [(f"layer {i} keys", c.keys[..., :c.offset, :]),
+                    (f"layer {i} values", c.values[..., :c.offset, :])]
+        else:
+            out += [(f"layer {i} recurrent {j}", x) for j, x in enumerate(c.cache)]
+    return out
+
+
 def _assert_same_state(got: list, want: list) -> None:
+    """Same offsets, and every array equal to float32 rounding (fixtures/numerics.py: 1e-5 of
+    its magnitude). The reference steps one token at a time while the session ran multi-row
+    verify passes (and replays): on CPU the two agree bit for bit; a GPU's multi-row products
+    round differently, and a perturbation of 1e-6 (relative) of every multi-row linear output
+    moves these states by at most ~6e-6 of their magnitude (1e-7: ~1.5e-6). Wrong rollbacks move
+    them by 0.3 to 1.7 of it, over 1e4 times the tolerance (measured: committing the recorded
+    state of a rejected position, or replaying the kept tokens over a recurrent state that was
+    not restored; see rollback_runners and
+    test_a_rejected_token_left_in_the_state_is_far_outside_the_tolerance); a KV cache that
+    keeps a rejected entry fails on its offset."""
     for a, b in zip(got, want, strict=True):
         if isinstance(a, KVCache):
             assert a.offset == b.offset
-            for x, y in ((a.keys, b.keys), (a.values, b.values)):
-                np.testing.assert_allclose(np.array(x[..., :a.offset, :]),
-                                           np.array(y[..., :b.offset, :]), atol=1e-5)
-        else:
-            for x, y in zip(a.cache, b.cache, strict=True):
-                np.testing.assert_allclose(np.array(x), np.array(y), atol=1e-5)
+    for (name, x), (_, y) in zip(_state_arrays(got), _state_arrays(want), strict=True):
+        assert_close(x, y, name)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "llama"])
+@pytest.mark.parametrize("family", ROLLBACK_FAMILIES)
 @pytest.mark.parametrize("reject_at", [0, 1, 2, 3])
 @pytest.mark.parametrize("rollback", ["record", "replay"])
-def test_rollback_state_equals_plain_decode(runners: Callable[[str], Runner],
-                                            built: Callable[..., Path], family: str,
-                                            reject_at: int, rollback: str) -> None:
+def test_rollback_state_equals_plain_decode(rollback_runners: Callable[[str], Runner],
+                                            family: str, reject_at: int, rollback: str) -> None:
     """Reject draft `reject_at` of 3 (3 = all kept, bonus) in each of several rounds; the trunk
     state (KV caches and GatedDeltaNet conv/recurrent states) equals a plain decode's, whether
     recorded during verify or restored and replayed."""
-    runner = runners(family) if family != "llama" else mtpkit.load(built("llama"), dtype="float32")
+    runner = rollback_runners(family)
     plain = _plain_greedy(runner, PROMPT, 40)
     seq = PROMPT + plain
     vocab = runner.trunk.args.vocab_size
@@ -134,6 +213,24 @@ def test_rollback_state_equals_plain_decode(runners: Callable[[str], Runner],
         _assert_same_state(session.cache, _plain_state(runner, committed[:-1]))
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_a_rejected_token_left_in_the_state_is_far_outside_the_tolerance(
+        rollback_runners: Callable[[str], Runner], family: str) -> None:
+    """The power of the rollback comparison, measured on this backend: a GatedDeltaNet state
+    that kept a rejected token (on top of the kept ones, or under the last one, as a replay over
+    an unrestored state leaves it) differs from the right state by over 1e3 times the float32
+    tolerance in every conv and recurrent array (measured on CPU: 0.28 to 1.4 of the magnitude)."""
+    runner = rollback_runners(family)
+    seq = PROMPT + _plain_greedy(runner, PROMPT, 12)
+    rejected = (seq[-1] + 1) % runner.trunk.args.vocab_size
+    right = _state_arrays(_plain_state(runner, seq))
+    for wrong_tokens in ([*seq, rejected], [*seq[:-1], rejected, seq[-1]]):
+        wrong = _state_arrays(_plain_state(runner, wrong_tokens))
+        gaps = [(name, difference(x, y)) for (name, x), (_, y) in zip(wrong, right, strict=True)
+                if "recurrent" in name]
+        assert len(gaps) == 4 and min(g for _, g in gaps) > 1e3 * RTOL[mx.float32], gaps
+
+
 def test_mtp_cache_holds_exactly_the_committed_pairs(runners: Callable[[str], Runner]) -> None:
     """The head's KV cache equals a fresh head pass over (trunk hidden_i, token_i+1) pairs of the
     committed text: chained draft entries never survive a round."""
@@ -148,9 +245,9 @@ def test_mtp_cache_holds_exactly_the_committed_pairs(runners: Callable[[str], Ru
     fresh = runner.head.make_cache()
     runner.head(hidden, mx.array([seq[1:n + 1]]), fresh, 0)
     assert session.owed is not None and n + session.owed[1].shape[1] == len(seq) - 1
-    for x, y in ((session.mtp_cache[0].keys, fresh[0].keys),
-                 (session.mtp_cache[0].values, fresh[0].values)):
-        np.testing.assert_allclose(np.array(x[..., :n, :]), np.array(y[..., :n, :]), atol=1e-4)
+    for name, x, y in (("keys", session.mtp_cache[0].keys, fresh[0].keys),
+                       ("values", session.mtp_cache[0].values, fresh[0].values)):
+        assert_close(x[..., :n, :], y[..., :n, :], f"head cache {name}")
 
 
 # -- exact distributions ---------------------------------------------------------------------
@@ -249,8 +346,13 @@ def test_seeded_runs_are_reproducible(tiny: Runner) -> None:
 
 def test_text_chat_stream_and_stats(built: Callable[..., Path]) -> None:
     runner = mtpkit.load(built("qwen3_5"))
+    assert runner.tokenizer is not None
+    # Where this random model would emit its EOS depends on the backend's rounding (the bundle's
+    # own dtype here): without one, every run is 24 tokens (test_eos_stops_and_is_not_returned
+    # covers stopping).
+    runner.tokenizer.eos_token_ids = set()
     result = runner.generate("Hello there", 24, depth=2)
-    assert len(result.tokens) == 24 and result.finish_reason == "length"  # no EOS within 24
+    assert len(result.tokens) == 24 and result.finish_reason == "length"
     pieces = list(runner.stream("Hello there", 24, depth=2))
     assert "".join(p.text for p in pieces) == result.text
     assert sum(len(p.tokens) for p in pieces) == len(result.tokens)
@@ -301,14 +403,16 @@ def test_delta_sidecar_norms_load_like_absolute(built: Callable[..., Path]) -> N
     assert a.tokens == b.tokens and a.stats.accepted == b.stats.accepted
 
 
-def test_trunk_logits_equal_mlx_lm_model(runners: Callable[[str], Runner]) -> None:
-    """The wrapper adds nothing: its logits are the mlx-lm model's own, for every family."""
-    for family in MTP_FAMILIES:
-        trunk = runners(family).trunk
-        ids = mx.array([PROMPT])
-        _, ours = trunk(ids, trunk.make_cache())
-        theirs = trunk.model(ids, cache=trunk.make_cache())
-        np.testing.assert_allclose(np.array(ours), np.array(theirs), atol=1e-5)
+@pytest.mark.parametrize("family", MTP_FAMILIES)
+def test_trunk_logits_equal_mlx_lm_model(runners: Callable[[str], Runner], family: str) -> None:
+    """The wrapper adds nothing: its logits are the mlx-lm model's own, for every family (the
+    same graph on the default device, compared to the rounding of the logits' dtype)."""
+    trunk = runners(family).trunk
+    ids = mx.array([PROMPT])
+    _, ours = trunk(ids, trunk.make_cache())
+    theirs = trunk.model(ids, cache=trunk.make_cache())
+    assert ours is not None and ours.shape == theirs.shape == (1, len(PROMPT), trunk.args.vocab_size)
+    assert_close(ours, theirs, f"{family} logits")
 
 
 def test_contract_override_is_applied(built: Callable[..., Path]) -> None:
@@ -318,8 +422,7 @@ def test_contract_override_is_applied(built: Callable[..., Path]) -> None:
     assert swapped.head is not None and swapped.head.contract.concat_order == "hidden_first"
     hidden, _ = swapped.trunk(mx.array([PROMPT]), swapped.trunk.make_cache())
     post, _ = default.trunk(mx.array([PROMPT]), default.trunk.make_cache())
-    np.testing.assert_allclose(np.array(swapped.trunk.inner.norm.norm(hidden)), np.array(post),
-                               atol=1e-5)
+    assert_close(swapped.trunk.inner.norm.norm(hidden), post, "post-norm hidden")
     assert swapped.generate(PROMPT, 16, depth=2).tokens == default.generate(PROMPT, 16,
                                                                              depth=0).tokens
     with pytest.raises(ValueError):
@@ -364,12 +467,21 @@ def test_few_rows_linear_computes_what_nn_linear_computes(rows: int) -> None:
     assert mx.allclose(model(x), nn.relu(want), rtol=1e-5, atol=1e-5)
 
 
-def test_cpu_load_multiplies_verify_rows_weight_first(runners: Callable[[str], Runner]) -> None:
+def test_load_multiplies_verify_rows_weight_first_on_cpu_only(
+        runners: Callable[[str], Runner]) -> None:
+    """load swaps the trunk layers' and the head's float linears for FewRowsLinear on MLX's CPU
+    backend (an OpenBLAS cost, decoder/rows.py), and on no other backend."""
     runner = runners("qwen3_5")
-    assert mx.default_device().type == mx.DeviceType.cpu
-    kinds = {type(m) for _, m in runner.trunk.inner.named_modules()}
-    assert FewRowsLinear in kinds and nn.Linear not in kinds
-    assert runner.head is not None and isinstance(runner.head.roles[0].fc, FewRowsLinear)
+    assert runner.head is not None
+    linears = [m for _, m in runner.trunk.inner.named_modules() if isinstance(m, nn.Linear)]
+    head_fc = runner.head.roles[0].fc
+    assert linears and isinstance(head_fc, nn.Linear)
+    if mx.default_device().type == mx.DeviceType.cpu:
+        assert all(isinstance(m, FewRowsLinear) for m in linears)
+        assert isinstance(head_fc, FewRowsLinear)
+    else:
+        assert not any(isinstance(m, FewRowsLinear) for m in linears)
+        assert not isinstance(head_fc, FewRowsLinear)
 
 
 def test_lookup_finds_the_latest_earlier_occurrence() -> None:

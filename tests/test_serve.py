@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 import pytest
 from click.testing import CliRunner
 
+import fixtures.numerics  # noqa: F401  (float32 runs in float32 on GPU backends too: exactness below)
 import mtpkit
 from fixtures.fake_servers import in_thread
 from mtpkit.cli import main
@@ -102,7 +103,11 @@ def test_api_answers_streams_and_reports_usage_with_mtp(trained) -> None:
     bundle = trained["qwen3_5"][0]
     messages = [{"role": "user", "content": "Write a parser."}]
     runner = mtpkit.load(bundle, dtype="float32")
+    # Where greedy decoding meets EOS depends on the backend's rounding, not on the server: each
+    # answer is held to the plain decode of the same prompt here (its tokens, length and reason).
     expected = runner.generate("def parse(self, line):", 24, depth=0)
+    chat = runner.generate(runner.encode(messages, enable_thinking=False), 48, depth=0)
+    short = runner.generate(runner.encode(messages), 8, depth=0)
     with serving(bundle) as url:
         endpoint = Endpoint(url)
         assert endpoint.model() == bundle.name
@@ -112,14 +117,15 @@ def test_api_answers_streams_and_reports_usage_with_mtp(trained) -> None:
         text = endpoint.ask(prompt="def parse(self, line):", max_tokens=24, stream=True)
         status, doc = _post(url, "/chat/completions", {"messages": messages, "max_tokens": 8})
     assert streamed.content == whole.content and streamed.reasoning == whole.reasoning
-    assert whole.tokens == streamed.tokens == 48 and whole.mtp["depth"] == 2
+    assert whole.tokens == streamed.tokens == len(chat.tokens) and whole.mtp["depth"] == 2
     assert len(whole.mtp["acceptance_by_depth"]) == 2 and plain.mtp["depth"] == 0
     assert plain.content == whole.content, "greedy MTP must answer exactly like plain"
     assert len(streamed.text_chunks) < streamed.tokens, "MTP commits several tokens per chunk"
-    assert (text.content, text.tokens, text.finish_reason) == (expected.text, 24, "length")
+    assert (text.content, text.tokens, text.finish_reason) == (
+        expected.text, len(expected.tokens), expected.finish_reason)
     assert status == 200 and doc["object"] == "chat.completion"
-    assert doc["choices"][0]["finish_reason"] == "length"
-    assert doc["usage"]["completion_tokens"] == 8
+    assert doc["choices"][0]["finish_reason"] == short.finish_reason
+    assert doc["usage"]["completion_tokens"] == len(short.tokens)
     assert doc["usage"]["prompt_tokens"] == len(runner.encode(messages))
 
 
@@ -366,10 +372,8 @@ def test_verify_run_passes_our_own_serve(trained) -> None:
     status = {c["name"]: c["status"] for c in doc["checks"]}
     assert status["streaming"] == status["counting"] == status["exactness"] == "pass"
     assert status["acceptance"] == status["speedup"] == "pass"
-    sweep = doc["speed"]["sweep"]
-    assert doc["speed"]["mtp_control"] and sorted(sweep["depths"]) == ["1", "2", "3", "4"]
-    assert doc["speed"]["depth"] == sweep["fastest"] == int(max(
-        sweep["depths"], key=lambda d: sweep["depths"][d]["speedup"] or 0.0))
+    assert doc["speed"]["mtp_control"] and doc["speed"]["depth"] == "auto"  # serve takes auto
+    assert not doc["speed"]["sweep"] and doc["speed"]["loads"]["code"]["mtp"]["depths"]
     assert status["answer"] == "fail" and "reasoning" in next(
         c["summary"] for c in doc["checks"] if c["name"] == "answer")
     assert result.exit_code == 1
@@ -381,9 +385,11 @@ def test_verify_run_local_bundle_json_and_stamp(trained, tmp_path: Path) -> None
     refused = CliRunner().invoke(main, ["verify-run", str(trained["qwen3_5_moe"][0]), "--stamp"])
     assert refused.exit_code == 2 and "error [manifest.missing]" in refused.output
     bundle = convert(str(trained["qwen3_5_moe"][0]), tmp_path / "moe", ConvertOptions()).out
+    # float32: the exactness check is a proof there on every backend (a bf16 verify pass may
+    # flip a near-tie, and where it does depends on the backend's rounding)
     result = CliRunner().invoke(main, ["verify-run", str(bundle), "--loads", "code", "--runs",
                                        "1", "--max-tokens", "32", "--depth", "2", "--json",
-                                       "--stamp"])
+                                       "--stamp", "--dtype", "float32"])
     doc = json.loads(result.stdout)
     validate(doc, "verify_run")
     status = {c["name"]: c["status"] for c in doc["checks"]}
