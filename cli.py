@@ -46,11 +46,22 @@ EXAMPLES_GENERATE = """
 Examples:
   mtpkit generate ./bundle "Explain speculative decoding in one paragraph."
   mtpkit generate ./bundle "def fibonacci(n):" --raw --depth 3 --max-tokens 128
-  mtpkit generate ./bundle "def parse(self, text):" --raw --depth 2 --compare
+  mtpkit generate ./bundle "def parse(self, text):" --raw --compare     # depth auto vs plain
   mtpkit generate ./bundle "Hi" --temperature 0.7 --top-p 0.9 --seed 1 --json
 \b
-Statistics (acceptance per draft position, decode tok/s, TTFT) go to stderr.
-Exit codes: 0 generated, 2 bad input or usage.
+Statistics (acceptance per draft position, the depths auto chose, decode tok/s, TTFT) go to
+stderr. Exit codes: 0 generated, 2 bad input or usage.
+"""
+
+EXAMPLES_TUNE = """
+\b
+Examples:
+  mtpkit tune ./bundle                       # measured once, then read from the cache
+  mtpkit tune ./bundle --refresh --json      # measure again (e.g. after a driver update)
+  mtpkit tune ./bundle --dtype float32       # the curve generate/serve --dtype float32 use
+\b
+The cache lives in $MTPKIT_CACHE (default ~/.cache/mtpkit)/costs, one file per weights,
+load options, backend and versions. Exit codes: 0 printed, 2 bad input or usage.
 """
 
 
@@ -64,6 +75,18 @@ Examples:
 The BLAS in use, the budget's plan and progress (step, loss, ETA) go to stderr.
 Exit codes: 0 written, 2 bad input or usage.
 """
+
+
+def _depth(value: str) -> str | int:
+    if value == "auto":
+        return value
+    try:
+        depth = int(value)
+    except ValueError:
+        raise click.BadParameter("auto or an integer 0-16") from None
+    if not 0 <= depth <= 16:
+        raise click.BadParameter("auto or an integer 0-16")
+    return depth
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -245,8 +268,9 @@ def convert(src: str, out: Path, quantize: bool, q_bits: int | None, q_group_siz
 @click.argument("prompt")
 @click.option("--raw", is_flag=True, help="Feed PROMPT as plain text, not as a chat message.")
 @click.option("--max-tokens", type=click.IntRange(1, 1 << 20), default=256, show_default=True)
-@click.option("--depth", type=click.IntRange(0, 16),
-              help="Draft depth; 0 is plain decoding (default: the head's layer count).")
+@click.option("--depth", default="auto", show_default=True, callback=lambda c, p, v: _depth(v),
+              help="auto: each round's depth chosen from this machine's measured costs (mtpkit "
+              "tune) and the acceptance so far; N: draft depth N every round (0: plain).")
 @click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True)
 @click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0)
 @click.option("--top-k", type=click.IntRange(0), default=0)
@@ -261,25 +285,29 @@ def convert(src: str, out: Path, quantize: bool, q_bits: int | None, q_group_siz
 @click.option("--compare", is_flag=True,
               help="Run plain decoding first (both warmed up) and report the measured speedup.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document (generation schema).")
-def generate(bundle: str, prompt: str, raw: bool, max_tokens: int, depth: int | None,
+def generate(bundle: str, prompt: str, raw: bool, max_tokens: int, depth: str | int,
              temperature: float, top_p: float, top_k: int, min_p: float, seed: int | None,
              dtype: str | None, rollback: str, compare: bool, as_json: bool) -> None:
     """Generate from BUNDLE with the reference MTP decoder (exact: greedy output equals plain)."""
     from mtpkit.decoder.blas import note
     from mtpkit.decoder.compare import Comparison, baseline
     from mtpkit.decoder.runner import load
+    from mtpkit.verify.run import depths_text
 
     with _user_errors("OUT"):
         runner = load(bundle, dtype=dtype, rollback=rollback)
+        if runner.head is None and depth not in ("auto", 0):
+            _fail("usage", f"--depth {depth} drafts with an MTP head; this bundle has none",
+                  "use --depth auto or 0 (plain decoding)")
         if advice := note():
             click.echo(advice, err=True)
         message = prompt if raw or runner.template is None else [
             {"role": "user", "content": prompt}]
         sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
                     "seed": seed}
-        if depth is None:
-            depth = runner.head.blocks if runner.head is not None else 0
-        plain = baseline(runner, message, max_tokens, depth, **sampling) if compare else None
+        # warm-up at the deepest depth; with auto this also measures (or reads) the cost curve
+        deepest = runner.policy(depth)[0]
+        plain = baseline(runner, message, max_tokens, deepest, **sampling) if compare else None
         result = None
         for piece in runner.stream(message, max_tokens, depth=depth, **sampling):
             if not as_json:
@@ -295,16 +323,38 @@ def generate(bundle: str, prompt: str, raw: bool, max_tokens: int, depth: int | 
             doc["compare"] = comparison.to_dict()
         click.echo(json.dumps(doc, indent=2))
         return
-    accept = " / ".join(f"{100 * a:.0f}%" for a in stats["acceptance_by_depth"]) or "-"
-    click.echo(f"\n[{stats['generated_tokens']} tokens, depth {stats['depth']}, acceptance "
+    accept = " / ".join(f"{100 * a:.0f}%" for a, n in zip(stats["acceptance_by_depth"],
+                                                          result.stats.proposed, strict=True)
+                        if n) or "-"
+    chosen = (f"depth auto (depths {depths_text(stats['depths'])})"
+              if depth == "auto" and runner.head is not None else f"depth {stats['depth']}")
+    click.echo(f"\n[{stats['generated_tokens']} tokens, {chosen}, acceptance "
                f"{accept}, {stats['mean_accepted']:.2f} accepted/verify, decode "
                f"{stats['decode_tps']:.1f} tok/s, TTFT {1000 * stats['ttft_s']:.0f} ms, prefill "
                f"{stats['prefill_tps']:.0f} tok/s]", err=True)
     if comparison is not None:
         same = {True: "yes", False: "NO", None: "n/a (sampling)"}[comparison.identical]
+        predicted = stats["predicted_speedup"]
         click.echo(f"[plain {comparison.plain.stats.decode_tps:.1f} tok/s -> depth {depth} "
-                   f"{stats['decode_tps']:.1f} tok/s: speedup {comparison.speedup:.2f}x; "
-                   f"tokens identical to plain: {same}]", err=True)
+                   f"{stats['decode_tps']:.1f} tok/s: speedup {comparison.speedup:.2f}x"
+                   + (f" (predicted {predicted:.2f}x)" if predicted else "")
+                   + f"; tokens identical to plain: {same}]", err=True)
+
+
+@main.command(epilog=EXAMPLES_TUNE)
+@click.argument("bundle")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document (tune schema).")
+@click.option("--refresh", is_flag=True, help="Measure again even when the cache has the curve.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
+              help="Cast the weights as generate/serve --dtype do (each has its own curve).")
+def tune(bundle: str, as_json: bool, refresh: bool, dtype: str | None) -> None:
+    """Measure (or read the cached) cost curve --depth auto decides by, for BUNDLE here."""
+    from mtpkit.decoder.runner import load
+    from mtpkit.verify.tune import render_text, report
+
+    with _user_errors("--out"):
+        doc = report(load(bundle, dtype=dtype), bundle, refresh)
+    click.echo(json.dumps(doc, indent=2) if as_json else render_text(doc))
 
 
 @main.command(epilog=EXAMPLES_GRAFT)
@@ -394,25 +444,14 @@ def graft(ctx: click.Context, bundle: str, out: Path, corpus: tuple[Path, ...],
 EXAMPLES_SERVE = """
 \b
 Examples:
-  mtpkit serve ./bundle                            # 127.0.0.1:8080, MTP depth measured here
+  mtpkit serve ./bundle                            # 127.0.0.1:8080, depth auto (per round)
   mtpkit serve ./bundle --depth 2 --port 9000
   mtpkit serve ./bundle --host 0.0.0.0 --api-key "$KEY"
 \b
 Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (SSE with
-"stream": true; the final chunk carries usage with MTP statistics). Extension: "mtp_depth".
+"stream": true; the final chunk carries usage with MTP statistics). Extension: "mtp_depth"
+("auto" or 0-16).
 """
-
-
-def _depth(value: str) -> str | int:
-    if value == "auto":
-        return value
-    try:
-        depth = int(value)
-    except ValueError:
-        raise click.BadParameter("auto or an integer 0-16") from None
-    if not 0 <= depth <= 16:
-        raise click.BadParameter("auto or an integer 0-16")
-    return depth
 
 
 @main.command(epilog=EXAMPLES_SERVE)
@@ -421,7 +460,8 @@ def _depth(value: str) -> str | int:
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
 @click.option("--api-key", help="Require 'Authorization: Bearer KEY' (needed off loopback).")
 @click.option("--depth", "depth_opt", default="auto", show_default=True, callback=lambda c, p, v:
-              _depth(v), help="MTP draft depth, or auto: measure depths 1-4 here at start-up.")
+              _depth(v), help="MTP draft depth of requests that name none, or auto: chosen per "
+              "round from this machine's cost curve (measured at start-up, cached).")
 @click.option("--max-tokens", type=click.IntRange(1, 1 << 16), default=4096, show_default=True,
               help="Ceiling on any request's max_tokens.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]))
@@ -431,17 +471,15 @@ def serve(bundle: str, host: str, port: int, api_key: str | None, depth_opt: str
     """Serve BUNDLE over an OpenAI-compatible API with the reference MTP decoder."""
     from mtpkit.decoder.runner import load
     from mtpkit.serve.server import Server, check_bind
-    from mtpkit.serve.service import Service, auto_depth
+    from mtpkit.serve.service import Service
+    from mtpkit.verify.tune import summary
 
     with _user_errors("--out"):
         check_bind(host, api_key)  # before the (slow) load
         runner = load(bundle, dtype=dtype)
-        if depth_opt == "auto":
-            depth, speedups = auto_depth(runner)
-            measured = ", ".join(f"depth {d} {s:.2f}x" for d, s in speedups.items()) or "no head"
-            click.echo(f"depth auto: {depth} ({measured} vs plain on this machine)", err=True)
-        else:
-            depth = int(depth_opt)
+        if depth_opt == "auto":  # the cost curve now, so that no request pays for it
+            click.echo(summary(runner), err=True)
+        depth = depth_opt if runner.head is not None else 0
         server = Server(Service(runner, Path(bundle).name, depth, max_tokens), host, port,
                         api_key, verbose)
     click.echo(f"serving {bundle} on http://{host}:{server.server_address[1]}/v1 "
@@ -457,7 +495,7 @@ def serve(bundle: str, host: str, port: int, api_key: str | None, depth_opt: str
 EXAMPLES_VERIFY = """
 \b
 Examples:
-  mtpkit verify-run ./bundle                                   # local, depth swept here
+  mtpkit verify-run ./bundle                                   # local, depth auto vs plain
   mtpkit verify-run ./bundle --runs 5 --min-accept 0.5 --min-speedup 1.2 --stamp
   mtpkit verify-run --endpoint http://127.0.0.1:8080 --api-key "$KEY" --json
 \b
@@ -472,7 +510,8 @@ Exit codes: 0 every check passed, 1 a check failed or a floor was not met, 2 bad
 @click.option("--json", "as_json", is_flag=True, help="Print the report (verify_run schema).")
 @click.option("--stamp", is_flag=True, help="Write the record into the bundle's mtpkit.json and card.")
 @click.option("--depth", "depth_opt", default="auto", show_default=True,
-              callback=lambda c, p, v: _depth(v), help="MTP depth, or auto: sweep 1-4 here.")
+              callback=lambda c, p, v: _depth(v), help="MTP depth, or auto: chosen per round "
+              "by the target (a target that takes only numbers: the fastest of 1-4 here).")
 @click.option("--loads", default="code,memo,translation", show_default=True)
 @click.option("--runs", type=click.IntRange(1, 100), default=3, show_default=True)
 @click.option("--max-tokens", type=click.IntRange(16, 1 << 16), default=256, show_default=True)

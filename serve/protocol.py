@@ -43,7 +43,7 @@ class Request:
     stream: bool = False
     tools: list[dict[str, Any]] | None = None
     enable_thinking: bool | None = None
-    depth: int | None = None  # extension: "mtp_depth"; 0 turns MTP off for this request
+    depth: int | str | None = None  # extension "mtp_depth": "auto" or 0-16 (0: MTP off)
 
     @property
     def sampling(self) -> dict[str, Any]:
@@ -66,6 +66,15 @@ def _integer(body: dict, name: str, default: int | None, low: int, high: int) ->
         return default
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise RequestError(400, f"{name} must be an integer in [{low}, {high}]", name)
+    return value
+
+
+def _depth(body: dict) -> int | str | None:
+    value = body.get("mtp_depth")
+    if value is None or value == "auto":
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 16:
+        raise RequestError(400, 'mtp_depth must be "auto" or an integer in [0, 16]', "mtp_depth")
     return value
 
 
@@ -109,7 +118,7 @@ def parse(body: Any, chat: bool, max_tokens_limit: int) -> Request:
         top_k=_integer(body, "top_k", 0, 0, 1 << 20) or 0,
         min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
         seed=_integer(body, "seed", None, -(1 << 63), (1 << 63) - 1),
-        depth=_integer(body, "mtp_depth", None, 0, 16),
+        depth=_depth(body),
     )
     req.stream = body.get("stream", False)
     if not isinstance(req.stream, bool):

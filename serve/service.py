@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from mtpkit.decoder.runner import Result, Runner
+from mtpkit.decoder.runner import Depth, Result, Runner
 from mtpkit.loaders.templates import RENDER_ERRORS, describe_failure
 from mtpkit.serve.channels import OPEN, ChannelSplitter
 from mtpkit.serve.protocol import Request, RequestError
@@ -55,11 +55,16 @@ def usage(result: Result) -> dict[str, Any]:
             "mtp": {"depth": s.depth, "acceptance_by_depth": s.acceptance_by_depth,
                     "mean_accepted": s.mean_accepted, "verify_calls": s.verify_calls,
                     "decode_tps": s.decode_tps, "ttft_s": s.ttft_s,
-                    "prefill_tps": s.prefill_tps, "peak_memory_bytes": s.peak_memory_bytes}}
+                    "prefill_tps": s.prefill_tps, "peak_memory_bytes": s.peak_memory_bytes,
+                    "depths": {str(d): n for d, n in s.depths.items()},
+                    "predicted_speedup": s.predicted_speedup}}
 
 
 class Service:
-    def __init__(self, runner: Runner, model_id: str, depth: int, max_tokens: int) -> None:
+    """depth: the default of requests that name none: "auto" (chosen per round from this
+    machine's measured costs, decoder/policy.py) or a number (0: plain decoding)."""
+
+    def __init__(self, runner: Runner, model_id: str, depth: Depth, max_tokens: int) -> None:
         self.runner, self.model_id, self.depth, self.max_tokens = runner, model_id, depth, max_tokens
         self.lock = threading.Lock()
 
@@ -100,7 +105,8 @@ class Service:
             depth = 0
         return self._generate(req, ids, opened, depth)
 
-    def _generate(self, req: Request, ids: list[int], opened: bool, depth: int) -> Iterator[Delta]:
+    def _generate(self, req: Request, ids: list[int], opened: bool,
+                  depth: Depth) -> Iterator[Delta]:
         splitter = ChannelSplitter(opened) if req.chat else None
         with self.lock:
             for piece in self.runner.stream(ids, req.max_tokens, depth=depth, **req.sampling):
@@ -115,15 +121,3 @@ class Service:
                 if delta.reasoning or delta.content or delta.tokens or delta.result is not None:
                     yield delta
 
-
-def auto_depth(runner: Runner, max_tokens: int = 64) -> tuple[int, dict[int, float]]:
-    """Measure this machine: MTP depths 1-4 against plain decoding on the real code load;
-    (best depth or 0, depth -> speedup)."""
-    from mtpkit.decoder.compare import best_depth, sweep
-    from mtpkit.verify.loads import real_loads
-
-    if runner.head is None:
-        return 0, {}
-    code = real_loads()["code"]
-    found = sweep(runner, code.fresh(), max_tokens, [1, 2, 3, 4])
-    return best_depth(found), {d: c.speedup for d, c in found.items()}

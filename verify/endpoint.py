@@ -110,7 +110,7 @@ class Endpoint:
         return self._model
 
     def _body(self, messages: list[dict] | None, prompt: str | None, max_tokens: int,
-              stream: bool, depth: int | None, thinking: bool | None) -> dict[str, Any]:
+              stream: bool, depth: int | str | None, thinking: bool | None) -> dict[str, Any]:
         body: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 0.0, "stream": stream}
         if (model := self.model()) is not None:
             body["model"] = model
@@ -127,7 +127,7 @@ class Endpoint:
         return body
 
     def ask(self, messages: list[dict] | None = None, prompt: str | None = None, *,
-            max_tokens: int, stream: bool, depth: int | None = None,
+            max_tokens: int, stream: bool, depth: int | str | None = None,
             thinking: bool | None = None) -> Answer:
         """One greedy request (chat when messages are given, text completion otherwise)."""
         path = "/chat/completions" if messages is not None else "/completions"

@@ -20,7 +20,7 @@ class Local:
         self.service = service
 
     def ask(self, messages: list[dict] | None = None, prompt: str | None = None, *,
-            max_tokens: int, stream: bool, depth: int | None = None,
+            max_tokens: int, stream: bool, depth: int | str | None = None,
             thinking: bool | None = None) -> Answer:
         req = Request(chat=messages is not None, messages=messages or [], prompt=prompt or "",
                       max_tokens=max_tokens, stream=stream, enable_thinking=thinking, depth=depth)
@@ -34,7 +34,9 @@ class Local:
         assert result is not None
         s = result.stats
         mtp = {"depth": s.depth, "acceptance_by_depth": s.acceptance_by_depth,
-               "mean_accepted": s.mean_accepted}
+               "mean_accepted": s.mean_accepted,
+               "depths": {str(d): n for d, n in s.depths.items()},
+               "predicted_speedup": s.predicted_speedup}
         return Answer("".join(c.content for c in chunks), "".join(c.reasoning for c in chunks),
                       len(result.tokens), s.prompt_tokens, result.finish_reason,
                       chunks if stream else [], mtp, s.peak_memory_bytes, list(result.tokens))

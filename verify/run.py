@@ -1,12 +1,14 @@
 """`mtpkit verify-run`: end-to-end checks of a local bundle or an OpenAI-compatible endpoint,
 each passing or failing with its evidence, and speed measured the honest way (warm-up, a nonce
 in every prompt, real-content loads with fixed ceilings, baseline first, steady decode after the
-first 64 tokens, P50/P95 over runs, a depth sweep that picks this machine's best depth)."""
+first 64 tokens, P50/P95 over runs). With depth "auto" a target that takes it (mtpkit serve, a
+local bundle) chooses each round's depth itself and reports its choices and predicted speedup;
+for a target that takes only numbers, a depth sweep picks this machine's best depth."""
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -33,7 +35,7 @@ SWEEP = (1, 2, 3, 4)
 
 class Target(Protocol):
     def ask(self, messages: list[dict] | None = None, prompt: str | None = None, *,
-            max_tokens: int, stream: bool, depth: int | None = None,
+            max_tokens: int, stream: bool, depth: int | str | None = None,
             thinking: bool | None = None) -> Answer: ...
 
 
@@ -88,12 +90,39 @@ def _mtp_control(target: Target) -> bool:
     return isinstance(answer.mtp, dict) and answer.mtp.get("depth") == 0
 
 
+def _auto_control(target: Target) -> bool:
+    """Does the target take depth "auto" (reporting the depths it chose in usage)? A target
+    that refuses it (an older server: HTTP 400) or ignores it gets a depth sweep instead."""
+    try:
+        answer = target.ask([{"role": "user", "content": "Hi"}], max_tokens=4, stream=False,
+                            depth="auto")
+    except EndpointError:
+        return False
+    return isinstance(answer.mtp, dict) and isinstance(answer.mtp.get("depths"), dict)
+
+
+def depths_text(depths: Mapping[str, int] | Mapping[int, int]) -> str:
+    """Rounds per chosen depth as "plain 40 / d1 3 / d2 10" (plain: plain steps)."""
+    items = sorted((int(d), n) for d, n in depths.items())
+    return " / ".join(("plain" if d == 0 else f"d{d}") + f" {n}" for d, n in items) or "-"
+
+
+def _merged(runs: list[dict[str, int]]) -> dict[str, int] | None:
+    """Chosen depths summed over runs (None: no run reported any)."""
+    total: dict[int, int] = {}
+    for depths in runs:
+        for d, n in depths.items():
+            total[int(d)] = total.get(int(d), 0) + n
+    return {str(d): total[d] for d in sorted(total)} or None
+
+
 def _speed_row(answers: dict[str, list[Answer]], drop: int) -> dict[str, Any]:
     row: dict[str, Any] = {}
     for mode, runs in answers.items():
         tps = [t for a in runs if (t := a.decode_tps(drop)) is not None]
         accept = [a.mtp["acceptance_by_depth"] for a in runs
                   if a.mtp and a.mtp.get("acceptance_by_depth")]
+        predicted = [p for a in runs if a.mtp and (p := a.mtp.get("predicted_speedup"))]
         row[mode] = {
             "decode_tps": percentiles(tps),
             "ttft_s": percentiles([a.ttft_s for a in runs if a.ttft_s is not None]),
@@ -102,9 +131,12 @@ def _speed_row(answers: dict[str, list[Answer]], drop: int) -> dict[str, Any]:
             "acceptance_by_depth": [statistics.mean(c) for c in zip(*accept, strict=False)]
             if accept else None,
             "peak_memory_bytes": max((a.peak_memory_bytes or 0 for a in runs), default=0) or None,
+            "depths": _merged([a.mtp["depths"] for a in runs if a.mtp and a.mtp.get("depths")]),
+            "predicted_speedup": statistics.median(predicted) if predicted else None,
         }
     plain, mtp = row.get("plain", {}).get("decode_tps"), row.get("mtp", {}).get("decode_tps")
     row["speedup"] = mtp["p50"] / plain["p50"] if plain and mtp and plain["p50"] > 0 else None
+    row["predicted_speedup"] = row.get("mtp", {}).get("predicted_speedup")
     return row
 
 
@@ -187,7 +219,12 @@ def _speed(target: Target, facts: Facts, options: VerifyOptions, report: Report,
     checks = report.checks
     loads = real_loads(options.loads)
     control = _mtp_control(target)
-    depth, sweep = _pick_depth(target, options, loads, progress) if control else (None, {})
+    depth: int | str | None = None
+    sweep: dict[str, Any] = {}
+    if control and options.depth == "auto" and _auto_control(target):
+        depth = "auto"  # the target chooses each round's depth from its measured costs
+    elif control:
+        depth, sweep = _pick_depth(target, options, loads, progress)
     if not control:
         progress("the target has no MTP switch: measuring it as served")
     rows, exact = {}, []
@@ -211,7 +248,7 @@ def _speed(target: Target, facts: Facts, options: VerifyOptions, report: Report,
     checks.extend(_speed_checks(rows, options, control, depth))
 
 
-def _exactness(exact: list[bool], facts: Facts, depth: int | None) -> Check:
+def _exactness(exact: list[bool], facts: Facts, depth: int | str | None) -> Check:
     if not exact:
         why = "no MTP depth to compare" if depth == 0 else "the target has no MTP switch"
         return Check("exactness", INFO, f"not checked: {why}")
@@ -226,13 +263,16 @@ def _exactness(exact: list[bool], facts: Facts, depth: int | None) -> Check:
 
 
 def _speed_checks(rows: dict[str, dict], options: VerifyOptions, control: bool,
-                  depth: int | None) -> list[Check]:
+                  depth: int | str | None) -> list[Check]:
     speedups = [r["speedup"] for r in rows.values() if r.get("speedup")]
     accepts = [r["mtp"]["acceptance_by_depth"][0] for r in rows.values()
                if r.get("mtp", {}).get("acceptance_by_depth")]
     out = []
     speedup = statistics.median(speedups) if speedups else None
     evidence = {"speedup_by_load": {k: r.get("speedup") for k, r in rows.items()}, "depth": depth}
+    predicted = [p for r in rows.values() if (p := r.get("predicted_speedup"))]
+    if predicted:
+        evidence["predicted_by_load"] = {k: r.get("predicted_speedup") for k, r in rows.items()}
     if speedup is None:
         why = ("the target has no MTP switch" if not control else
                "depth 0 asked" if depth == 0 else "too few tokens")
@@ -242,8 +282,9 @@ def _speed_checks(rows: dict[str, dict], options: VerifyOptions, control: bool,
         floor = options.min_speedup
         status = FAIL if floor is not None and speedup < floor else PASS
         slower = "; slower than plain here: serve with depth 0" if speedup <= 1.0 else ""
+        guess = f", predicted {statistics.median(predicted):.2f}x" if predicted else ""
         out.append(Check("speedup", status, f"MTP depth {depth} {speedup:.2f}x plain decoding "
-                         f"(median over loads)" + (f", floor {floor:.2f}x" if floor else "")
+                         f"(median over loads{guess})" + (f", floor {floor:.2f}x" if floor else "")
                          + slower, evidence))
     accept = statistics.mean(accepts) if accepts else None
     evidence = {"depth1_by_load": {k: (r.get("mtp", {}).get("acceptance_by_depth") or [None])[0]
@@ -281,6 +322,10 @@ def table(doc: dict[str, Any]) -> str:
             parts.append("acceptance " + " / ".join(f"{100 * a:.0f}%" for a in accept))
         if row.get("speedup"):
             parts.append(f"speedup {row['speedup']:.2f}x")
+        if row.get("predicted_speedup"):
+            parts.append(f"predicted {row['predicted_speedup']:.2f}x")
+        if (row.get("mtp") or {}).get("depths"):
+            parts.append(f"depths {depths_text(row['mtp']['depths'])}")
         lines.append(f"  load {name}: " + ", ".join(parts))
     fp = doc["record"].get("fingerprint", {}).get("sha256")
     verdict = "PASS" if doc["passed"] else "FAIL"

@@ -1,0 +1,143 @@
+"""`mtpkit tune`: the measured cost curve (16 verify widths, plain step, head draft), the depths
+--depth auto would start from, and the on-disk cache (reused; invalidated by new weights or
+other load options)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from fixtures.factory import Sidecar
+from mtpkit.cli import main
+from mtpkit.decoder import costs
+from mtpkit.schemas import validate
+
+ROW = re.compile(r"^\s+(\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(\d+)$")
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("MTPKIT_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "costs"
+
+
+@pytest.fixture
+def measured(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Calls of the real measurement (one entry per call)."""
+    calls: list[int] = []
+    real = costs.measure
+
+    def counting(*args: Any, **kwargs: Any) -> costs.CostCurve:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(costs, "measure", counting)
+    return calls
+
+
+def _tune(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(main, ["tune", *args])
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    return result.exit_code, result.stdout, result.stderr
+
+
+def _json(bundle: Path, *args: str) -> dict:
+    code, out, err = _tune(str(bundle), "--json", *args)
+    assert code == 0, out + err
+    doc = json.loads(out)
+    validate(doc, "tune")
+    return doc
+
+
+def test_tune_prints_sixteen_widths_and_the_picks(built: Callable[..., Path], cache: Path,
+                                                  measured: list[int]) -> None:
+    bundle = built("qwen3_5")
+    code, out, _ = _tune(str(bundle))
+    assert code == 0, out
+    rows = [m.groups() for line in out.splitlines() if (m := ROW.match(line))]
+    assert [int(r[0]) for r in rows] == list(range(1, 17))
+    assert float(rows[0][2]) == 1.0 and all(int(w) >= int(t) for t, _, _, w in rows)
+    assert "plain step" in out and "head draft step" in out and "measured now" in out
+    assert len(re.findall(r"a_1 \d+%: (depth \d+|plain decoding), predicted \d+\.\d\dx", out)) == 4
+
+    doc = _json(bundle)
+    assert len(doc["verify"]) == len(doc["ratios"]) == len(doc["widths"]) == 16
+    assert measured == [1] and doc["measured"] is False, "the second call reads the cache"
+    assert doc["ratios"][0] == 1.0 and doc["draft"] > 0 and doc["max_depth"] >= 1
+    for t, w in enumerate(doc["widths"], 1):  # the cheapest measured width at or above t
+        assert w >= t and doc["verify"][w - 1] == min(doc["verify"][t - 1:])
+    picks = doc["picks"]
+    assert [p["acceptance"] for p in picks] == [0.3, 0.5, 0.7, 0.9]
+    assert [p["depth"] for p in picks] == sorted(p["depth"] for p in picks), "deeper when kept"
+    for p in picks:
+        assert p["predicted_speedup"] >= 1.0 if p["depth"] else p["predicted_speedup"] == 1.0
+    stored = Path(doc["cache"])
+    assert stored.parent == cache and stored.is_file()
+    assert json.loads(stored.read_text())["verify"] == doc["verify"]
+
+
+def test_the_cache_is_reused_and_invalidated(bundle_copy: Callable[..., Path], cache: Path,
+                                             measured: list[int]) -> None:
+    bundle = bundle_copy("qwen3_5")
+    first = _json(bundle)
+    assert first["measured"] and measured == [1]
+    again = _json(bundle)
+    assert not again["measured"] and measured == [1], "a cached curve is not measured again"
+    assert again["verify"] == first["verify"] and again["cache"] == first["cache"]
+    # every command that decodes with --depth auto reads the same cache
+    result = CliRunner().invoke(main, ["generate", str(bundle), "Hi", "--raw", "--max-tokens",
+                                       "4"])
+    assert result.exit_code == 0 and measured == [1], result.output
+
+    refreshed = _json(bundle, "--refresh")
+    assert refreshed["measured"] and measured == [1, 1] and refreshed["cache"] == first["cache"]
+
+    other = _json(bundle, "--dtype", "float32")  # other load options: their own curve
+    assert other["measured"] and measured == [1, 1, 1] and other["cache"] != first["cache"]
+
+    weights = sorted(bundle.glob("*.safetensors"))[0]
+    stat = weights.stat()
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 5 * 10**9))  # new weights
+    changed = _json(bundle)
+    assert changed["measured"] and measured == [1, 1, 1, 1], "changed weights are measured"
+    assert changed["cache"] != first["cache"]
+    assert changed["key"]["weights"] != first["key"]["weights"]
+    assert _json(bundle)["measured"] is False and len(measured) == 4
+    assert len(list(cache.glob("*.json"))) == 3 and not list(cache.glob("*.tmp"))
+
+
+def test_a_corrupt_cache_file_is_measured_again(bundle_copy: Callable[..., Path], cache: Path,
+                                                measured: list[int]) -> None:
+    bundle = bundle_copy("qwen3_5")
+    stored = Path(_json(bundle)["cache"])
+    stored.write_text("{half a docu")
+    again = _json(bundle)
+    assert again["measured"] and measured == [1, 1]
+    assert json.loads(stored.read_text())["verify"] == again["verify"]
+
+
+def test_a_bundle_without_head_has_no_picks(built: Callable[..., Path], cache: Path) -> None:
+    bundle = built("qwen3_5", sidecar=None)
+    doc = _json(bundle)
+    assert doc["picks"] == [] and doc["draft"] == 0 and doc["max_depth"] == 0
+    code, out, _ = _tune(str(bundle))
+    assert code == 0 and "no MTP head" in out
+
+
+def test_bad_input_is_a_one_line_error(built: Callable[..., Path], tmp_path: Path,
+                                       cache: Path) -> None:
+    for target, error in ((tmp_path / "missing", "error [files.missing_config]"),
+                          (built("qwen3_5", Sidecar(), hf=True), "error [load.not_converted]")):
+        code, out, err = _tune(str(target))
+        assert code == 2 and error in out + err and "Traceback" not in out + err
+    code, out, err = _tune(str(tmp_path), "--dtype", "float8")
+    assert code == 2 and "Invalid value for '--dtype'" in err
+    help_ = CliRunner().invoke(main, ["tune", "--help"])
+    assert help_.exit_code == 0 and "Examples:" in help_.output and "--refresh" in help_.output
