@@ -9,7 +9,8 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_map
+from mlx.utils import tree_map, tree_unflatten
+from mlx_lm.models.mla import MultiLinear, QuantizedMultiLinear
 from mlx_lm.models.switch_layers import SwitchLinear
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.tokenizer_utils import load as load_tokenizer
@@ -60,12 +61,25 @@ class Piece:
 
 def dequantize_for_cpu(module: nn.Module) -> None:
     """MLX's CPU backend runs bf16 matmuls far faster than quantized ones, and its gather_mm
-    (MoE experts) only in float32: dequantize, then widen the experts."""
+    (MoE experts) only in float32: dequantize (mlx-lm's helper, plus the per-head MLA
+    projections it skips), then widen the experts."""
     dequantize_model(module)
+    multi = [(name, _dequantized_multi(m)) for name, m in module.named_modules()
+             if isinstance(m, QuantizedMultiLinear)]
+    if multi:
+        module.update_modules(tree_unflatten(multi))
     wide = [(name, m) for name, m in module.named_modules()
             if isinstance(m, SwitchLinear) and m.weight.dtype != mx.float32]
     for _, m in wide:
         m.weight = m.weight.astype(mx.float32)
+
+
+def _dequantized_multi(layer: QuantizedMultiLinear) -> MultiLinear:
+    heads, out, packed = layer.weight.shape
+    dense = MultiLinear(packed * 32 // layer.bits, out, heads)
+    dense.weight = mx.dequantize(layer.weight, layer.scales, layer.get("biases"),
+                                 layer.group_size, layer.bits, mode=layer.mode)
+    return dense
 
 
 def _wants_dequantize(dequantize: bool | str) -> bool:
