@@ -19,6 +19,7 @@ head accepts (bench_decode.py measures a real grafted head).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -47,10 +48,15 @@ def llama8b(bits: int | None, small: bool = False):
     mx.random.seed(0)
     model = Model(args)
     model.set_dtype(mx.bfloat16)
-    for layer in model.model.layers:  # layers write little into the residual stream: the
-        # greedy continuation is then a robust function of the tokens, not of rounding
+    # A greedy continuation that rounding cannot flip (random logits over 128K tokens tie within
+    # bf16 ulps): layers write little into the residual stream, and the output row of token j
+    # is the embedding of the token whose successor j is, so the argmax is that successor by a
+    # wide margin (a walk through a random permutation: no repetition loops).
+    for layer in model.model.layers:
         layer.self_attn.o_proj.weight = layer.self_attn.o_proj.weight * 0.01
         layer.mlp.down_proj.weight = layer.mlp.down_proj.weight * 0.01
+    successor = mx.random.permutation(args.vocab_size)
+    model.lm_head.weight = model.model.embed_tokens.weight[mx.argsort(successor)]
     for layer in [*model.model.layers, model]:  # materialize layer by layer: bounded peak
         if bits is not None and layer is not model:
             nn.quantize(layer, group_size=64, bits=bits)
@@ -224,6 +230,9 @@ def main() -> None:
     ap.add_argument("--parts", default="q4,bf16,smollm2,oracle")
     ap.add_argument("--tag", default="gpu-mechanics")
     ap.add_argument("--small", action="store_true", help="scaled-down trunks (a CPU smoke run)")
+    ap.add_argument("--arm", help="measure one configuration of the 4-bit trunk (kernel on) "
+                    "under this name: c(T), a moving T=2 verify, prefill; oracle if in --parts")
+    ap.add_argument("--bounded", choices=["0", "1"], default="1")
     args = ap.parse_args()
 
     import mlx.core as mx
@@ -233,6 +242,23 @@ def main() -> None:
     from mtpkit.decoder.runner import Runner
     from mtpkit.decoder.trunk import Trunk
 
+    if args.arm:  # one configuration, in its own process (MLX reads its env vars once)
+        runner = Runner(Trunk(llama8b(4, args.small)), None, None)
+        use_kernel_linears(runner.trunk.text)
+        from mtpkit.decoder.costs import measure
+
+        bounded = args.bounded == "1"
+        curve = measure(runner, bounded=bounded, repeats=15)
+        row = {"curve": curve.to_dict(), "moving_t2_ms": moving_verify(runner, bounded),
+               "prefill_2048_ms": prefill_ms(runner, bounded), "bounded": bounded,
+               "env": {k: v for k, v in os.environ.items() if k.startswith("MLX_")}}
+        print(args.arm, [round(1000 * c, 2) for c in curve.verify[:8]], "plain ms",
+              round(1000 * curve.plain, 2), "moving", round(row["moving_t2_ms"]["median"], 2),
+              "prefill", round(row["prefill_2048_ms"], 1), flush=True)
+        if "oracle" in args.parts:
+            row["oracle"] = oracle_decoding(runner, args.tokens, args.runs)
+        print(f"saved {save(f'gpu-arm-{args.arm}', row)}")
+        return
     parts = set(args.parts.split(","))
     out: dict = {"rates": RATES, "tokens": args.tokens, "runs": args.runs,
                  "device": mx.device_info() if hasattr(mx, "device_info") else {}}

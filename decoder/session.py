@@ -23,7 +23,7 @@ from mtpkit.decoder import acceptance
 from mtpkit.decoder.head import MTPHead
 from mtpkit.decoder.policy import DepthPolicy
 from mtpkit.decoder.sampling import SamplingParams, draw, greedy, probabilities, tempered
-from mtpkit.decoder.shapes import STEP, pieces
+from mtpkit.decoder.shapes import STEP, bounded_by_default, pieces
 from mtpkit.decoder.state import commit_recorded, rewind, snapshot, trim, trimmable
 from mtpkit.decoder.stats import Stats
 from mtpkit.decoder.trunk import Trunk
@@ -31,10 +31,6 @@ from mtpkit.decoder.trunk import Trunk
 PREFILL_STEP = 2048
 STREAM = mx.new_thread_local_stream(mx.default_device())
 ROLLBACKS = ("record", "replay")
-
-
-def gpu_backend() -> bool:
-    return mx.default_device().type == mx.DeviceType.gpu
 
 
 class Session:
@@ -45,7 +41,8 @@ class Session:
                  seed: int | None = None, rollback: str = "record",
                  policy: DepthPolicy | None = None, bounded: bool | None = None) -> None:
         """depth: the draft depth (0: plain decoding), or with a policy the deepest it may
-        choose. bounded: attention shapes from a bounded set (default: on a GPU backend)."""
+        choose. bounded: attention shapes from a bounded set (default: where attention
+        compiles per shape, see shapes.bounded_by_default)."""
         if depth > 0 and head is None:
             raise ValueError("depth > 0 needs an MTP head; this bundle has none")
         if rollback not in ROLLBACKS:
@@ -53,7 +50,7 @@ class Session:
         self.recorders = trunk.recorders if rollback == "record" else []
         self.trunk, self.head, self.params, self.depth = trunk, head, params, depth
         self.policy = policy if depth > 0 else None
-        self.bounded = gpu_backend() if bounded is None else bounded
+        self.bounded = bounded_by_default() if bounded is None else bounded
         self.cache = trunk.make_cache(self.bounded)
         self.mtp_cache = head.make_cache(self.bounded) if head is not None and depth > 0 else []
         self.rng = np.random.default_rng(seed)

@@ -11,6 +11,7 @@ callers: verify passes have 1 + depth rows, and long inputs go in `pieces`.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import mlx.core as mx
@@ -59,6 +60,17 @@ class PaddedKVCache(KVCache):
         rows = mx.arange(self.offset, self.offset + n)[:, None]
         cols = mx.arange(padded(self.offset + n))[None]
         return rows >= cols
+
+
+def bounded_by_default() -> bool:
+    """Bound shapes where multi-row attention compiles per shape: on a GPU backend, unless it is
+    CUDA with cuDNN attention turned off (MLX_CUDA_USE_CUDNN_SDPA=0), whose kernels take any
+    key length without compiling."""
+    if mx.default_device().type != mx.DeviceType.gpu:
+        return False
+    cuda = getattr(mx, "cuda", None)
+    cudnn_off = os.environ.get("MLX_CUDA_USE_CUDNN_SDPA", "1") == "0"
+    return not (cuda is not None and cuda.is_available() and cudnn_off)
 
 
 def bounded_caches(caches: list[Any]) -> list[Any]:
