@@ -23,7 +23,7 @@ from mtpkit.decoder import acceptance
 from mtpkit.decoder.head import MTPHead
 from mtpkit.decoder.policy import DepthPolicy
 from mtpkit.decoder.sampling import SamplingParams, draw, greedy, probabilities, tempered
-from mtpkit.decoder.shapes import STEP, bounded_by_default, pieces
+from mtpkit.decoder.shapes import bounded_by_default, padded, pieces
 from mtpkit.decoder.state import commit_recorded, rewind, snapshot, trim, trimmable
 from mtpkit.decoder.stats import Stats
 from mtpkit.decoder.trunk import Trunk
@@ -71,12 +71,15 @@ class Session:
         return mx.random.categorical(tempered(logits, self.params), key=sub)
 
     def _chunks(self, n: int) -> list[tuple[int, int]]:
-        """(length, padding) of each prefill pass. Bounded: whole STEPs, the last one padded
-        where every cache can be trimmed (else the rest in power-of-two pieces)."""
+        """(length, padding) of each prefill pass. Bounded, where every cache can be trimmed:
+        the same chunks as unbounded, the last padded up to a multiple of STEP (so query
+        lengths are multiples of STEP up to PREFILL_STEP); otherwise whole STEPs and the rest
+        in power-of-two pieces."""
+        sizes = [min(PREFILL_STEP, n - at) for at in range(0, n, PREFILL_STEP)]
         if not self.bounded:
-            return [(min(PREFILL_STEP, n - at), 0) for at in range(0, n, PREFILL_STEP)]
+            return [(size, 0) for size in sizes]
         if trimmable(self.cache):
-            return [(min(STEP, n - at), max(0, at + STEP - n)) for at in range(0, n, STEP)]
+            return [(size, padded(size) - size) for size in sizes]
         return [(size, 0) for size in pieces(n)]
 
     def _prefill(self, ids: list[int], keep_hidden: bool) -> tuple[mx.array | None, mx.array]:

@@ -289,11 +289,24 @@ def stock_greedy(path: Path, ids: list[int], max_tokens: int) -> tuple[list[int]
     """Tokens and finish reason of stock mlx-lm's generation loop on the bundle's trunk, with
     the weights mtpkit.load(dtype="float32") runs: dequantized and widened by mlx-lm and mlx."""
     import mlx_lm
+    from mlx.utils import tree_unflatten
     from mlx_lm.generate import stream_generate
+    from mlx_lm.models.mla import MultiLinear, QuantizedMultiLinear
     from mlx_lm.utils import dequantize_model
 
     model, tokenizer = mlx_lm.load(str(path))
     dequantize_model(model)
+    # mlx-lm's dequantize_model leaves MLA's per-head projections quantized (and a GPU has no
+    # float32 quantized matmul): dequantize them with mlx's own op into mlx-lm's own class
+    dense = []
+    for name, m in model.named_modules():
+        if isinstance(m, QuantizedMultiLinear):
+            heads, out, _ = m.weight.shape
+            layer = MultiLinear(m.scales.shape[-1] * m.group_size, out, heads)
+            layer.weight = mx.dequantize(m.weight, m.scales, m.get("biases"), m.group_size,
+                                         m.bits, mode=m.mode)
+            dense.append((name, layer))
+    model.update_modules(tree_unflatten(dense))
     model.set_dtype(mx.float32)
     out = list(stream_generate(model, tokenizer, ids, max_tokens=max_tokens))
     tokens = [r.token for r in out]
