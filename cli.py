@@ -284,10 +284,15 @@ def convert(src: str, out: Path, quantize: bool, q_bits: int | None, q_group_siz
               "token: recorded per verify position, or a snapshot plus replay.")
 @click.option("--compare", is_flag=True,
               help="Run plain decoding first (both warmed up) and report the measured speedup.")
+@click.option("--draft", type=click.Choice(["head", "lookup", "both"]),
+              help="Draft source: the MTP head, the context (tokens that followed an earlier "
+              "match; any bundle) or both. Default: both with --depth auto, the head at a forced "
+              "depth, lookup for a bundle without a head.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document (generation schema).")
 def generate(bundle: str, prompt: str, raw: bool, max_tokens: int, depth: str | int,
              temperature: float, top_p: float, top_k: int, min_p: float, seed: int | None,
-             dtype: str | None, rollback: str, compare: bool, as_json: bool) -> None:
+             dtype: str | None, rollback: str, compare: bool, draft: str | None,
+             as_json: bool) -> None:
     """Generate from BUNDLE with the reference MTP decoder (exact: greedy output equals plain)."""
     from mtpkit.decoder.blas import note
     from mtpkit.decoder.compare import Comparison, baseline
@@ -296,9 +301,9 @@ def generate(bundle: str, prompt: str, raw: bool, max_tokens: int, depth: str | 
 
     with _user_errors("OUT"):
         runner = load(bundle, dtype=dtype, rollback=rollback)
-        if runner.head is None and depth not in ("auto", 0):
-            _fail("usage", f"--depth {depth} drafts with an MTP head; this bundle has none",
-                  "use --depth auto or 0 (plain decoding)")
+        if runner.head is None and draft in ("head", "both"):
+            _fail("usage", f"--draft {draft} drafts with an MTP head; this bundle has none",
+                  "use --draft lookup (context drafts) or --depth 0 (plain decoding)")
         if advice := note():
             click.echo(advice, err=True)
         message = prompt if raw or runner.template is None else [
@@ -306,10 +311,10 @@ def generate(bundle: str, prompt: str, raw: bool, max_tokens: int, depth: str | 
         sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
                     "seed": seed}
         # warm-up at the deepest depth; with auto this also measures (or reads) the cost curve
-        deepest = runner.policy(depth)[0]
+        deepest = runner.policy(depth, runner.draft_source(depth, draft))[0]
         plain = baseline(runner, message, max_tokens, deepest, **sampling) if compare else None
         result = None
-        for piece in runner.stream(message, max_tokens, depth=depth, **sampling):
+        for piece in runner.stream(message, max_tokens, depth=depth, draft=draft, **sampling):
             if not as_json:
                 click.echo(piece.text, nl=False)
             result = piece.result or result
@@ -326,8 +331,11 @@ def generate(bundle: str, prompt: str, raw: bool, max_tokens: int, depth: str | 
     accept = " / ".join(f"{100 * a:.0f}%" for a, n in zip(stats["acceptance_by_depth"],
                                                           result.stats.proposed, strict=True)
                         if n) or "-"
-    chosen = (f"depth auto (depths {depths_text(stats['depths'])})"
-              if depth == "auto" and runner.head is not None else f"depth {stats['depth']}")
+    chosen = (f"depth auto (depths {depths_text(stats['depths'])})" if stats["depths"]
+              else f"depth {stats['depth']}")
+    if stats["sources"]:
+        chosen += ", " + ", ".join(f"{name} {v['rounds']} rounds" for name, v in
+                                   stats["sources"].items())
     click.echo(f"\n[{stats['generated_tokens']} tokens, {chosen}, acceptance "
                f"{accept}, {stats['mean_accepted']:.2f} accepted/verify, decode "
                f"{stats['decode_tps']:.1f} tok/s, TTFT {1000 * stats['ttft_s']:.0f} ms, prefill "

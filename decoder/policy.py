@@ -1,10 +1,12 @@
-"""`--depth auto`: each round's depth chosen by expected tokens per second.
+"""`--depth auto`: each round's draft source and depth chosen by expected tokens per second.
 
 A round at depth K yields 1 + a_1 + ... + a_K tokens on average, where a_i is the chance that the
 first i drafts are all kept, and costs K head drafts plus a verify pass (`CostCurve.round_cost`).
 A plain step yields one token per `plain` seconds. The a_i are learned online from the rounds of
 this generation (an exponentially decayed count, started from a prior), so the depth follows the
-text: deep on boilerplate, shallow on prose, plain where the head helps nothing. Choosing the
+text: deep on boilerplate, shallow on prose, plain where the head helps nothing. With context
+lookup drafting a round may instead take the tokens that followed an earlier match of the text's
+suffix (decoder/lookup.py): free to draft, tracked apart. Choosing the
 depth from past rounds only keeps decoding exact (each round is exact for any depth fixed before
 its drafts are seen).
 
@@ -29,24 +31,23 @@ MARGIN = 1.02  # speculation must beat plain by this much to be chosen
 
 
 @dataclass
-class DepthPolicy:
-    curve: CostCurve
-    max_depth: int
+class Tracker:
+    """One draft source's acceptance: decayed successes and trials per draft position."""
+
+    size: int
     prior: float = PRIOR
-    kept: list[float] = field(default_factory=list)  # decayed successes per position
-    seen: list[float] = field(default_factory=list)  # decayed trials per position
-    stretch: int = MIN_STRETCH
-    chosen: dict[int, int] = field(default_factory=dict)  # depth -> rounds (0: plain steps)
+    kept: list[float] = field(default_factory=list)
+    seen: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.kept = self.kept or [0.0] * self.max_depth
-        self.seen = self.seen or [0.0] * self.max_depth
+        self.kept = self.kept or [0.0] * self.size
+        self.seen = self.seen or [0.0] * self.size
 
-    def acceptance(self) -> list[float]:
-        """a_1..a_max: estimated chance that the first i drafts are kept (non-increasing; a
+    def estimates(self) -> list[float]:
+        """a_1..a_size: estimated chance that the first i drafts are kept (non-increasing; a
         position never tried extrapolates the last measured conditional rate)."""
         out: list[float] = []
-        for i in range(self.max_depth):
+        for i in range(self.size):
             if not out:
                 prior = self.prior
             else:  # the last measured conditional rate carries on
@@ -55,33 +56,75 @@ class DepthPolicy:
             out.append(min(rate, out[-1]) if out else rate)
         return out
 
-    def rate(self, depth: int, acceptance: list[float] | None = None) -> float:
-        """Expected tokens per second at `depth` (0: plain decoding)."""
-        a = self.acceptance() if acceptance is None else acceptance
-        return (1.0 + sum(a[:depth])) / self.curve.round_cost(depth)
-
-    def best(self) -> int:
-        """The depth with the highest expected rate; 0 unless speculation beats plain by
-        MARGIN."""
-        a = self.acceptance()
-        depth = max(range(1, self.max_depth + 1), key=lambda d: self.rate(d, a), default=0)
-        if depth == 0 or self.rate(depth, a) < MARGIN * self.rate(0, a):
-            return 0
-        return depth
-
-    def predicted_speedup(self, depth: int | None = None) -> float:
-        """Expected rate at `depth` (default: the best) over plain decoding's."""
-        depth = self.best() if depth is None else depth
-        return self.rate(depth) / self.rate(0)
-
     def record(self, depth: int, accepted: int) -> None:
-        """One verified round: drafts 1..accepted kept out of `depth`."""
-        for i in range(self.max_depth):
+        for i in range(self.size):
             self.kept[i] *= DECAY
             self.seen[i] *= DECAY
-        for i in range(min(depth, self.max_depth)):
+        for i in range(min(depth, self.size)):
             self.seen[i] += 1.0
             self.kept[i] += i < accepted
+
+
+@dataclass
+class DepthPolicy:
+    """Per round: which source drafts ("head", "lookup") and how deep, or plain decoding."""
+
+    curve: CostCurve
+    max_depth: int
+    prior: float = PRIOR
+    sources: tuple[str, ...] = ("head",)
+    trackers: dict[str, Tracker] = field(default_factory=dict)
+    stretch: int = MIN_STRETCH
+    chosen: dict[int, int] = field(default_factory=dict)  # depth -> rounds (0: plain steps)
+
+    def __post_init__(self) -> None:
+        self.trackers = self.trackers or {s: Tracker(self.max_depth, self.prior)
+                                          for s in self.sources}
+
+    def acceptance(self, source: str = "head") -> list[float]:
+        return self.trackers[source].estimates()
+
+    def cost(self, depth: int, source: str = "head") -> float:
+        """Seconds for a round: a lookup drafts on the host, for free."""
+        if source == "lookup" and depth > 0:
+            return self.curve.verify[self.curve.width(depth + 1) - 1]
+        return self.curve.round_cost(depth)
+
+    def rate(self, depth: int, acceptance: list[float] | None = None,
+             source: str = "head") -> float:
+        """Expected tokens per second at `depth` from `source` (0: plain decoding)."""
+        if depth == 0:
+            return 1.0 / self.curve.plain
+        a = self.acceptance(source) if acceptance is None else acceptance
+        return (1.0 + sum(a[:depth])) / self.cost(depth, source)
+
+    def choose(self, lookup_width: int = 0) -> tuple[str, int]:
+        """The (source, depth) with the highest expected rate; ("plain", 0) unless speculation
+        beats plain by MARGIN. A lookup can draft at most `lookup_width` tokens this round."""
+        options = []
+        for source in self.sources:
+            most = self.max_depth if source == "head" else min(lookup_width, self.max_depth)
+            a = self.acceptance(source)
+            options += [(self.rate(d, a, source), source, d) for d in range(1, most + 1)]
+        if not options:
+            return "plain", 0
+        rate, source, depth = max(options)
+        return (source, depth) if rate >= MARGIN * self.rate(0) else ("plain", 0)
+
+    def best(self) -> int:
+        """The head's best depth, 0 unless it beats plain decoding by MARGIN."""
+        source, depth = DepthPolicy(self.curve, self.max_depth, trackers={
+            "head": self.trackers["head"]}, sources=("head",)).choose()
+        return depth if source == "head" else 0
+
+    def predicted_speedup(self, depth: int | None = None, source: str = "head") -> float:
+        """Expected rate at `depth` (default: the head's best) over plain decoding's."""
+        depth = self.best() if depth is None else depth
+        return self.rate(depth, source=source) / self.rate(0)
+
+    def record(self, depth: int, accepted: int, source: str = "head") -> None:
+        """One verified round: drafts 1..accepted kept out of `depth`."""
+        self.trackers[source].record(depth, accepted)
         self.chosen[depth] = self.chosen.get(depth, 0) + 1
 
     def plain_stretch(self) -> int:

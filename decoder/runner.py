@@ -22,7 +22,7 @@ from mtpkit.decoder.head import Contract, MTPHead
 from mtpkit.decoder.policy import DepthPolicy
 from mtpkit.decoder.rows import use_few_rows_linears, use_kernel_linears
 from mtpkit.decoder.sampling import SamplingParams
-from mtpkit.decoder.session import Session, generate_ids
+from mtpkit.decoder.session import DRAFTS, Session, generate_ids
 from mtpkit.decoder.stats import Stats
 from mtpkit.decoder.trunk import Trunk
 from mtpkit.loaders.arrays import mtp_arrays
@@ -132,13 +132,29 @@ class Runner:
             self._costs = costs_for(self, refresh)
         return self._costs
 
-    def policy(self, depth: Depth) -> tuple[int, DepthPolicy | None]:
+    def draft_source(self, depth: Depth, draft: str | None) -> str:
+        """The draft source for a depth argument: as asked, else (None) the head and the
+        context together under --depth auto, the head at a forced depth, and the context alone
+        for a bundle without a head."""
+        if draft is not None:
+            if draft not in DRAFTS:
+                raise ValueError(f"draft must be one of {', '.join(DRAFTS)}")
+            if draft == "head" and self.head is None:
+                raise ValueError("draft='head' needs an MTP head; this bundle has none")
+            return draft
+        if self.head is None:
+            return "lookup"
+        return "both" if depth == "auto" else "head"
+
+    def policy(self, depth: Depth, draft: str = "head") -> tuple[int, DepthPolicy | None]:
         """(deepest depth, policy or None) for a depth argument: a number forces that depth;
         "auto" lets measured costs and online acceptance choose, up to MAX_AUTO_DEPTH."""
         if depth == "auto":
-            if self.head is None:
+            sources = tuple(s for s, ok in (("head", self.head is not None and draft != "lookup"),
+                                            ("lookup", draft != "head")) if ok)
+            if not sources:
                 return 0, None
-            return MAX_AUTO_DEPTH, DepthPolicy(self.costs(), MAX_AUTO_DEPTH)
+            return MAX_AUTO_DEPTH, DepthPolicy(self.costs(), MAX_AUTO_DEPTH, sources=sources)
         if depth is None:
             return (self.head.blocks if self.head is not None else 0), None
         if not isinstance(depth, int) or depth < 0:
@@ -167,16 +183,20 @@ class Runner:
 
     def stream(self, prompt: Prompt, max_tokens: int = 256, temperature: float = 0.0,
                top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
-               depth: Depth = "auto", seed: int | None = None) -> Iterator[Piece]:
+               depth: Depth = "auto", seed: int | None = None,
+               draft: str | None = None) -> Iterator[Piece]:
         """Yield text as it is committed; the last piece carries the Result. depth: "auto"
         (chosen per round from this machine's measured costs), a number (forced; 0 is plain
-        decoding) or None (the head's layer count)."""
-        depth, policy = self.policy(depth)
+        decoding) or None (the head's layer count). draft: "head", "lookup" (context drafts,
+        any bundle) or "both"; default: see draft_source."""
+        draft = self.draft_source(depth, draft)
+        depth, policy = self.policy(depth, draft)
         ids = self.encode(prompt)
         if not ids:
             raise ValueError("empty prompt")
         params = SamplingParams(temperature, top_p, top_k, min_p)
-        session = Session(self.trunk, self.head, params, depth, seed, self.rollback, policy)
+        session = Session(self.trunk, self.head, params, depth, seed, self.rollback, policy,
+                          draft=draft)
         eos = set(self.tokenizer.eos_token_ids) if self.tokenizer is not None else set()
         detok = self.tokenizer.detokenizer if self.tokenizer is not None else None
         if detok is not None:

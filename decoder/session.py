@@ -21,6 +21,7 @@ import numpy as np
 
 from mtpkit.decoder import acceptance
 from mtpkit.decoder.head import MTPHead
+from mtpkit.decoder.lookup import ContextIndex
 from mtpkit.decoder.policy import DepthPolicy
 from mtpkit.decoder.sampling import SamplingParams, draw, greedy, probabilities, tempered
 from mtpkit.decoder.shapes import bounded_by_default, padded, pieces
@@ -31,6 +32,7 @@ from mtpkit.decoder.trunk import Trunk
 PREFILL_STEP = 2048
 STREAM = mx.new_thread_local_stream(mx.default_device())
 ROLLBACKS = ("record", "replay")
+DRAFTS = ("head", "lookup", "both")
 
 
 class Session:
@@ -39,20 +41,28 @@ class Session:
 
     def __init__(self, trunk: Trunk, head: MTPHead | None, params: SamplingParams, depth: int,
                  seed: int | None = None, rollback: str = "record",
-                 policy: DepthPolicy | None = None, bounded: bool | None = None) -> None:
+                 policy: DepthPolicy | None = None, bounded: bool | None = None,
+                 draft: str = "head") -> None:
         """depth: the draft depth (0: plain decoding), or with a policy the deepest it may
         choose. bounded: attention shapes from a bounded set (default: where attention
-        compiles per shape, see shapes.bounded_by_default)."""
-        if depth > 0 and head is None:
-            raise ValueError("depth > 0 needs an MTP head; this bundle has none")
+        compiles per shape, see shapes.bounded_by_default). draft: where drafts come from,
+        "head", "lookup" (the context, decoder/lookup.py) or "both" (a head is optional)."""
+        if draft not in DRAFTS:
+            raise ValueError(f"draft must be one of {', '.join(DRAFTS)}")
+        if depth > 0 and head is None and draft == "head":
+            raise ValueError("depth > 0 needs an MTP head; this bundle has none (try "
+                             "draft='lookup')")
         if rollback not in ROLLBACKS:
             raise ValueError(f"rollback must be one of {', '.join(ROLLBACKS)}")
         self.recorders = trunk.recorders if rollback == "record" else []
-        self.trunk, self.head, self.params, self.depth = trunk, head, params, depth
+        self.trunk, self.params, self.depth = trunk, params, depth
+        self.head = head if draft in ("head", "both") else None
         self.policy = policy if depth > 0 else None
         self.bounded = bounded_by_default() if bounded is None else bounded
         self.cache = trunk.make_cache(self.bounded)
-        self.mtp_cache = head.make_cache(self.bounded) if head is not None and depth > 0 else []
+        speculative = self.head is not None and depth > 0
+        self.mtp_cache = self.head.make_cache(self.bounded) if speculative else []
+        self.lookup = ContextIndex() if draft != "head" and depth > 0 else None
         self.rng = np.random.default_rng(seed)
         self.key = mx.random.key(int(self.rng.integers(2**63)))
         self.stats = Stats(depth)
@@ -105,10 +115,11 @@ class Session:
 
     # -- plain ------------------------------------------------------------------------------
 
-    def plain_steps(self, count: int) -> Iterator[int]:
+    def plain_steps(self, count: int, stop: Callable[[], bool] | None = None) -> Iterator[int]:
         """Decode `count` tokens after the last committed one, each next forward already queued
         on its own stream (as mlx-lm's generate_step does), so reading a token overlaps the next
-        step's work. In a speculative session the trunk hiddens are owed to the head."""
+        step's work. In a speculative session the trunk hiddens are owed to the head. When
+        `stop()` turns true after a token, the one already queued is the last."""
         if count <= 0:
             return
         owe = bool(self.mtp_cache)
@@ -117,7 +128,8 @@ class Session:
             hidden, logits = self.trunk(mx.array([[self.last]]), self.cache, logits_for=1)
             y = self._sample(logits[:, -1])
         mx.async_eval(y)
-        for n in range(count):
+        n = 0
+        while n < count:
             nxt = None
             if n + 1 < count:
                 with mx.stream(STREAM):
@@ -128,8 +140,13 @@ class Session:
             if owe:
                 hiddens.append(hidden)
                 tokens.append(token)
+            if self.lookup is not None:
+                self.lookup.extend([token])
             self.last = token
             yield token
+            n += 1
+            if stop is not None and n + 1 < count and stop():
+                count = n + 1  # the queued step is the last
             if nxt is not None:
                 y, hidden = nxt, nxt_hidden
         if owe and tokens:
@@ -149,6 +166,8 @@ class Session:
         self.last = int(self._sample(logits).item())
         if speculative:
             self._owe(hidden, [*ids[1:], self.last])
+        if self.lookup is not None:
+            self.lookup.extend([*ids, self.last])
         return self.last
 
     def _owe(self, hidden: mx.array, tokens: list[int]) -> None:
@@ -188,11 +207,20 @@ class Session:
             hidden = out
         return mx.concatenate(chain, axis=1), (np.stack(rows) if rows else None), chained
 
-    def round(self, depth: int) -> list[int]:
-        """Draft `depth` tokens, verify them in one trunk pass, commit and roll back. The pass
-        may be padded to a wider, cheaper width (the policy's cost curve); padding rows repeat
-        the last token and are rolled back like rejected drafts."""
-        if depth > 0:
+    def round(self, depth: int, lookup: list[int] | None = None) -> list[int]:
+        """Draft `depth` tokens (the head's, or the given context `lookup` drafts, whose q is
+        one-hot), verify them in one trunk pass, commit and roll back. The pass may be padded
+        to a wider, cheaper width (the policy's cost curve); padding rows repeat the last token
+        and are rolled back like rejected drafts."""
+        source = "lookup" if lookup is not None else "head"
+        if lookup is not None:
+            depth = len(lookup)
+            tokens, chained = mx.array([[self.last, *lookup]]), []
+            q = None
+            if not self.params.greedy:
+                q = np.zeros((depth, self.trunk.args.vocab_size))
+                q[np.arange(depth), lookup] = 1.0
+        elif depth > 0:
             tokens, q, chained = self._draft(depth)
         else:
             tokens, q, chained = mx.array([[self.last]]), None, []
@@ -226,37 +254,65 @@ class Session:
             mx.eval([c.state for c in self.cache])
         trim(self.mtp_cache, chained)
         committed = [*drafts[:kept], verdict.token]
-        self._owe(hidden[:, :kept + 1], committed)
+        if self.mtp_cache:
+            self._owe(hidden[:, :kept + 1], committed)
+        if self.lookup is not None:
+            self.lookup.extend(committed)
         self.last = verdict.token
         if depth > 0:
-            self.stats.verify_calls += 1
-            for i in range(depth):
-                self.stats.proposed[i] += 1
-                self.stats.accepted[i] += i < kept
-            self.stats.bonus += verdict.bonus(depth)
-            self.stats.corrections += not verdict.bonus(depth)
+            self.stats.count_round(source, depth, kept, verdict.bonus(depth))
             if self.policy is not None:
-                self.policy.record(depth, kept)
-                self.stats.predicted_s += self.policy.curve.round_cost(depth)
+                self.policy.record(depth, kept, source)
+                self.stats.predicted_s += self.policy.cost(depth, source)
         return committed
 
+    def next_round(self, depth: int) -> list[int]:
+        """A round at a fixed depth: context drafts where the text offers some (up to `depth`),
+        else the head's, else one plain step."""
+        if self.lookup is not None:
+            drafts, _ = self.lookup.propose(depth)
+            if drafts and depth > 0:
+                return self.round(len(drafts), drafts)
+        return self.round(depth if self.head is not None else 0)
+
+    def _choice(self, most: int) -> tuple[str, int, list[int]]:
+        """The policy's (source, depth, lookup drafts) for the next round, up to `most`."""
+        assert self.policy is not None
+        drafts = self.lookup.propose(min(most, self.policy.max_depth))[0] if self.lookup else []
+        source, depth = self.policy.choose(len(drafts))
+        return source, min(depth, most), drafts
+
     def auto_rounds(self, left: Callable[[], int]) -> Iterator[list[int]]:
-        """Rounds at the depth the policy chooses; where plain decoding wins, a pipelined plain
-        stretch and then a depth-1 probe. `left()`: tokens still wanted."""
+        """Rounds at the source and depth the policy chooses; where plain decoding wins, a
+        pipelined plain stretch (cut short when a context match would pay) and then a depth-1
+        probe. `left()`: tokens still wanted."""
         policy = self.policy
         assert policy is not None
         while True:
-            depth = min(policy.best(), left() - 1)
+            source, depth, drafts = self._choice(left() - 1)
             if depth > 0 or left() <= 1:
                 policy.reset_stretch()
-                yield self.round(max(depth, 0))
+                yield self.round(depth, drafts[:depth]) if source == "lookup" and depth > 0 \
+                    else self.round(max(depth, 0))
                 continue
-            for token in self.plain_steps(min(policy.plain_stretch(), left())):
+
+            cut: list[bool] = []
+
+            def pays(cut: list[bool] = cut) -> bool:
+                cut.append(self._choice(left() - 1)[0] == "lookup")
+                return cut[-1]
+
+            for token in self.plain_steps(min(policy.plain_stretch(), left()),
+                                          pays if self.lookup is not None else None):
                 policy.chosen[0] = policy.chosen.get(0, 0) + 1
                 self.stats.predicted_s += policy.curve.plain
                 yield [token]
-            if left() > 1:
+            if left() <= 1 or (cut and cut[-1]):  # a context match pays: the loop takes it
+                continue
+            if self.head is not None:
                 yield self.round(1)  # the probe
+            elif self.lookup is not None and (drafts := self.lookup.propose(1)[0]):
+                yield self.round(1, drafts)
 
     def draft_step_time(self, repeats: int) -> float:
         """Median seconds of one chained head draft step (after a started session)."""
@@ -295,7 +351,7 @@ def generate_ids(session: Session, ids: list[int], max_tokens: int,
         if session.policy is not None:
             yield from session.auto_rounds(left)
         while True:
-            yield session.round(min(session.depth, left() - 1))
+            yield session.next_round(min(session.depth, left() - 1))
 
     for batch in batches():
         now = time.perf_counter()

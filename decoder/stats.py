@@ -26,12 +26,28 @@ class Stats:
     # --depth auto: rounds per chosen depth (0: plain steps), and the seconds the measured cost
     # curve predicts for them (plain_s: one plain step), for the predicted speedup
     depths: dict[int, int] = field(default_factory=dict)
+    # per draft source ("head", "lookup"): rounds, and drafts proposed / kept per position
+    sources: dict[str, dict[str, Any]] = field(default_factory=dict)
     predicted_s: float = 0.0
     plain_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.proposed = self.proposed or [0] * self.depth
         self.accepted = self.accepted or [0] * self.depth
+
+    def count_round(self, source: str, depth: int, kept: int, bonus: bool) -> None:
+        """One verified round of `depth` drafts from `source`, `kept` of them kept."""
+        self.verify_calls += 1
+        self.bonus += bonus
+        self.corrections += not bonus
+        mine = self.sources.setdefault(source, {"rounds": 0, "proposed": [0] * self.depth,
+                                                 "accepted": [0] * self.depth})
+        mine["rounds"] += 1
+        for i in range(depth):
+            self.proposed[i] += 1
+            self.accepted[i] += i < kept
+            mine["proposed"][i] += 1
+            mine["accepted"][i] += i < kept
 
     @property
     def acceptance_by_depth(self) -> list[float]:
@@ -69,5 +85,7 @@ class Stats:
             "prefill_tps": self.prefill_tps, "decode_tps": self.decode_tps,
             "decode_window_s": self.decode_window_s, "peak_memory_bytes": self.peak_memory_bytes,
             "depths": {str(d): n for d, n in self.depths.items()},
+            "sources": {s: {**v, "acceptance_by_depth": [a / p if p else 0.0 for a, p in zip(
+                v["accepted"], v["proposed"], strict=True)]} for s, v in self.sources.items()},
             "predicted_speedup": self.predicted_speedup,
         }

@@ -89,15 +89,20 @@ def test_a_bad_depth_is_a_one_line_usage_error(command: str, tmp_path: Path) -> 
         assert "Traceback" not in result.output
 
 
-def test_a_forced_depth_without_a_head_is_a_one_line_error(built: Callable[..., Path],
-                                                           cache: Path) -> None:
+def test_head_drafts_without_a_head_are_a_one_line_error(built: Callable[..., Path],
+                                                         cache: Path) -> None:
+    """A bundle without a head drafts from the context (any depth, auto included); asking for
+    head drafts is a usage error."""
     bundle = str(built("qwen3_5", sidecar=None))
-    result = _invoke("generate", bundle, "Hi", "--raw", "--depth", "2", "--max-tokens", "4")
-    assert result.exit_code == 2 and "error [usage]: --depth 2 drafts with an MTP head" in (
+    result = _invoke("generate", bundle, "Hi", "--raw", "--depth", "2", "--max-tokens", "4",
+                     "--draft", "head")
+    assert result.exit_code == 2 and "error [usage]: --draft head drafts with an MTP head" in (
         result.output)
-    auto = _invoke("generate", bundle, "Hi", "--raw", "--max-tokens", "4", "--json")
-    assert auto.exit_code == 0 and json.loads(auto.stdout)["stats"]["depth"] == 0
-    assert not cache.exists(), "no head: no cost curve to measure"
+    for depth in ("2", "auto"):
+        run = _invoke("generate", bundle, "Hi", "--raw", "--max-tokens", "6", "--depth", depth,
+                      "--json")
+        assert run.exit_code == 0, run.output
+        assert set(json.loads(run.stdout)["stats"]["sources"]) <= {"lookup"}
 
 
 # -- serve -----------------------------------------------------------------------------------

@@ -390,8 +390,8 @@ def test_load_refuses_what_it_cannot_run(built: Callable[..., Path],
     with pytest.raises(UserError) as bad:
         mtpkit.load(broken)
     assert bad.value.code == "mtp.incomplete"
-    with pytest.raises(ValueError):
-        mtpkit.load(built("llama")).generate(PROMPT, 4, depth=1)
+    with pytest.raises(ValueError, match="needs an MTP head"):  # lookup drafting needs none
+        mtpkit.load(built("llama")).generate(PROMPT, 4, depth=1, draft="head")
 
 
 def test_delta_sidecar_norms_load_like_absolute(built: Callable[..., Path]) -> None:
