@@ -48,13 +48,14 @@ def _timed(pieces: Iterator[list[int]]) -> tuple[list[int], list[float]]:
     return tokens, times
 
 
-def timed_stream(runner, ids: list[int], max_tokens: int, depth: int):
+def timed_stream(runner, ids: list[int], max_tokens: int, depth, draft: str | None = None):
     """Our decoder's (tokens, per-token arrival times, Result) for one generation."""
     result = None
 
     def batches() -> Iterator[list[int]]:
         nonlocal result
-        for piece in runner.stream(ids, max_tokens, depth=depth):
+        for piece in runner.stream(ids, max_tokens, depth=depth,
+                                   draft=draft if depth != 0 else None):
             if piece.result is not None:
                 result = piece.result
             elif piece.tokens:
@@ -89,6 +90,8 @@ def main() -> None:
                     help="which real-content loads (held_code, held_memo: text a default graft "
                     "never trained on)")
     ap.add_argument("--rollback", choices=["record", "replay"], default="record")
+    ap.add_argument("--draft", choices=["head", "lookup", "both"], help="draft source of the MTP "
+                    "runs (default: the decoder's; lookup works without a head)")
     ap.add_argument("--nonce-seed", type=int, help="draw the nonces from this seed (the same "
                     "texts in every run of the bench: two bundles compared paired); default fresh")
     args = ap.parse_args()
@@ -111,15 +114,15 @@ def main() -> None:
         load = prompts[name]
         return load_ids(runner, load, load.fresh(nonces))  # a nonce: no prefix cache can help
 
-    def ours(ids: list[int], depth: int):
-        return timed_stream(runner, ids, args.max_tokens, depth)
+    def ours(ids: list[int], depth):
+        return timed_stream(runner, ids, args.max_tokens, depth, args.draft)
 
     def theirs(ids: list[int]):
         return _timed([r.token] for r in stream_generate(runner.trunk.model, tok, ids,
                                                          max_tokens=args.max_tokens))
 
     depths = [d if d == "auto" else int(d) for d in args.depths.split(",")] \
-        if runner.head is not None else []
+        if runner.head is not None or args.draft == "lookup" else []
     rows: dict[str, dict] = {}
     for name in prompts:
         ours(ids_for(name), 0)  # warm-up, each tool
@@ -142,7 +145,8 @@ def main() -> None:
                 samples[f"mtp{depth}"].append(steady_tps(times, args.drop))
                 accept[depth].append(result.stats.acceptance_by_depth)
                 chosen[depth].append({"depths": result.stats.depths,
-                                      "predicted_speedup": result.stats.predicted_speedup})
+                                      "predicted_speedup": result.stats.predicted_speedup,
+                                      "sources": result.stats.to_dict()["sources"]})
                 same &= tokens == plain_tokens
         row = {k: summary(v) for k, v in samples.items()}
         row["plain_over_mlx_lm"] = row["plain"]["median"] / row["mlx_lm"]["median"]
@@ -162,7 +166,8 @@ def main() -> None:
     payload = {"bundle": str(bundle), "max_tokens": args.max_tokens, "drop": args.drop,
                "runs": args.runs, "peak_memory_mb": mx.get_peak_memory() / 2**20,
                "loads": rows, "dtype": args.dtype or "as stored (auto)",
-               "blas": loaded_blas(), "rollback": args.rollback, "ld_preload": os.environ.get("LD_PRELOAD")}
+               "blas": loaded_blas(), "rollback": args.rollback, "draft": args.draft,
+               "ld_preload": os.environ.get("LD_PRELOAD")}
     path = save(args.tag, payload)
     print(f"saved {path}")
 
