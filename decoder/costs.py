@@ -14,6 +14,7 @@ import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,7 +48,13 @@ class CostCurve:
         rows are padding whose outputs are ignored)."""
         if rows > len(self.verify):
             return rows
-        return min(range(rows, len(self.verify) + 1), key=lambda t: (self.verify[t - 1], t))
+        return self._widths[rows - 1]
+
+    @cached_property
+    def _widths(self) -> list[int]:  # asked for several times per round: computed once
+        n = len(self.verify)
+        return [min(range(r, n + 1), key=lambda t: (self.verify[t - 1], t))
+                for r in range(1, n + 1)]
 
     def round_cost(self, depth: int) -> float:
         """Seconds for one round at `depth` (0: one plain step)."""
