@@ -8,6 +8,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -15,6 +16,9 @@ from mtpkit import __version__
 from mtpkit.convert.sidecar import POLICIES, SidecarOptions
 from mtpkit.convert.trunk import MODES, RECIPES, QuantOptions, parse_override
 from mtpkit.verify import doctor as doctor_mod
+
+if TYPE_CHECKING:
+    from mtpkit.decoder.runner import Runner
 
 EXAMPLES_CONVERT = """
 \b
@@ -87,6 +91,18 @@ def _depth(value: str) -> str | int:
     if not 0 <= depth <= 16:
         raise click.BadParameter("auto or an integer 0-16")
     return depth
+
+
+DRAFT_HELP = ("Draft source: the MTP head, the context (tokens that followed an earlier match; "
+              "any bundle) or both. Default: both with --depth auto, the head at a forced "
+              "depth, lookup for a bundle without a head.")
+
+
+def _head_for(runner: Runner, draft: str | None) -> None:
+    """--draft head|both on a bundle without a head: a usage error."""
+    if runner.head is None and draft in ("head", "both"):
+        _fail("usage", f"--draft {draft} drafts with an MTP head; this bundle has none",
+              "use --draft lookup (context drafts) or --depth 0 (plain decoding)")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -284,10 +300,7 @@ def convert(src: str, out: Path, quantize: bool, q_bits: int | None, q_group_siz
               "token: recorded per verify position, or a snapshot plus replay.")
 @click.option("--compare", is_flag=True,
               help="Run plain decoding first (both warmed up) and report the measured speedup.")
-@click.option("--draft", type=click.Choice(["head", "lookup", "both"]),
-              help="Draft source: the MTP head, the context (tokens that followed an earlier "
-              "match; any bundle) or both. Default: both with --depth auto, the head at a forced "
-              "depth, lookup for a bundle without a head.")
+@click.option("--draft", type=click.Choice(["head", "lookup", "both"]), help=DRAFT_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document (generation schema).")
 def generate(bundle: str, prompt: str, raw: bool, max_tokens: int, depth: str | int,
              temperature: float, top_p: float, top_k: int, min_p: float, seed: int | None,
@@ -301,9 +314,7 @@ def generate(bundle: str, prompt: str, raw: bool, max_tokens: int, depth: str | 
 
     with _user_errors("OUT"):
         runner = load(bundle, dtype=dtype, rollback=rollback)
-        if runner.head is None and draft in ("head", "both"):
-            _fail("usage", f"--draft {draft} drafts with an MTP head; this bundle has none",
-                  "use --draft lookup (context drafts) or --depth 0 (plain decoding)")
+        _head_for(runner, draft)
         if advice := note():
             click.echo(advice, err=True)
         message = prompt if raw or runner.template is None else [
@@ -457,8 +468,8 @@ Examples:
   mtpkit serve ./bundle --host 0.0.0.0 --api-key "$KEY"
 \b
 Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (SSE with
-"stream": true; the final chunk carries usage with MTP statistics). Extension: "mtp_depth"
-("auto" or 0-16).
+"stream": true; the final chunk carries usage with MTP statistics). Extensions: "mtp_depth"
+("auto" or 0-16), "mtp_draft" ("head", "lookup" or "both").
 """
 
 
@@ -470,12 +481,14 @@ Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (SSE 
 @click.option("--depth", "depth_opt", default="auto", show_default=True, callback=lambda c, p, v:
               _depth(v), help="MTP draft depth of requests that name none, or auto: chosen per "
               "round from this machine's cost curve (measured at start-up, cached).")
+@click.option("--draft", type=click.Choice(["head", "lookup", "both"]),
+              help=DRAFT_HELP + " Requests may name their own (\"mtp_draft\").")
 @click.option("--max-tokens", type=click.IntRange(1, 1 << 16), default=4096, show_default=True,
               help="Ceiling on any request's max_tokens.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]))
 @click.option("--verbose", is_flag=True, help="Log every request to stderr.")
 def serve(bundle: str, host: str, port: int, api_key: str | None, depth_opt: str | int,
-          max_tokens: int, dtype: str | None, verbose: bool) -> None:
+          draft: str | None, max_tokens: int, dtype: str | None, verbose: bool) -> None:
     """Serve BUNDLE over an OpenAI-compatible API with the reference MTP decoder."""
     from mtpkit.decoder.runner import load
     from mtpkit.serve.server import Server, check_bind
@@ -485,13 +498,14 @@ def serve(bundle: str, host: str, port: int, api_key: str | None, depth_opt: str
     with _user_errors("--out"):
         check_bind(host, api_key)  # before the (slow) load
         runner = load(bundle, dtype=dtype)
+        _head_for(runner, draft)
         if depth_opt == "auto":  # the cost curve now, so that no request pays for it
-            click.echo(summary(runner), err=True)
-        depth = depth_opt if runner.head is not None else 0
-        server = Server(Service(runner, Path(bundle).name, depth, max_tokens), host, port,
-                        api_key, verbose)
+            click.echo(summary(runner, draft), err=True)
+        server = Server(Service(runner, Path(bundle).name, depth_opt, max_tokens, draft), host,
+                        port, api_key, verbose)
+    drafts = f", drafts {runner.draft_source(depth_opt, draft)}" if depth_opt != 0 else ""
     click.echo(f"serving {bundle} on http://{host}:{server.server_address[1]}/v1 "
-               f"(MTP depth {depth})", err=True)
+               f"(MTP depth {depth_opt}){drafts}", err=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
@@ -520,6 +534,10 @@ Exit codes: 0 every check passed, 1 a check failed or a floor was not met, 2 bad
 @click.option("--depth", "depth_opt", default="auto", show_default=True,
               callback=lambda c, p, v: _depth(v), help="MTP depth, or auto: chosen per round "
               "by the target (a target that takes only numbers: the fastest of 1-4 here).")
+@click.option("--draft", type=click.Choice(["head", "lookup", "both"]),
+              help="Draft source of the MTP requests (\"mtp_draft\" to an endpoint). Default: "
+              "the target's (local: both with --depth auto, the head at a forced depth, lookup "
+              "for a bundle without a head).")
 @click.option("--loads", default="code,memo,translation", show_default=True)
 @click.option("--runs", type=click.IntRange(1, 100), default=3, show_default=True)
 @click.option("--max-tokens", type=click.IntRange(16, 1 << 16), default=256, show_default=True)
@@ -531,9 +549,9 @@ Exit codes: 0 every check passed, 1 a check failed or a floor was not met, 2 bad
               help="Local bundles: cast the weights (bf16 verify passes can flip near-ties, "
                    "so float32 is the exactness proof).")
 def verify_run(bundle: str | None, endpoint: str | None, api_key: str | None, as_json: bool,
-               stamp: bool, depth_opt: str | int, loads: str, runs: int, max_tokens: int,
-               min_accept: float | None, min_speedup: float | None, timeout: float,
-               dtype: str | None) -> None:
+               stamp: bool, depth_opt: str | int, draft: str | None, loads: str, runs: int,
+               max_tokens: int, min_accept: float | None, min_speedup: float | None,
+               timeout: float, dtype: str | None) -> None:
     """Check BUNDLE (or --endpoint) end to end and measure its speed the honest way."""
     from mtpkit.verify.endpoint import EndpointError, open_endpoint
     from mtpkit.verify.loads import LOADS
@@ -550,7 +568,7 @@ def verify_run(bundle: str | None, endpoint: str | None, api_key: str | None, as
     if not chosen or set(chosen) - set(LOADS):
         _fail("usage", f"--loads takes a comma list of {', '.join(LOADS)}", "e.g. --loads code")
     options = VerifyOptions(depth_opt, chosen, runs, max_tokens, min_accept=min_accept,
-                            min_speedup=min_speedup)
+                            min_speedup=min_speedup, draft=draft)
     with _user_errors("--out"):
         try:
             if endpoint:
@@ -559,6 +577,7 @@ def verify_run(bundle: str | None, endpoint: str | None, api_key: str | None, as
             else:
                 assert bundle is not None
                 target, facts, view = open_local(bundle, dtype)
+                _head_for(target.service.runner, draft)
         except EndpointError as exc:
             _fail("endpoint.unreachable", str(exc), "check --endpoint and that the server runs")
         if stamp and view is not None:

@@ -11,6 +11,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from mtpkit.decoder.session import DRAFTS
+
 MAX_BODY_BYTES = 1 << 20
 MAX_MESSAGES = 256
 ROLES = ("system", "user", "assistant", "tool")
@@ -44,6 +46,7 @@ class Request:
     tools: list[dict[str, Any]] | None = None
     enable_thinking: bool | None = None
     depth: int | str | None = None  # extension "mtp_depth": "auto" or 0-16 (0: MTP off)
+    draft: str | None = None  # extension "mtp_draft": "head", "lookup" or "both"
 
     @property
     def sampling(self) -> dict[str, Any]:
@@ -76,6 +79,13 @@ def _depth(body: dict) -> int | str | None:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 16:
         raise RequestError(400, 'mtp_depth must be "auto" or an integer in [0, 16]', "mtp_depth")
     return value
+
+
+def _draft(body: dict) -> str | None:
+    value = body.get("mtp_draft")
+    if value is None or (isinstance(value, str) and value in DRAFTS):
+        return value
+    raise RequestError(400, 'mtp_draft must be "head", "lookup" or "both"', "mtp_draft")
 
 
 def _text(content: Any, where: str) -> str:
@@ -119,6 +129,7 @@ def parse(body: Any, chat: bool, max_tokens_limit: int) -> Request:
         min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
         seed=_integer(body, "seed", None, -(1 << 63), (1 << 63) - 1),
         depth=_depth(body),
+        draft=_draft(body),
     )
     req.stream = body.get("stream", False)
     if not isinstance(req.stream, bool):

@@ -149,11 +149,11 @@ class Handler(BaseHTTPRequestHandler):
     def _complete(self, req: Any) -> None:
         service = self.server.service
         reasoning = content = ""
-        result = None
+        result, draft = None, None
         for delta in service.deltas(req):
             reasoning += delta.reasoning
             content += delta.content
-            result = delta.result or result
+            result, draft = delta.result or result, delta.draft or draft
         assert result is not None
         doc = envelope(completion_id(req.chat), service.model_id, req.chat, chunk=False)
         if req.chat:
@@ -169,7 +169,7 @@ class Handler(BaseHTTPRequestHandler):
                       "finish_reason": "tool_calls" if calls else result.finish_reason}
         else:
             choice = {"index": 0, "text": content, "finish_reason": result.finish_reason}
-        self._json(200, doc | {"choices": [choice], "usage": usage(result)})
+        self._json(200, doc | {"choices": [choice], "usage": usage(result, draft)})
 
     def _stream(self, req: Any) -> None:
         service = self.server.service
@@ -212,7 +212,7 @@ class Handler(BaseHTTPRequestHandler):
                 else:
                     self._sse(chunk({}, finish))
                 self._sse(envelope(cid, service.model_id, req.chat, chunk=True)
-                          | {"choices": [], "usage": usage(d.result)})
+                          | {"choices": [], "usage": usage(d.result, d.draft)})
         self._sse("[DONE]")
 
 

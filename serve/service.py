@@ -27,6 +27,7 @@ class Delta:
     content: str = ""
     result: Result | None = None
     tokens: int = 0  # committed tokens behind this text
+    draft: str | None = None  # with the result: the draft source used (None: plain decoding)
 
 
 def tool_calls(content: str) -> tuple[str, list[dict[str, Any]]]:
@@ -48,7 +49,9 @@ def tool_calls(content: str) -> tuple[str, list[dict[str, Any]]]:
     return TOOL_CALL.sub(take, content).strip() if "<tool_call>" in content else content, calls
 
 
-def usage(result: Result) -> dict[str, Any]:
+def usage(result: Result, draft: str | None = None) -> dict[str, Any]:
+    """OpenAI usage, plus "mtp": the decoder's statistics, the draft source (None: plain
+    decoding) and per source ("head", "lookup") its rounds and acceptance."""
     s = result.stats
     return {"prompt_tokens": s.prompt_tokens, "completion_tokens": len(result.tokens),
             "total_tokens": s.prompt_tokens + len(result.tokens),
@@ -57,15 +60,19 @@ def usage(result: Result) -> dict[str, Any]:
                     "decode_tps": s.decode_tps, "ttft_s": s.ttft_s,
                     "prefill_tps": s.prefill_tps, "peak_memory_bytes": s.peak_memory_bytes,
                     "depths": {str(d): n for d, n in s.depths.items()},
-                    "predicted_speedup": s.predicted_speedup}}
+                    "predicted_speedup": s.predicted_speedup, "draft": draft,
+                    "sources": s.to_dict()["sources"]}}
 
 
 class Service:
     """depth: the default of requests that name none: "auto" (chosen per round from this
-    machine's measured costs, decoder/policy.py) or a number (0: plain decoding)."""
+    machine's measured costs, decoder/policy.py) or a number (0: plain decoding). draft: the
+    default draft source, "head", "lookup" or "both" (None: as Runner.draft_source decides)."""
 
-    def __init__(self, runner: Runner, model_id: str, depth: Depth, max_tokens: int) -> None:
+    def __init__(self, runner: Runner, model_id: str, depth: Depth, max_tokens: int,
+                 draft: str | None = None) -> None:
         self.runner, self.model_id, self.depth, self.max_tokens = runner, model_id, depth, max_tokens
+        self.draft = draft
         self.lock = threading.Lock()
 
     def _prompt(self, req: Request) -> tuple[list[int], bool]:
@@ -99,17 +106,21 @@ class Service:
     def deltas(self, req: Request) -> Iterator[Delta]:
         """The prompt is prepared here, before the first delta is asked for, so that a request
         error is raised while the HTTP layer can still answer it with a status."""
+        draft = req.draft or self.draft
+        if draft == "head" and self.runner.head is None:
+            raise RequestError(400, 'mtp_draft "head" drafts with an MTP head; this model has '
+                               'none (use "lookup" or "both": context drafts)', "mtp_draft")
         ids, opened = self._prompt(req)
         depth = self.depth if req.depth is None else req.depth
-        if self.runner.head is None:
-            depth = 0
-        return self._generate(req, ids, opened, depth)
+        return self._generate(req, ids, opened, depth, draft)
 
-    def _generate(self, req: Request, ids: list[int], opened: bool,
-                  depth: Depth) -> Iterator[Delta]:
+    def _generate(self, req: Request, ids: list[int], opened: bool, depth: Depth,
+                  draft: str | None) -> Iterator[Delta]:
         splitter = ChannelSplitter(opened) if req.chat else None
+        used = self.runner.draft_source(depth, draft) if depth != 0 else None
+        options = req.sampling | ({"draft": draft} if draft else {})
         with self.lock:
-            for piece in self.runner.stream(ids, req.max_tokens, depth=depth, **req.sampling):
+            for piece in self.runner.stream(ids, req.max_tokens, depth=depth, **options):
                 if splitter is None:
                     delta = Delta(content=piece.text)
                 else:
@@ -118,6 +129,7 @@ class Service:
                         reasoning, content = splitter.flush()
                         delta = Delta(delta.reasoning + reasoning, delta.content + content)
                 delta.result, delta.tokens = piece.result, len(piece.tokens)
+                delta.draft = used if piece.result is not None else None
                 if delta.reasoning or delta.content or delta.tokens or delta.result is not None:
                     yield delta
 

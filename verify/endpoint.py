@@ -110,7 +110,8 @@ class Endpoint:
         return self._model
 
     def _body(self, messages: list[dict] | None, prompt: str | None, max_tokens: int,
-              stream: bool, depth: int | str | None, thinking: bool | None) -> dict[str, Any]:
+              stream: bool, depth: int | str | None, thinking: bool | None,
+              draft: str | None) -> dict[str, Any]:
         body: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 0.0, "stream": stream}
         if (model := self.model()) is not None:
             body["model"] = model
@@ -122,16 +123,18 @@ class Endpoint:
             body["stream_options"] = {"include_usage": True}
         if depth is not None:
             body["mtp_depth"] = depth
+        if draft is not None:
+            body["mtp_draft"] = draft
         if thinking is not None:
             body["chat_template_kwargs"] = {"enable_thinking": thinking}
         return body
 
     def ask(self, messages: list[dict] | None = None, prompt: str | None = None, *,
             max_tokens: int, stream: bool, depth: int | str | None = None,
-            thinking: bool | None = None) -> Answer:
+            thinking: bool | None = None, draft: str | None = None) -> Answer:
         """One greedy request (chat when messages are given, text completion otherwise)."""
         path = "/chat/completions" if messages is not None else "/completions"
-        body = self._body(messages, prompt, max_tokens, stream, depth, thinking)
+        body = self._body(messages, prompt, max_tokens, stream, depth, thinking, draft)
         if not stream:
             return _answer(self._json("POST", path, body))
         start = time.perf_counter()

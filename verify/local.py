@@ -9,7 +9,7 @@ from typing import Any
 from mtpkit.decoder.runner import load
 from mtpkit.loaders.bundle import BundleView, open_bundle
 from mtpkit.serve.protocol import Request
-from mtpkit.serve.service import Service
+from mtpkit.serve.service import Service, usage
 from mtpkit.verify.answer import Answer, Chunk
 from mtpkit.verify.checks import FAIL, PASS, Check
 from mtpkit.verify.run import Facts
@@ -21,22 +21,21 @@ class Local:
 
     def ask(self, messages: list[dict] | None = None, prompt: str | None = None, *,
             max_tokens: int, stream: bool, depth: int | str | None = None,
-            thinking: bool | None = None) -> Answer:
+            thinking: bool | None = None, draft: str | None = None) -> Answer:
         req = Request(chat=messages is not None, messages=messages or [], prompt=prompt or "",
-                      max_tokens=max_tokens, stream=stream, enable_thinking=thinking, depth=depth)
+                      max_tokens=max_tokens, stream=stream, enable_thinking=thinking, depth=depth,
+                      draft=draft)
         start = time.perf_counter()
         chunks: list[Chunk] = []
         result: Any = None
+        used = None
         for delta in self.service.deltas(req):
             chunks.append(Chunk(time.perf_counter() - start, delta.content, delta.reasoning,
                                 delta.tokens))
-            result = delta.result or result
+            result, used = delta.result or result, delta.draft or used
         assert result is not None
         s = result.stats
-        mtp = {"depth": s.depth, "acceptance_by_depth": s.acceptance_by_depth,
-               "mean_accepted": s.mean_accepted,
-               "depths": {str(d): n for d, n in s.depths.items()},
-               "predicted_speedup": s.predicted_speedup}
+        mtp = usage(result, used)["mtp"]  # what serve's client reads in usage.mtp
         return Answer("".join(c.content for c in chunks), "".join(c.reasoning for c in chunks),
                       len(result.tokens), s.prompt_tokens, result.finish_reason,
                       chunks if stream else [], mtp, s.peak_memory_bytes, list(result.tokens))

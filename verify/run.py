@@ -3,13 +3,16 @@ each passing or failing with its evidence, and speed measured the honest way (wa
 in every prompt, real-content loads with fixed ceilings, baseline first, steady decode after the
 first 64 tokens, P50/P95 over runs). With depth "auto" a target that takes it (mtpkit serve, a
 local bundle) chooses each round's depth itself and reports its choices and predicted speedup;
-for a target that takes only numbers, a depth sweep picks this machine's best depth."""
+for a target that takes only numbers, a depth sweep picks this machine's best depth. A draft
+source ("head", "lookup", "both") goes with every speculative request; each load's row records
+the source the target used and its telemetry per source."""
 
 from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from itertools import zip_longest
 from typing import Any, Protocol
 
 from mtpkit.verify.answer import Answer
@@ -36,7 +39,7 @@ SWEEP = (1, 2, 3, 4)
 class Target(Protocol):
     def ask(self, messages: list[dict] | None = None, prompt: str | None = None, *,
             max_tokens: int, stream: bool, depth: int | str | None = None,
-            thinking: bool | None = None) -> Answer: ...
+            thinking: bool | None = None, draft: str | None = None) -> Answer: ...
 
 
 @dataclass
@@ -48,6 +51,12 @@ class VerifyOptions:
     drop: int = 64
     min_accept: float | None = None
     min_speedup: float | None = None
+    draft: str | None = None  # "head", "lookup" or "both" (None: the target's default)
+
+    def drafting(self, depth: int | str | None) -> dict[str, Any]:
+        """The draft argument of a request at `depth`: only speculative requests name one (a
+        target that takes no draft source is then asked nothing new)."""
+        return {"draft": self.draft} if self.draft and depth else {}
 
 
 @dataclass
@@ -90,12 +99,12 @@ def _mtp_control(target: Target) -> bool:
     return isinstance(answer.mtp, dict) and answer.mtp.get("depth") == 0
 
 
-def _auto_control(target: Target) -> bool:
+def _auto_control(target: Target, options: VerifyOptions) -> bool:
     """Does the target take depth "auto" (reporting the depths it chose in usage)? A target
     that refuses it (an older server: HTTP 400) or ignores it gets a depth sweep instead."""
     try:
         answer = target.ask([{"role": "user", "content": "Hi"}], max_tokens=4, stream=False,
-                            depth="auto")
+                            depth="auto", **options.drafting("auto"))
     except EndpointError:
         return False
     return isinstance(answer.mtp, dict) and isinstance(answer.mtp.get("depths"), dict)
@@ -116,6 +125,20 @@ def _merged(runs: list[dict[str, int]]) -> dict[str, int] | None:
     return {str(d): total[d] for d in sorted(total)} or None
 
 
+def _sources(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Per-source telemetry summed over runs: rounds, drafts proposed and kept per position,
+    and the acceptance they make (None: no run reported any)."""
+    total: dict[str, dict[str, Any]] = {}
+    for sources in runs:
+        for name, s in sources.items():
+            t = total.setdefault(name, {"rounds": 0, "proposed": [], "accepted": []})
+            t["rounds"] += s["rounds"]
+            for key in ("proposed", "accepted"):
+                t[key] = [a + b for a, b in zip_longest(t[key], s[key], fillvalue=0)]
+    return {name: {**t, "acceptance_by_depth": [a / p if p else 0.0 for a, p in zip(
+        t["accepted"], t["proposed"], strict=True)]} for name, t in total.items()} or None
+
+
 def _speed_row(answers: dict[str, list[Answer]], drop: int) -> dict[str, Any]:
     row: dict[str, Any] = {}
     for mode, runs in answers.items():
@@ -133,6 +156,9 @@ def _speed_row(answers: dict[str, list[Answer]], drop: int) -> dict[str, Any]:
             "peak_memory_bytes": max((a.peak_memory_bytes or 0 for a in runs), default=0) or None,
             "depths": _merged([a.mtp["depths"] for a in runs if a.mtp and a.mtp.get("depths")]),
             "predicted_speedup": statistics.median(predicted) if predicted else None,
+            "draft": next((a.mtp["draft"] for a in runs if a.mtp and a.mtp.get("draft")), None),
+            "sources": _sources([a.mtp["sources"] for a in runs
+                                 if a.mtp and isinstance(a.mtp.get("sources"), dict)]),
         }
     plain, mtp = row.get("plain", {}).get("decode_tps"), row.get("mtp", {}).get("decode_tps")
     row["speedup"] = mtp["p50"] / plain["p50"] if plain and mtp and plain["p50"] > 0 else None
@@ -155,7 +181,8 @@ def _pick_depth(target: Target, options: VerifyOptions, loads: dict[str, Load],
     load = loads.get("code") or next(iter(loads.values()))
 
     def timed(depth: int, tokens: int = options.max_tokens) -> Answer:
-        return _ask(target, load.fresh(), load.chat, max_tokens=tokens, stream=True, depth=depth)
+        return _ask(target, load.fresh(), load.chat, max_tokens=tokens, stream=True, depth=depth,
+                    **options.drafting(depth))
 
     for depth in (0, *SWEEP):
         timed(depth, WARMUP_TOKENS)
@@ -221,7 +248,7 @@ def _speed(target: Target, facts: Facts, options: VerifyOptions, report: Report,
     control = _mtp_control(target)
     depth: int | str | None = None
     sweep: dict[str, Any] = {}
-    if control and options.depth == "auto" and _auto_control(target):
+    if control and options.depth == "auto" and _auto_control(target, options):
         depth = "auto"  # the target chooses each round's depth from its measured costs
     elif control:
         depth, sweep = _pick_depth(target, options, loads, progress)
@@ -231,18 +258,20 @@ def _speed(target: Target, facts: Facts, options: VerifyOptions, report: Report,
     for name, load in loads.items():
         modes = {"plain": 0, "mtp": depth} if control and depth else {"as served": None}
         for d in modes.values():  # warm-up, each mode
-            _ask(target, load.fresh(), load.chat, max_tokens=WARMUP_TOKENS, stream=True, depth=d)
+            _ask(target, load.fresh(), load.chat, max_tokens=WARMUP_TOKENS, stream=True, depth=d,
+                 **options.drafting(d))
         answers: dict[str, list[Answer]] = {m: [] for m in modes}
         for run in range(options.runs):
             progress(f"{name} run {run + 1}/{options.runs}")
             prompt = load.fresh()
             for mode, d in modes.items():  # baseline first, same prompt for every mode
                 answers[mode].append(_ask(target, prompt, load.chat, max_tokens=options.max_tokens,
-                                          stream=True, depth=d))
+                                          stream=True, depth=d, **options.drafting(d)))
             if len(modes) == 2:
                 exact.append(_same(answers["plain"][-1], answers["mtp"][-1]))
         rows[name] = _speed_row(answers, options.drop)
-    report.speed = {"depth": depth, "mtp_control": control, "sweep": sweep, "loads": rows,
+    report.speed = {"depth": depth, "draft": options.draft, "mtp_control": control,
+                    "sweep": sweep, "loads": rows,
                     "runs": options.runs, "max_tokens": options.max_tokens, "drop": options.drop}
     checks.append(_exactness(exact, facts, depth))
     checks.extend(_speed_checks(rows, options, control, depth))
@@ -326,6 +355,9 @@ def table(doc: dict[str, Any]) -> str:
             parts.append(f"predicted {row['predicted_speedup']:.2f}x")
         if (row.get("mtp") or {}).get("depths"):
             parts.append(f"depths {depths_text(row['mtp']['depths'])}")
+        if (row.get("mtp") or {}).get("sources"):
+            parts.append("drafts " + " / ".join(f"{name} {s['rounds']} rounds" for name, s in
+                                                row["mtp"]["sources"].items()))
         lines.append(f"  load {name}: " + ", ".join(parts))
     fp = doc["record"].get("fingerprint", {}).get("sha256")
     verdict = "PASS" if doc["passed"] else "FAIL"

@@ -74,13 +74,16 @@ def render_text(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def summary(runner: Runner) -> str:
+def summary(runner: Runner, draft: str | None = None) -> str:
     """One line for `serve --depth auto` at start-up (measures the curve once, or reads it)."""
-    if runner.head is None:
-        return "depth auto: no MTP head, plain decoding"
     curve = runner.costs()
     ratios = curve.ratios()
     shown = " ".join(f"{t}:{ratios[t - 1]:.2f}" for t in (2, 4, 8, 16) if t <= len(ratios))
+    if runner.draft_source("auto", draft) == "lookup":
+        why = "no MTP head, " if runner.head is None else ""
+        return (f"depth auto: {why}context lookup drafts chosen per round from this machine's "
+                f"costs (verify c(T)/c(1) {shown}; c(1) {1000 * curve.verify[0]:.2f} ms, plain "
+                f"step {1000 * curve.plain:.2f} ms; mtpkit tune shows more)")
     starts = ", ".join(f"a_1 {100 * p['acceptance']:.0f}% -> "
                        + (f"d{p['depth']}" if p["depth"] else "plain")
                        for p in picks(curve, runner.policy("auto")[0]))
