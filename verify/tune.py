@@ -70,7 +70,8 @@ def render_text(doc: dict[str, Any]) -> str:
                   + (f"depth {p['depth']}" if p["depth"] else "plain decoding")
                   + f", predicted {p['predicted_speedup']:.2f}x" for p in doc["picks"]]
     else:
-        lines.append("  --depth auto decodes plainly: the bundle has no MTP head")
+        lines.append("  no MTP head: --depth auto drafts from the context (lookup) where a match "
+                     "pays, and decodes plainly elsewhere")
     return "\n".join(lines)
 
 
