@@ -202,9 +202,9 @@ def oracle_decoding(runner, tokens: int, runs: int) -> dict:
         if depth not in (0, "auto"):
             a = [statistics.mean(col) for col in zip(*accept, strict=True)]
             row["acceptance_by_depth"] = a
-            row["ideal_speedup"] = (1 + sum(RATES[:depth])) / (curve.round_cost(depth) / plain_s)
-            row["ideal_speedup_measured_acceptance"] = (1 + sum(a)) / (
-                curve.round_cost(depth) / plain_s)
+            fixed = depth * curve.draft + curve.verify[depth]  # a forced depth never pads
+            row["ideal_speedup"] = (1 + sum(RATES[:depth])) / (fixed / plain_s)
+            row["ideal_speedup_measured_acceptance"] = (1 + sum(a)) / (fixed / plain_s)
         if depth == "auto":
             row["depths"] = chosen
             row["predicted_speedup"] = statistics.median(p for p in predicted if p is not None)

@@ -31,6 +31,8 @@ CONTEXT = 512  # cache length the curve is measured at (a typical verify positio
 REPEATS = 7
 PLAIN_STEPS = 32
 VERSION = 1  # bump when what is measured changes
+PAD_GAIN = 0.9  # pad a verify to a wider width only when that is 10% cheaper: a real kernel
+# switch (MLX's quantized matmul from 8 rows on), not the noise between two medians
 
 
 @dataclass
@@ -44,17 +46,20 @@ class CostCurve:
     key: dict[str, Any] = field(default_factory=dict)
 
     def width(self, rows: int) -> int:
-        """The verify width to run `rows` rows at: the cheapest measured width >= rows (extra
-        rows are padding whose outputs are ignored)."""
+        """The verify width to run `rows` rows at: the cheapest measured width >= rows where it
+        is PAD_GAIN cheaper, else rows (extra rows are padding whose outputs are ignored)."""
         if rows > len(self.verify):
             return rows
         return self._widths[rows - 1]
 
     @cached_property
     def _widths(self) -> list[int]:  # asked for several times per round: computed once
-        n = len(self.verify)
-        return [min(range(r, n + 1), key=lambda t: (self.verify[t - 1], t))
-                for r in range(1, n + 1)]
+        n, out = len(self.verify), []
+        for rows in range(1, n + 1):
+            wider = min(range(rows, n + 1), key=lambda t: (self.verify[t - 1], t))
+            cheaper = self.verify[wider - 1] < PAD_GAIN * self.verify[rows - 1]
+            out.append(wider if cheaper else rows)
+        return out
 
     def round_cost(self, depth: int) -> float:
         """Seconds for one round at `depth` (0: one plain step)."""
