@@ -98,11 +98,12 @@ class DepthPolicy:
         a = self.acceptance(source) if acceptance is None else acceptance
         return (1.0 + sum(a[:depth])) / self.cost(depth, source)
 
-    def choose(self, lookup_width: int = 0) -> tuple[str, int]:
+    def choose(self, lookup_width: int = 0,
+               sources: tuple[str, ...] | None = None) -> tuple[str, int]:
         """The (source, depth) with the highest expected rate; ("plain", 0) unless speculation
         beats plain by MARGIN. A lookup can draft at most `lookup_width` tokens this round."""
         options = []
-        for source in self.sources:
+        for source in self.sources if sources is None else sources:
             most = self.max_depth if source == "head" else min(lookup_width, self.max_depth)
             a = self.acceptance(source)
             options += [(self.rate(d, a, source), source, d) for d in range(1, most + 1)]
@@ -113,9 +114,7 @@ class DepthPolicy:
 
     def best(self) -> int:
         """The head's best depth, 0 unless it beats plain decoding by MARGIN."""
-        source, depth = DepthPolicy(self.curve, self.max_depth, trackers={
-            "head": self.trackers["head"]}, sources=("head",)).choose()
-        return depth if source == "head" else 0
+        return self.choose(sources=("head",))[1]
 
     def predicted_speedup(self, depth: int | None = None, source: str = "head") -> float:
         """Expected rate at `depth` (default: the head's best) over plain decoding's."""

@@ -40,14 +40,18 @@ class FewRowsLinear(nn.Linear):
         return y + self.bias if "bias" in self else y
 
 
-def use_few_rows_linears(module: nn.Module) -> int:
-    """Swap every float nn.Linear under `module` (quantized ones are left alone); returns how
-    many were swapped."""
-    swaps = [(name, FewRowsLinear(m)) for name, m in module.named_modules()
-             if type(m) is nn.Linear]
+def _swap(module: nn.Module, kind: type[nn.Module], twin: type[nn.Module]) -> int:
+    """Replace every module of exactly `kind` under `module` by `twin(it)`; how many."""
+    swaps = [(name, twin(m)) for name, m in module.named_modules() if type(m) is kind]
     if swaps:
         module.update_modules(tree_unflatten(swaps))
     return len(swaps)
+
+
+def use_few_rows_linears(module: nn.Module) -> int:
+    """Swap every float nn.Linear under `module` (quantized ones are left alone); returns how
+    many were swapped."""
+    return _swap(module, nn.Linear, FewRowsLinear)
 
 
 class KernelQuantizedLinear(nn.QuantizedLinear):
@@ -73,8 +77,4 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
 def use_kernel_linears(module: nn.Module) -> int:
     """Swap every nn.QuantizedLinear under `module` for its verify-kernel twin; returns how
     many were swapped."""
-    swaps = [(name, KernelQuantizedLinear(m)) for name, m in module.named_modules()
-             if type(m) is nn.QuantizedLinear]
-    if swaps:
-        module.update_modules(tree_unflatten(swaps))
-    return len(swaps)
+    return _swap(module, nn.QuantizedLinear, KernelQuantizedLinear)

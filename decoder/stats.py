@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+def shares(accepted: list[int], proposed: list[int]) -> list[float]:
+    return [a / p if p else 0.0 for a, p in zip(accepted, proposed, strict=True)]
+
+
 @dataclass
 class Stats:
     """Counters are per generation. Decode tok/s is measured over the decode window (first
@@ -52,7 +56,7 @@ class Stats:
     @property
     def acceptance_by_depth(self) -> list[float]:
         """Share of rounds proposing a draft at position i whose draft i was kept."""
-        return [a / p if p else 0.0 for a, p in zip(self.accepted, self.proposed, strict=True)]
+        return shares(self.accepted, self.proposed)
 
     @property
     def mean_accepted(self) -> float:
@@ -85,7 +89,7 @@ class Stats:
             "prefill_tps": self.prefill_tps, "decode_tps": self.decode_tps,
             "decode_window_s": self.decode_window_s, "peak_memory_bytes": self.peak_memory_bytes,
             "depths": {str(d): n for d, n in self.depths.items()},
-            "sources": {s: {**v, "acceptance_by_depth": [a / p if p else 0.0 for a, p in zip(
-                v["accepted"], v["proposed"], strict=True)]} for s, v in self.sources.items()},
+            "sources": {s: {**v, "acceptance_by_depth": shares(v["accepted"], v["proposed"])}
+                        for s, v in self.sources.items()},
             "predicted_speedup": self.predicted_speedup,
         }

