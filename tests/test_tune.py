@@ -71,8 +71,11 @@ def test_tune_prints_sixteen_widths_and_the_picks(built: Callable[..., Path], ca
     assert len(doc["verify"]) == len(doc["ratios"]) == len(doc["widths"]) == 16
     assert measured == [1] and doc["measured"] is False, "the second call reads the cache"
     assert doc["ratios"][0] == 1.0 and doc["draft"] > 0 and doc["max_depth"] >= 1
-    for t, w in enumerate(doc["widths"], 1):  # the cheapest measured width at or above t
-        assert w >= t and doc["verify"][w - 1] == min(doc["verify"][t - 1:])
+    verify = doc["verify"]
+    for t, w in enumerate(doc["widths"], 1):  # padded only to the cheapest width, and only
+        cheapest = min(verify[t - 1:])        # where that is PAD_GAIN cheaper than t itself
+        pays = cheapest < costs.PAD_GAIN * verify[t - 1]
+        assert w == t if not pays else (w > t and verify[w - 1] == cheapest)
     picks = doc["picks"]
     assert [p["acceptance"] for p in picks] == [0.3, 0.5, 0.7, 0.9]
     assert [p["depth"] for p in picks] == sorted(p["depth"] for p in picks), "deeper when kept"
