@@ -520,6 +520,7 @@ Examples:
   mtpkit verify-run ./bundle                                   # local, depth auto vs plain
   mtpkit verify-run ./bundle --runs 5 --min-accept 0.5 --min-speedup 1.2 --stamp
   mtpkit verify-run --endpoint http://127.0.0.1:8080 --api-key "$KEY" --json
+  mtpkit verify-run ./bundle --json > today.json --report today.html --compare last-week.json
 \b
 Exit codes: 0 every check passed, 1 a check failed or a floor was not met, 2 bad input.
 """
@@ -548,16 +549,23 @@ Exit codes: 0 every check passed, 1 a check failed or a floor was not met, 2 bad
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
               help="Local bundles: cast the weights (bf16 verify passes can flip near-ties, "
                    "so float32 is the exactness proof).")
+@click.option("--report", "report_path", type=click.Path(path_type=Path), help="Also write the "
+              "run as one self-contained HTML page with charts (written even when checks fail).")
+@click.option("--compare", type=click.Path(path_type=Path), metavar="EARLIER.json",
+              help="With --report: overlay an earlier verify-run --json document's numbers.")
 def verify_run(bundle: str | None, endpoint: str | None, api_key: str | None, as_json: bool,
                stamp: bool, depth_opt: str | int, draft: str | None, loads: str, runs: int,
                max_tokens: int, min_accept: float | None, min_speedup: float | None,
-               timeout: float, dtype: str | None) -> None:
+               timeout: float, dtype: str | None, report_path: Path | None,
+               compare: Path | None) -> None:
     """Check BUNDLE (or --endpoint) end to end and measure its speed the honest way."""
     from mtpkit.verify.endpoint import EndpointError, open_endpoint
     from mtpkit.verify.loads import LOADS
     from mtpkit.verify.local import open_local
     from mtpkit.verify.record import fingerprint, machine, require_manifest
     from mtpkit.verify.record import stamp as write_stamp
+    from mtpkit.verify.report import check_writable, load_earlier
+    from mtpkit.verify.report import write as write_report
     from mtpkit.verify.run import Facts, VerifyOptions, run, table
 
     if (bundle is None) == (endpoint is None):
@@ -569,7 +577,12 @@ def verify_run(bundle: str | None, endpoint: str | None, api_key: str | None, as
         _fail("usage", f"--loads takes a comma list of {', '.join(LOADS)}", "e.g. --loads code")
     options = VerifyOptions(depth_opt, chosen, runs, max_tokens, min_accept=min_accept,
                             min_speedup=min_speedup, draft=draft)
+    if compare and not report_path:
+        _fail("usage", "--compare overlays an earlier run on --report's page", "add --report PATH")
     with _user_errors("--out"):
+        earlier = load_earlier(compare) if compare else None  # bad inputs before the long run
+        if report_path:
+            check_writable(report_path)
         try:
             if endpoint:
                 target, view = open_endpoint(endpoint, api_key, timeout), None
@@ -586,9 +599,14 @@ def verify_run(bundle: str | None, endpoint: str | None, api_key: str | None, as
                                                                            err=True))
         report.record = {"machine": machine(), **({"fingerprint": fingerprint(view)} if view
                                                    else {"endpoint": endpoint})}
+        if view is not None and report.speed:
+            report.speed["costs"] = target.costs(depth_opt)
         doc = report.to_dict()
         if stamp and view is not None:
             write_stamp(view.root, doc)
+        if report_path:
+            write_report(doc, report_path, earlier, compare and compare.name)
+            click.echo(f"verify-run: report written to {report_path}", err=True)
     if as_json:
         click.echo(json.dumps(doc, indent=2))
     else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,9 @@ class Stats:
     sources: dict[str, dict[str, Any]] = field(default_factory=dict)
     predicted_s: float = 0.0
     plain_s: float = 0.0
+    # per verified round: (perf_counter at its verdict, tokens committed before it, depth, kept),
+    # so acceptance and tok/s can be drawn over the rounds of a generation
+    timeline: list[tuple[float, int, int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.proposed = self.proposed or [0] * self.depth
@@ -44,6 +48,7 @@ class Stats:
         self.verify_calls += 1
         self.bonus += bonus
         self.corrections += not bonus
+        self.timeline.append((time.perf_counter(), self.generated_tokens, depth, kept))
         mine = self.sources.setdefault(source, {"rounds": 0, "proposed": [0] * self.depth,
                                                  "accepted": [0] * self.depth})
         mine["rounds"] += 1
@@ -57,6 +62,14 @@ class Stats:
     def acceptance_by_depth(self) -> list[float]:
         """Share of rounds proposing a draft at position i whose draft i was kept."""
         return shares(self.accepted, self.proposed)
+
+    def rounds(self) -> dict[str, list]:
+        """The timeline as columns: seconds since the first round, tokens committed by the end
+        of each round (plain steps between rounds included), depth and drafts kept."""
+        t0 = self.timeline[0][0] if self.timeline else 0.0
+        return {"t": [round(t - t0, 6) for t, *_ in self.timeline],
+                "tokens": [n + k + 1 for _, n, _, k in self.timeline],
+                "depth": [d for *_, d, _ in self.timeline], "kept": [k for *_, k in self.timeline]}
 
     @property
     def mean_accepted(self) -> float:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from mtpkit.decoder.costs import cache_key, cached
 from mtpkit.decoder.runner import load
 from mtpkit.loaders.bundle import BundleView, open_bundle
 from mtpkit.serve.protocol import Request
@@ -13,6 +14,7 @@ from mtpkit.serve.service import Service, usage
 from mtpkit.verify.answer import Answer, Chunk
 from mtpkit.verify.checks import FAIL, PASS, Check
 from mtpkit.verify.run import Facts
+from mtpkit.verify.tune import report
 
 
 class Local:
@@ -36,9 +38,20 @@ class Local:
         assert result is not None
         s = result.stats
         mtp = usage(result, used)["mtp"]  # what serve's client reads in usage.mtp
+        mtp["rounds"] = s.rounds()  # and, in process, the per-round timeline for --report
         return Answer("".join(c.content for c in chunks), "".join(c.reasoning for c in chunks),
                       len(result.tokens), s.prompt_tokens, result.finish_reason,
                       chunks if stream else [], mtp, s.peak_memory_bytes, list(result.tokens))
+
+    def costs(self, depth: int | str) -> dict[str, Any] | None:
+        """The cost curve document `mtpkit tune --json` prints, where depth auto measured it
+        or the cache holds it (a forced depth never measures it only for a report)."""
+        runner = self.service.runner
+        if runner.root is None:
+            return None
+        if depth != "auto" and cached(cache_key(runner.root, runner.load_options)) is None:
+            return None
+        return report(runner, str(runner.root))
 
 
 def open_local(bundle: str, dtype: str | None = None) -> tuple[Local, Facts, BundleView]:

@@ -159,6 +159,8 @@ def _speed_row(answers: dict[str, list[Answer]], drop: int) -> dict[str, Any]:
             "draft": next((a.mtp["draft"] for a in runs if a.mtp and a.mtp.get("draft")), None),
             "sources": _sources([a.mtp["sources"] for a in runs
                                  if a.mtp and isinstance(a.mtp.get("sources"), dict)]),
+            "rounds": [a.mtp["rounds"] for a in runs
+                       if a.mtp and (a.mtp.get("rounds") or {}).get("t")] or None,
         }
     plain, mtp = row.get("plain", {}).get("decode_tps"), row.get("mtp", {}).get("decode_tps")
     row["speedup"] = mtp["p50"] / plain["p50"] if plain and mtp and plain["p50"] > 0 else None
