@@ -30,15 +30,18 @@ class ContextIndex:
             for n in range(1, min(self.max_ngram, last + 1) + 1):
                 self.ends[n][tuple(self.tokens[last - n + 1:last + 1])] = last + 1
 
-    def propose(self, width: int, min_ngram: int = MIN_NGRAM) -> tuple[list[int], int]:
+    def propose(self, width: int, min_ngram: int = MIN_NGRAM,
+                after: list[int] | None = None) -> tuple[list[int], int]:
         """(`width` tokens that followed the longest earlier match of the text's suffix, the
-        match length); ([], 0) when no suffix of min_ngram tokens or more occurred before."""
-        size = len(self.tokens)
+        match length); ([], 0) when no suffix of min_ngram tokens or more occurred before.
+        `after`: tokens not committed yet (a head's drafts) that end the text for this lookup."""
+        after = after or []
+        size, text = len(self.tokens) + len(after), self.tokens + after if after else self.tokens
         for n in range(min(self.max_ngram, size), min_ngram - 1, -1):
-            start = self.ends[n].get(tuple(self.tokens[size - n:]))
+            start = self.ends[n].get(tuple(text[size - n:]))
             if start is not None:  # running past the end continues with the proposal
                 out: list[int] = []  # itself: a text repeating with period p goes on so
                 for j in range(start, start + width):
-                    out.append(self.tokens[j] if j < size else out[j - size])
+                    out.append(text[j] if j < size else out[j - size])
                 return out, n
         return [], 0

@@ -6,9 +6,12 @@ A plain step yields one token per `plain` seconds. The a_i are learned online fr
 this generation (an exponentially decayed count, started from a prior), so the depth follows the
 text: deep on boilerplate, shallow on prose, plain where the head helps nothing. With context
 lookup drafting a round may instead take the tokens that followed an earlier match of the text's
-suffix (decoder/lookup.py): free to draft, tracked apart. Choosing the
-depth from past rounds only keeps decoding exact (each round is exact for any depth fixed before
-its drafts are seen).
+suffix (decoder/lookup.py): free to draft, tracked apart. With both sources a head round may go
+on with what followed the context's match of the text plus the head's drafts ("chain": the head
+guesses where the text is, the context knows how it goes on), tracked apart again, as the chance
+that each extension token is kept given that all head drafts were. The depth and the extension
+depend only on past rounds and on drafts already made, never on the verify pass, so each round is
+exact.
 
 When plain decoding wins, the session decodes plainly (pipelined, as fast as depth 0) for a
 stretch, then probes one depth-1 round to see whether the head has become useful; a probe that
@@ -67,7 +70,8 @@ class Tracker:
 
 @dataclass
 class DepthPolicy:
-    """Per round: which source drafts ("head", "lookup") and how deep, or plain decoding."""
+    """Per round: which source drafts ("head", "lookup") and how deep, or plain decoding; and
+    how far a head round's drafts are extended from the context (`extension`)."""
 
     curve: CostCurve
     max_depth: int
@@ -78,17 +82,20 @@ class DepthPolicy:
     chosen: dict[int, int] = field(default_factory=dict)  # depth -> rounds (0: plain steps)
 
     def __post_init__(self) -> None:
+        chains = ("chain",) if {"head", "lookup"} <= set(self.sources) else ()
         self.trackers = self.trackers or {s: Tracker(self.max_depth, self.prior)
-                                          for s in self.sources}
+                                          for s in (*self.sources, *chains)}
 
     def acceptance(self, source: str = "head") -> list[float]:
         return self.trackers[source].estimates()
 
-    def cost(self, depth: int, source: str = "head") -> float:
-        """Seconds for a round: a lookup drafts on the host, for free."""
-        if source == "lookup" and depth > 0:
-            return self.curve.verify[self.curve.width(depth + 1) - 1]
-        return self.curve.round_cost(depth)
+    def cost(self, depth: int, source: str = "head", drafted: int | None = None) -> float:
+        """Seconds for a round of `depth` drafts, `drafted` of them by the head (default: all
+        for "head", none for "lookup"): a lookup drafts on the host, for free."""
+        if depth == 0:
+            return self.curve.plain
+        drafted = (depth if source == "head" else 0) if drafted is None else drafted
+        return drafted * self.curve.draft + self.curve.verify[self.curve.width(depth + 1) - 1]
 
     def rate(self, depth: int, acceptance: list[float] | None = None,
              source: str = "head") -> float:
@@ -112,6 +119,21 @@ class DepthPolicy:
         rate, source, depth = max(options)
         return (source, depth) if rate >= MARGIN * self.rate(0) else ("plain", 0)
 
+    def extension(self, depth: int, available: int) -> int:
+        """How many of `available` context tokens to append to `depth` head drafts: the count
+        with the highest expected rate (0: the head's drafts alone)."""
+        if "chain" not in self.trackers or depth <= 0:
+            return 0
+        head, chain = self.acceptance("head"), self.acceptance("chain")
+        base = 1.0 + sum(head[:depth])
+
+        def rate(more: int) -> float:
+            kept = base + head[depth - 1] * sum(chain[:more])
+            return kept / self.cost(depth + more, "chain", depth)
+
+        most = min(available, self.max_depth - depth)
+        return max(range(most + 1), key=lambda more: (rate(more), -more))
+
     def best(self) -> int:
         """The head's best depth, 0 unless it beats plain decoding by MARGIN."""
         return self.choose(sources=("head",))[1]
@@ -121,9 +143,18 @@ class DepthPolicy:
         depth = self.best() if depth is None else depth
         return self.rate(depth, source=source) / self.rate(0)
 
-    def record(self, depth: int, accepted: int, source: str = "head") -> None:
-        """One verified round: drafts 1..accepted kept out of `depth`."""
-        self.trackers[source].record(depth, accepted)
+    def record(self, depth: int, accepted: int, source: str = "head",
+               drafted: int | None = None) -> None:
+        """One verified round: drafts 1..accepted kept out of `depth`. A "chain" round's
+        first `drafted` were the head's: they count for the head, and the rest for the chain
+        only when every head draft was kept (else they were never put to the test)."""
+        if source == "chain":
+            assert drafted is not None
+            self.trackers["head"].record(drafted, min(accepted, drafted))
+            if accepted >= drafted:
+                self.trackers["chain"].record(depth - drafted, accepted - drafted)
+        else:
+            self.trackers[source].record(depth, accepted)
         self.chosen[depth] = self.chosen.get(depth, 0) + 1
 
     def plain_stretch(self) -> int:

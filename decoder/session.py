@@ -33,6 +33,8 @@ PREFILL_STEP = 2048
 STREAM = mx.new_thread_local_stream(mx.default_device())
 ROLLBACKS = ("record", "replay")
 DRAFTS = ("head", "lookup", "both")
+SOURCE_NAMES = {"head": "head", "lookup": "lookup", "chain": "head+lookup"}  # in stats
+CHAIN_MIN_NGRAM = 2  # after the head's guess, a one-token match says little of what follows
 
 
 class Session:
@@ -207,21 +209,26 @@ class Session:
             hidden = out
         return mx.concatenate(chain, axis=1), (np.stack(rows) if rows else None), chained
 
-    def round(self, depth: int, lookup: list[int] | None = None) -> list[int]:
+    def round(self, depth: int, lookup: list[int] | None = None,
+              most: int | None = None) -> list[int]:
         """Draft `depth` tokens (the head's, or the given context `lookup` drafts, whose q is
         one-hot), verify them in one trunk pass, commit and roll back. The pass may be padded
         to a wider, cheaper width (the policy's cost curve); padding rows repeat the last token
         and are rolled back like rejected drafts."""
-        source = "lookup" if lookup is not None else "head"
+        source, drafted = ("lookup", 0) if lookup is not None else ("head", depth)
         if lookup is not None:
             depth = len(lookup)
             tokens, chained = mx.array([[self.last, *lookup]]), []
             q = None
             if not self.params.greedy:
-                q = np.zeros((depth, self.trunk.args.vocab_size))
-                q[np.arange(depth), lookup] = 1.0
+                q = _one_hot(lookup, self.trunk.args.vocab_size)
         elif depth > 0:
             tokens, q, chained = self._draft(depth)
+            if (more := self._extension(tokens, depth, depth if most is None else most)):
+                source, depth = "chain", depth + len(more)
+                tokens = mx.concatenate([tokens, mx.array([more])], axis=1)
+                if q is not None:
+                    q = np.concatenate([q, _one_hot(more, q.shape[1])])
         else:
             tokens, q, chained = mx.array([[self.last]]), None, []
         width = self.policy.curve.width(depth + 1) if self.policy is not None else depth + 1
@@ -260,11 +267,23 @@ class Session:
             self.lookup.extend(committed)
         self.last = verdict.token
         if depth > 0:
-            self.stats.count_round(source, depth, kept, verdict.bonus(depth))
+            self.stats.count_round(SOURCE_NAMES[source], depth, kept, verdict.bonus(depth))
             if self.policy is not None:
-                self.policy.record(depth, kept, source)
-                self.stats.predicted_s += self.policy.cost(depth, source)
+                self.policy.record(depth, kept, source, drafted)
+                self.stats.predicted_s += self.policy.cost(depth, source, drafted)
         return committed
+
+    def _extension(self, tokens: mx.array, depth: int, most: int) -> list[int]:
+        """Context tokens to append to the head's `depth` drafts in `tokens` (a "chain"
+        round, at most `most` drafts in all): what followed an earlier match of the text
+        ending in those drafts, as many as the policy finds worth their verify rows. Costs a
+        host sync of the drafts, so only where the policy would take some."""
+        policy = self.policy
+        room = min(most, self.depth) - depth
+        if policy is None or self.lookup is None or room <= 0 or not policy.extension(depth, room):
+            return []
+        more, _ = self.lookup.propose(room, CHAIN_MIN_NGRAM, after=tokens.tolist()[0][1:])
+        return more[:policy.extension(depth, len(more))]
 
     def next_round(self, depth: int) -> list[int]:
         """A round at a fixed depth: context drafts where the text offers some (up to `depth`),
@@ -293,7 +312,7 @@ class Session:
             if depth > 0 or left() <= 1:
                 policy.reset_stretch()
                 yield self.round(depth, drafts[:depth]) if source == "lookup" and depth > 0 \
-                    else self.round(max(depth, 0))
+                    else self.round(max(depth, 0), most=left() - 1)
                 continue
 
             cut: list[bool] = []
@@ -369,3 +388,10 @@ def generate_ids(session: Session, ids: list[int], max_tokens: int,
             stats.depths = dict(sorted(session.policy.chosen.items()))
         if stop is not None or stats.generated_tokens >= max_tokens:
             return
+
+
+def _one_hot(tokens: list[int], vocab: int) -> np.ndarray:
+    """The q of deterministic drafts: all mass on the drafted token."""
+    q = np.zeros((len(tokens), vocab))
+    q[np.arange(len(tokens)), tokens] = 1.0
+    return q

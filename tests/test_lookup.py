@@ -19,22 +19,26 @@ from fixtures.decoder_models import tiny_runner
 from mtpkit.decoder.costs import CostCurve
 from mtpkit.decoder.lookup import MAX_NGRAM, ContextIndex
 from mtpkit.decoder.policy import DepthPolicy
-from mtpkit.decoder.runner import Runner
+from mtpkit.decoder.runner import MAX_AUTO_DEPTH, Runner
 from mtpkit.decoder.sampling import SamplingParams, probabilities
+from mtpkit.decoder.session import CHAIN_MIN_NGRAM, Session, generate_ids
 
 FAMILIES = ("llama", "qwen3_5", "qwen3_next", "deepseek_v3", "mimo")
 PROMPT = [5, 17, 42, 99, 7, 3, 5, 17, 42, 99, 7, 3, 5, 17]
 
 
-def brute_force(tokens: list[int], width: int) -> tuple[list[int], int]:
-    """The longest suffix (<= MAX_NGRAM) with an earlier occurrence; what followed its latest
-    one, continued periodically past the end."""
-    for n in range(min(MAX_NGRAM, len(tokens) - 1), 0, -1):
-        suffix = tokens[-n:]
-        for end in range(len(tokens) - 2, n - 2, -1):  # an occurrence ending before the last
-            if tokens[end - n + 1:end + 1] == suffix:
-                period = len(tokens) - 1 - end
-                return [tokens[end + 1 + i % period] for i in range(width)], n
+def brute_force(tokens: list[int], width: int, after: tuple[int, ...] = (),
+                min_ngram: int = 1) -> tuple[list[int], int]:
+    """The longest suffix (<= MAX_NGRAM) of tokens + after with an earlier occurrence in the
+    committed `tokens` (ending before their last); what followed its latest one, continued
+    periodically past the end."""
+    text = tokens + list(after)
+    for n in range(min(MAX_NGRAM, len(text) - 1), min_ngram - 1, -1):
+        suffix = text[-n:]
+        for end in range(len(tokens) - 2, n - 2, -1):
+            if text[end - n + 1:end + 1] == suffix:
+                period = len(text) - 1 - end
+                return [text[end + 1 + i % period] for i in range(width)], n
     return [], 0
 
 
@@ -59,6 +63,9 @@ def test_incremental_index_equals_brute_force() -> None:
             index.extend(batch)
             tokens += batch
             assert index.propose(5) == brute_force(tokens, 5)
+            after = tuple(rng.randrange(6) for _ in range(rng.randrange(1, 4)))
+            assert index.propose(5, 2, list(after)) == brute_force(tokens, 5, after, 2)
+            assert index.tokens == tokens, "a lookup after drafts commits nothing"
 
 
 def _no_eos(runner: Runner) -> Runner:
@@ -110,14 +117,15 @@ def test_policy_backs_off_lookup_that_misses_and_takes_it_when_it_hits() -> None
 
 V = 4
 SAMPLED_PROMPT = [1, 2, 1, 2, 1, 2, 1]
+DE_BRUIJN = [0, 0, 1, 0, 2, 0, 3, 1, 1, 2, 1, 3, 2, 2, 3, 3, 0]  # every pair of tokens once
 
 
-def _exact_joint(runner: Runner, params: SamplingParams, n: int = 3) -> dict[tuple, float]:
+def _exact_joint(runner: Runner, params: SamplingParams, n: int = 3,
+                 prompt: list[int] = SAMPLED_PROMPT) -> dict[tuple, float]:
     out: dict[tuple, float] = {}
     for prefix in itertools.product(range(V), repeat=n - 1):
-        _, logits = runner.trunk(mx.array([SAMPLED_PROMPT + list(prefix)]),
-                                 runner.trunk.make_cache())
-        p = probabilities(logits[0, len(SAMPLED_PROMPT) - 1:], params)
+        _, logits = runner.trunk(mx.array([prompt + list(prefix)]), runner.trunk.make_cache())
+        p = probabilities(logits[0, len(prompt) - 1:], params)
         mass = float(np.prod([p[i, t] for i, t in enumerate(prefix)]))
         for t in range(V):
             out[(*prefix, t)] = mass * p[n - 1, t]
@@ -138,6 +146,139 @@ def test_sampling_with_lookup_drafts_has_the_target_law() -> None:
         seen[tuple(result.tokens)] += 1
         lookups += result.stats.sources.get("lookup", {}).get("rounds", 0)
     assert lookups > 500  # the prompt's repeats give nearly every round a context draft
+    big = [k for k, p in exact.items() if p * 1500 >= 5]
+    small = [k for k, p in exact.items() if 0 < p * 1500 < 5]
+    observed = [seen[k] for k in big] + ([sum(seen[k] for k in small)] if small else [])
+    expected = [exact[k] * 1500 for k in big] + ([sum(exact[k] for k in small) * 1500]
+                                                   if small else [])
+    assert chisquare(observed, expected).pvalue > 1e-3
+
+
+def _chain_session(runner: Runner, params: SamplingParams, seed: int | None = None) -> Session:
+    """An auto session whose context drafts alone have failed and whose head's second draft
+    has (so depth-1 head rounds are chosen), and whose chain has paid so far: head rounds go
+    on with context tokens where the text matches."""
+    runner._costs = CostCurve([1.0 + 0.05 * t for t in range(16)], plain=1.0, draft=0.1)
+    policy = DepthPolicy(runner.costs(), MAX_AUTO_DEPTH, sources=("head", "lookup"))
+    for _ in range(60):
+        policy.record(4, 0, "lookup")
+    for _ in range(10):
+        policy.record(2, 1, "head")
+        policy.trackers["chain"].record(7, 7)
+    return Session(runner.trunk, runner.head, params, MAX_AUTO_DEPTH, seed, runner.rollback,
+                   policy, draft="both")
+
+
+@pytest.mark.parametrize("family", FAMILIES[1:])
+def test_head_drafts_continued_by_the_context_are_greedy_identical(
+        built: Callable[..., Path], family: str) -> None:
+    """Every family's rollback through rounds of head drafts plus context drafts, each kept
+    or rejected at any position. The tiny random trunks write text no context predicts, so
+    the drafts here are the plain run's own tokens, each wrong one time in five (the head's
+    cache work done as usual); where the context would append is checked on its own below."""
+    runner = _no_eos(mtpkit.load(built(family), dtype="float32"))
+    plain = runner.generate(PROMPT, 80, depth=0).tokens + [0] * 16
+    session = _chain_session(runner, SamplingParams())
+    assert session.lookup is not None
+    rng, vocab = random.Random(family), runner.trunk.args.vocab_size
+    draft = session._draft
+
+    def oracle(start: int, count: int) -> list[int]:
+        at = len(session.lookup.tokens) - len(PROMPT) + start
+        return [(t + (rng.random() < 0.2)) % vocab for t in plain[at:at + count]]
+
+    def guessing(depth: int) -> tuple[mx.array, None, list[int]]:
+        _, _, chained = draft(depth)
+        return mx.array([[session.last, *oracle(0, depth)]]), None, chained
+
+    def extension(tokens: mx.array, depth: int, most: int) -> list[int]:
+        room = min(most, session.depth) - depth
+        return oracle(depth, rng.randint(1, room)) if room > 0 else []
+
+    session._draft = guessing  # type: ignore[method-assign]
+    session._extension = extension  # type: ignore[method-assign]
+    tokens = [t for batch in generate_ids(session, PROMPT, 80, set()) for t in batch]
+    assert tokens == plain[:80], family
+    chain = session.stats.sources["head+lookup"]
+    assert chain["rounds"] > 5 and chain["accepted"][2] > 0, chain
+    assert any(0 < k < p for k, p in zip(chain["accepted"], chain["proposed"], strict=True))
+
+
+def test_chain_extends_only_past_a_match_of_the_drafts() -> None:
+    """What a chain round appends is what followed the text plus the head's drafts in the
+    context (a match of at least CHAIN_MIN_NGRAM tokens), and it is verified with them."""
+    runner = tiny_runner(vocab=12, markov=True, logit_scale=4.0)
+    session = _chain_session(runner, SamplingParams())
+    assert session.lookup is not None
+    chained: list[tuple[list[int], list[int], list[int]]] = []
+    extension, draft = session._extension, session._draft
+
+    def guessing(depth: int) -> tuple[mx.array, None, list[int]]:
+        """A head that has learnt the cycle: its drafts are the context's guess."""
+        tokens, _, entries = draft(depth)
+        guess = session.lookup.propose(depth)[0] or tokens.tolist()[0][1:]
+        return mx.array([[session.last, *guess]]), None, entries
+
+    def spy(tokens: mx.array, depth: int, most: int) -> list[int]:
+        committed = list(session.lookup.tokens)
+        more = extension(tokens, depth, most)
+        if more:
+            chained.append((committed, tokens.tolist()[0][1:], more))
+        return more
+
+    session._extension, session._draft = spy, guessing  # type: ignore[method-assign]
+    list(generate_ids(session, [1, 2, 3], 120, set()))
+    assert chained, "the cycle gives the head's drafts a context match"
+    for committed, drafts, more in chained:
+        assert len(drafts) + len(more) <= MAX_AUTO_DEPTH
+        reference, n = brute_force(committed, len(more), tuple(drafts), CHAIN_MIN_NGRAM)
+        assert more == reference and n >= CHAIN_MIN_NGRAM
+    chain = session.stats.sources["head+lookup"]
+    assert chain["rounds"] == len(chained)
+    assert sum(chain["proposed"]) == sum(len(d) + len(m) for _, d, m in chained)
+
+
+def test_chain_policy_counts_head_and_extension_apart() -> None:
+    policy = DepthPolicy(CostCurve([1.0 + 0.05 * t for t in range(16)], plain=1.0, draft=0.1),
+                         8, sources=("head", "lookup"))
+    assert "chain" in policy.trackers
+    assert "chain" not in DepthPolicy(policy.curve, 8, sources=("head",)).trackers
+    policy.record(5, 1, "chain", drafted=2)  # a head draft rejected: the chain untested
+    assert policy.trackers["head"].seen[:3] == [1.0, 1.0, 0.0]
+    assert policy.trackers["head"].kept[:2] == [1.0, 0.0]
+    assert sum(policy.trackers["chain"].seen) == 0
+    policy.record(5, 3, "chain", drafted=2)  # both head drafts kept, one of three extensions
+    assert policy.trackers["chain"].seen[:4] == [1.0, 1.0, 1.0, 0.0]
+    assert policy.trackers["chain"].kept[:2] == [1.0, 0.0]
+    for _ in range(100):
+        policy.record(3, 3, "chain", drafted=1)
+    assert policy.extension(1, 7) == 7, "kept extensions are worth their cheap verify rows"
+    assert policy.extension(1, 2) == 2 and policy.extension(2, 7) == 6, "8 drafts at most"
+    for _ in range(200):
+        policy.record(4, 1, "chain", drafted=1)
+    assert policy.extension(1, 7) == 0, "rejected extensions are not drafted"
+    dear = DepthPolicy(CostCurve([1.0 + 2.0 * t for t in range(16)], plain=1.0, draft=0.1),
+                       8, sources=("head", "lookup"))
+    assert dear.extension(1, 7) == 0, "a 50% guess is not worth a row that costs 2 passes"
+
+
+def test_sampling_with_chain_rounds_has_the_target_law() -> None:
+    """Head drafts (q from the head) followed by context drafts (one-hot q) in one round: the
+    joint law of the first three tokens over 1,500 seeded runs must be p's."""
+    runner = tiny_runner(vocab=V, seed=1)
+    params = SamplingParams(0.9)
+    exact = _exact_joint(runner, params, prompt=DE_BRUIJN)
+    seen: Counter = Counter()
+    chains = 0
+    for s in range(1500):
+        session = _chain_session(runner, params, seed=s)
+        batches = generate_ids(session, DE_BRUIJN, 12, set())
+        tokens = next(batches) + next(batches)  # the first token, then the first round's
+        chains += session.stats.sources.get("head+lookup", {}).get("rounds", 0)
+        while len(tokens) < 3:
+            tokens += next(batches)
+        seen[tuple(tokens[:3])] += 1
+    assert chains > 1000, "most first rounds chain context drafts to the head's"
     big = [k for k, p in exact.items() if p * 1500 >= 5]
     small = [k for k, p in exact.items() if 0 < p * 1500 < 5]
     observed = [seen[k] for k in big] + ([sum(seen[k] for k in small)] if small else [])
