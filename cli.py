@@ -505,7 +505,7 @@ def serve(bundle: str, host: str, port: int, api_key: str | None, depth_opt: str
                         port, api_key, verbose)
     drafts = f", drafts {runner.draft_source(depth_opt, draft)}" if depth_opt != 0 else ""
     click.echo(f"serving {bundle} on http://{host}:{server.server_address[1]}/v1 "
-               f"(MTP depth {depth_opt}){drafts}", err=True)
+               f"(MTP depth {depth_opt}){drafts}; chat page at /", err=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

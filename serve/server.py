@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from mtpkit.loaders.findings import UserError
+from mtpkit.serve import page
 from mtpkit.serve.protocol import MAX_BODY_BYTES, RequestError, completion_id, envelope, parse
 from mtpkit.serve.service import Service, tool_calls, usage
 
@@ -106,7 +107,9 @@ class Handler(BaseHTTPRequestHandler):
     # -- routes -----------------------------------------------------------------------------
 
     def do_GET(self) -> None:  # noqa: N802 (stdlib name)
-        if not self._authorized():
+        if page.is_page(self.path):  # the chat page holds nothing; its API calls carry the key
+            page.send(self)
+        elif not self._authorized():
             self._json(401, RequestError(401, "invalid API key", kind="authentication_error").body())
         elif self.path.rstrip("/") == "/v1/models":
             self._json(200, {"object": "list", "data": [
