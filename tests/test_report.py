@@ -80,6 +80,9 @@ def test_report_is_self_contained_small_and_every_chart_labelled(local_run) -> N
     for svg, (x, y) in zip(svgs, LABELS, strict=True):
         text = _texts(svg)
         assert x in text and y in text, (x, y, text[:300])
+        axes = len(re.findall(r'<g id="axes_\d+"', svg))
+        assert axes and len(re.findall(r'<g id="[\w-]+-ylabel-\d+"', svg)) == axes
+        assert re.search(r'<g id="[\w-]+-xlabel-\d+"', svg)
     # the numbers on the page are the run's
     verdict = "PASS" if doc["passed"] else "FAIL"
     assert f'id="verdict">{verdict}<' in html

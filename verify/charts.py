@@ -42,8 +42,12 @@ def _figure(width: float, height: float, rows: int = 1) -> tuple[Figure, list[Ax
 
 
 def svg(fig: Figure, name: str) -> str:
-    """The figure as an inline <svg> element (no XML prolog). Ids are salted by `name` so that
-    several charts in one page never share one."""
+    """The figure as an inline <svg> element (no XML prolog), each axis label in a group with
+    an id ("NAME-xlabel-I"). Ids are salted by `name`: charts in one page never share one."""
+    for i, ax in enumerate(fig.axes):  # named groups: a reader (or test) can find each label
+        for kind, label in (("xlabel", ax.xaxis.label), ("ylabel", ax.yaxis.label)):
+            if label.get_text():
+                label.set_gid(f"{name}-{kind}-{i}")
     buf = io.StringIO()
     with matplotlib.rc_context({"svg.hashsalt": name}):
         fig.savefig(buf, format="svg", metadata={"Date": None})
