@@ -16,10 +16,11 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from mlx_lm.utils import dequantize_model, load_model
 
-from mtpkit.decoder import kernels
+from mtpkit.decoder import distributed, kernels, sharding
 from mtpkit.decoder.costs import CostCurve, costs_for
 from mtpkit.decoder.head import Contract, MTPHead
 from mtpkit.decoder.policy import DepthPolicy
+from mtpkit.decoder.prefix import CachedSession, PrefixCache
 from mtpkit.decoder.rows import use_few_rows_linears, use_kernel_linears
 from mtpkit.decoder.sampling import SamplingParams
 from mtpkit.decoder.session import DRAFTS, Session, generate_ids
@@ -48,6 +49,7 @@ class Result:
     text: str
     stats: Stats
     finish_reason: str  # "stop" (EOS) or "length"
+    cached_tokens: int = 0  # prompt tokens restored from a prefix cache (not prefilled)
 
 
 @dataclass
@@ -184,19 +186,21 @@ class Runner:
     def stream(self, prompt: Prompt, max_tokens: int = 256, temperature: float = 0.0,
                top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
                depth: Depth = "auto", seed: int | None = None,
-               draft: str | None = None) -> Iterator[Piece]:
+               draft: str | None = None, prefix: PrefixCache | None = None) -> Iterator[Piece]:
         """Yield text as it is committed; the last piece carries the Result. depth: "auto"
         (chosen per round from this machine's measured costs), a number (forced; 0 is plain
         decoding) or None (the head's layer count). draft: "head", "lookup" (context drafts,
-        any bundle) or "both"; default: see draft_source."""
+        any bundle) or "both"; default: see draft_source. prefix: a prefix cache the prompt
+        starts from and is kept in (decoder/prefix.py)."""
         draft = self.draft_source(depth, draft)
         depth, policy = self.policy(depth, draft)
         ids = self.encode(prompt)
         if not ids:
             raise ValueError("empty prompt")
         params = SamplingParams(temperature, top_p, top_k, min_p)
-        session = Session(self.trunk, self.head, params, depth, seed, self.rollback, policy,
-                          draft=draft)
+        args = (self.trunk, self.head, params, depth, seed, self.rollback, policy)
+        session = Session(*args, draft=draft) if prefix is None else \
+            CachedSession(*args, draft=draft, prefix=prefix)
         eos = set(self.tokenizer.eos_token_ids) if self.tokenizer is not None else set()
         detok = self.tokenizer.detokenizer if self.tokenizer is not None else None
         if detok is not None:
@@ -216,7 +220,8 @@ class Runner:
             tail = detok.last_segment
         text = self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
         reason = "length" if len(tokens) >= max_tokens else "stop"
-        yield Piece(tail, [], Result(tokens, text, session.stats, reason))
+        cached = session.cached_tokens if isinstance(session, CachedSession) else 0
+        yield Piece(tail, [], Result(tokens, text, session.stats, reason, cached))
 
     def generate(self, prompt: Prompt, max_tokens: int = 256, **options: Any) -> Result:
         """Tokens, text and statistics of one generation; depth=0 is plain decoding."""
@@ -233,7 +238,8 @@ def cast_floats(module: nn.Module, dtype: mx.Dtype) -> None:
 
 def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None = None,
          hidden_feed: str | None = None, next_hidden: str | None = None,
-         concat_order: str | None = None, rollback: str = "record") -> Runner:
+         concat_order: str | None = None, rollback: str = "record",
+         shard: str | None = None) -> Runner:
     """Load a converted bundle: trunk through mlx-lm's own classes, MTP head from the sidecar.
 
     dequantize="auto" runs quantized weights as bf16 (and MoE experts as float32) on MLX's CPU
@@ -243,7 +249,9 @@ def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None
     the family/manifest values. On CPU, the trunk's and head's float linears multiply verify
     passes weight-first (decoder/rows.py). rollback: how recurrent (GatedDeltaNet) state
     returns to the last kept token: "record" (states recorded per position during verify) or
-    "replay".
+    "replay". shard: "tensor" or "pipeline" in a process started by mlx.launch: this rank's
+    part of the trunk (decoder/sharding.py), the head on rank 0 only, which drives the other
+    ranks (decoder/distributed.py).
     """
     view = open_bundle(path)
     if view.kind != "mlx":
@@ -256,21 +264,26 @@ def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None
                         "mtpkit doctor BUNDLE shows every finding")
     contract = _contract(view, {"hidden_feed": hidden_feed, "next_hidden": next_hidden,
                                 "concat_order": concat_order})
+    group = sharding.join(shard) if shard is not None else None
     model, _ = load_model(view.root, lazy=True)
     flat = _wants_dequantize(dequantize) or dtype is not None
     if flat:
         dequantize_for_cpu(model)
     if dtype is not None:
         cast_floats(model, getattr(mx, dtype))
+    if group is not None and shard == "tensor":
+        sharding.shard_tensor(model, group)
     trunk = Trunk(model, contract.hidden_feed)
     head = None
-    if view.mtp.tensors:
+    if view.mtp.tensors and (group is None or group.rank() == 0):
         head = MTPHead(trunk, _head_arrays(view), contract, view.family.mtp_layer_kind,
                        view.mtp_quantization)
         if flat:
             dequantize_for_cpu(head)
         if dtype is not None:
             cast_floats(head, getattr(mx, dtype))
+    if group is not None and shard == "pipeline":
+        sharding.shard_pipeline(trunk, group)
     if mx.default_device().type == mx.DeviceType.cpu:
         use_few_rows_linears(trunk.inner)  # the layers; an untied lm_head is slower weight-first
         if head is not None:
@@ -282,8 +295,12 @@ def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None
     mx.eval(model.parameters(), head.parameters() if head is not None else [])
     tokenizer = load_tokenizer(view.root) if view.tokenizer.kind else None
     options = {"dequantize": flat, "dtype": dtype, "contract": contract.to_dict()}
-    return Runner(trunk, head, tokenizer, safe_template(view), view.tokenizer.special_tokens(),
-                  rollback, Path(view.root), options)
+    if group is not None:
+        options |= {"shard": shard, "ranks": group.size()}
+        sharding.barrier(group)
+    runner = Runner(trunk, head, tokenizer, safe_template(view), view.tokenizer.special_tokens(),
+                    rollback, Path(view.root), options)
+    return distributed.attach(runner, group, shard) if group is not None else runner
 
 
 def safe_template(view: BundleView) -> str | None:

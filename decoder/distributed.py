@@ -1,0 +1,286 @@
+"""MTP decoding over a trunk sharded across machines: rank 0 decides, every rank runs the passes.
+
+Rank 0 runs the ordinary Session (drafts with the head, acceptance, sampling, stop) over a
+LeaderTrunk. Before each trunk pass the LeaderTrunk sends every other rank one small int32 array
+through `mx.distributed.all_sum` (the others add zeros): the pass's tokens, whether recurrent
+layers record it, and rank 0's committed length of the cache. That length tells a follower how
+many positions of its previous pass rank 0 kept, so it trims its KV caches and takes the
+recorded recurrent state at the same position. Followers run the same passes on their shard and
+nothing else: no head, no logits, no sampling, no output. On rank 0 the pass reads its tokens
+back from the all_sum, so a lazy token (pipelined plain decoding) stays lazy.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import ArraysCache
+
+from mtpkit.decoder.sharding import PEER_LOST
+from mtpkit.decoder.state import Snapshot, commit_recorded, rewind, snapshot
+from mtpkit.decoder.trunk import Trunk
+from mtpkit.loaders.findings import UserError
+
+if TYPE_CHECKING:
+    from mtpkit.decoder.runner import Runner
+
+MAGIC = 0x4D545031  # "MTP1": a message from another protocol version is refused, not obeyed
+HEADER = 7  # magic, op, value, token count, rank 0's committed length, real, recording
+ROOM = 32  # tokens carried in the message itself; a longer pass (prefill) sends a second array
+CACHE, PASS, QUIT = 1, 2, 3  # ops; value: CACHE bounded, QUIT the exit code
+LOST = ("[ring]", "[jaccl]", "[mpi]", "[nccl]")  # how MLX's backends word a lost peer
+
+
+class Desync(RuntimeError):
+    """A follower was told something its state cannot match (a bug, never a user error)."""
+
+
+def committed(cache: list[Any]) -> int:
+    """Tokens held by a cache list: the offset of its first attention cache."""
+    return next((c.offset for c in cache if hasattr(c, "offset")), 0)
+
+
+class RemoteRecorder:
+    """Stands in rank 0's session for recurrent layers on other pipeline stages: while it
+    records, passes go out as recorded ones; the followers commit the kept position's state
+    when the next message tells them the committed length."""
+
+    def __init__(self) -> None:
+        self.recording = False
+
+    def commit(self, position: int) -> None:
+        """Nothing here: the state lives on the followers (see the class docstring)."""
+
+
+class LeaderTrunk:
+    """Rank 0's trunk: every cache made and every pass run is first sent to the followers.
+    remote_recurrent: other stages hold recurrent layers, so rank 0's caches carry a
+    stand-in (an untrimmable ArraysCache(0)) and its recorders a RemoteRecorder; the session
+    then rolls back as it would over those layers (record, or snapshot and replay). eager: the
+    message is delivered before the pass is built; a pipeline stage's receive has no inputs,
+    so MLX could schedule it ahead of a lazy message and both ranks would wait forever."""
+
+    def __init__(self, trunk: Trunk, group: mx.distributed.Group, remote_recurrent: bool,
+                 eager: bool) -> None:
+        self.trunk, self.group, self.remote, self.eager = trunk, group, remote_recurrent, eager
+        self.recorders: list[Any] = [*trunk.recorders,
+                                     *([RemoteRecorder()] if remote_recurrent else [])]
+        self.cache: list[Any] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.trunk, name)
+
+    def _local(self, cache: list[Any]) -> list[Any]:
+        return cache[:-1] if self.remote else cache
+
+    def _committed(self) -> int:
+        return committed(self._local(self.cache)) if self.cache is not None else 0
+
+    def make_cache(self, bounded: bool = False) -> list[Any]:
+        """A new cache here and on every follower (the previous one is settled there)."""
+        _send(self.group, [MAGIC, CACHE, int(bounded), 0, self._committed(), 0, 0])
+        cache = self.trunk.make_cache(bounded)
+        if self.remote:
+            cache.append(ArraysCache(0))
+        self.cache = cache
+        return cache
+
+    def __call__(self, tokens: mx.array, cache: list[Any], logits_for: int | None = None,
+                 real: int | None = None) -> tuple[mx.array, mx.array | None]:
+        if cache is not self.cache:
+            raise Desync("a sharded trunk follows one cache at a time: the last one made")
+        local = self._local(cache)
+        recording = any(r.recording for r in self.recorders)
+        flat = tokens.reshape(-1).astype(mx.int32)
+        n = flat.size
+        header = mx.array([MAGIC, PASS, 0, n, committed(local), real or 0, int(recording)],
+                          dtype=mx.int32)
+        if n <= ROOM:  # lazy: the pass below depends on the all_sum, which keeps the order
+            message = mx.concatenate([header, flat, mx.zeros(ROOM - n, mx.int32)])
+            sent = mx.distributed.all_sum(message, group=self.group, stream=mx.cpu)
+            flat = sent[HEADER:HEADER + n]
+            if self.eager:
+                mx.eval(flat)
+        else:
+            _send(self.group, header.tolist())
+            flat = mx.distributed.all_sum(flat, group=self.group, stream=mx.cpu)
+            mx.eval(flat)
+        return self.trunk(flat[None], local, logits_for, real)
+
+    def quit(self, code: int) -> None:
+        """Tell the followers to settle the last cache and exit with `code`."""
+        _send(self.group, [MAGIC, QUIT, code, 0, self._committed(), 0, 0])
+
+
+def _send(group: mx.distributed.Group, header: list[int]) -> None:
+    message = mx.array(header + [0] * ROOM, dtype=mx.int32)
+    mx.eval(mx.distributed.all_sum(message, group=group, stream=mx.cpu))
+
+
+@dataclass
+class Transcript:
+    """What one of a follower's caches held when rank 0 moved on: the tokens, as many as
+    rank 0's committed length, and that length as the follower's attention caches count it."""
+
+    tokens: list[int]
+    offset: int
+
+
+@dataclass
+class _Pass:
+    start: int
+    size: int
+    saved: Snapshot
+    recorded: bool
+
+
+@dataclass
+class Follower:
+    """A rank > 0: runs rank 0's passes on its shard until rank 0 quits."""
+
+    trunk: Trunk
+    group: mx.distributed.Group
+    transcripts: list[Transcript] = field(default_factory=list)
+    cache: list[Any] | None = None
+    fed: list[int] = field(default_factory=list)
+    pending: _Pass | None = None
+    code: int | None = None  # rank 0's exit code, once it quit
+
+    def run(self) -> int:
+        """Follow until rank 0 quits; its exit code."""
+        while True:
+            op, value, tokens, length, real, recording = self._receive()
+            if op == PASS:
+                self._settle(length)
+                self._pass(tokens, real, recording)
+                continue
+            if self.cache is not None:
+                self._settle(length)
+                self.transcripts.append(Transcript(self.fed[:length], committed(self.cache)))
+            if op == QUIT:
+                self.code = value
+                return value
+            self.cache, self.fed, self.pending = self.trunk.make_cache(bool(value)), [], None
+
+    def _receive(self) -> tuple[int, int, list[int], int, int, bool]:
+        """(op, value, tokens, committed length, real, recording) of rank 0's next message."""
+        blank = mx.zeros(HEADER + ROOM, mx.int32)
+        message = np.array(mx.distributed.all_sum(blank, group=self.group, stream=mx.cpu))
+        magic, op, value, n, length, real, recording = message[:HEADER].tolist()
+        if magic != MAGIC or op not in (CACHE, PASS, QUIT):
+            raise Desync(f"not a message of this protocol: {message[:HEADER].tolist()}")
+        tokens = message[HEADER:HEADER + n] if n <= ROOM else np.array(
+            mx.distributed.all_sum(mx.zeros(n, mx.int32), group=self.group, stream=mx.cpu))
+        return op, value, tokens.tolist(), length, real, bool(recording)
+
+    def _pass(self, tokens: list[int], real: int, recording: bool) -> None:
+        assert self.cache is not None
+        saved = snapshot(self.cache)
+        for recorder in self.trunk.recorders:
+            recorder.recording = recording
+        try:
+            hidden, _ = self.trunk(mx.array(tokens)[None], self.cache, logits_for=0,
+                                   real=real or None)
+        finally:
+            for recorder in self.trunk.recorders:
+                recorder.recording = False
+        mx.eval(hidden, [c.state for c in self.cache])
+        start = len(self.fed)
+        self.fed += tokens
+        self.pending = _Pass(start, len(tokens), saved, recording)
+
+    def _settle(self, length: int) -> None:
+        """Keep what rank 0 kept of the last pass: its cache holds `length` tokens now."""
+        assert self.cache is not None
+        done, self.pending = self.pending, None
+        if done is not None:
+            keep = length - done.start
+            if not 0 <= keep <= done.size:
+                raise Desync(f"rank 0 holds {length} tokens; this rank's last pass covered "
+                             f"{done.start}..{done.start + done.size}")
+            if done.recorded and keep > 0:
+                commit_recorded(self.cache, self.trunk.recorders, done.size, keep)
+            elif rewind(self.cache, done.saved, done.size, keep):
+                raise Desync("rank 0 kept part of an unrecorded pass over recurrent layers")
+            del self.fed[length:]
+        if len(self.fed) != length or committed(self.cache) not in (0, length):
+            raise Desync(f"rank 0 holds {length} tokens, this rank {len(self.fed)} "
+                         f"(caches: {committed(self.cache)})")
+
+
+def attach(runner: Runner, group: mx.distributed.Group, mode: str) -> Runner:
+    """Rank 0's runner drives the followers through a LeaderTrunk."""
+    from mtpkit.decoder.sharding import recurrent_elsewhere
+
+    remote = mode == "pipeline" and recurrent_elsewhere(runner.trunk, group)
+    if group.rank() == 0:
+        runner.trunk = LeaderTrunk(runner.trunk, group, remote,  # type: ignore[assignment]
+                                   eager=mode == "pipeline")
+    return runner
+
+
+def follow(runner: Runner) -> Follower:
+    """Run a follower rank's part until rank 0 quits (its exit code in `.code`)."""
+    follower = Follower(runner.trunk, mx.distributed.init())
+    with _lost_peers():
+        follower.run()
+    return follower
+
+
+def finish(runner: Runner, code: int = 0) -> None:
+    """Rank 0 is done: the followers settle and exit with `code`."""
+    if isinstance(runner.trunk, LeaderTrunk):
+        runner.trunk.quit(code)
+
+
+def is_follower(runner: Runner) -> bool:
+    return "shard" in runner.load_options and mx.distributed.init().rank() > 0
+
+
+@contextmanager
+def _lost_peers() -> Iterator[None]:
+    """A rank lost mid-collective: one line and PEER_LOST, not a traceback."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if not str(exc).startswith(LOST):
+            raise
+        print(f"error [distributed.peer_lost]: {exc}\n  hint: another rank exited or its "
+              "machine is unreachable; its own output says why", file=sys.stderr, flush=True)
+        raise SystemExit(PEER_LOST) from None
+
+
+@contextmanager
+def leading() -> Iterator[Callable[[Runner], Runner]]:
+    """For a command that may run sharded: yields `lead(runner)`, which on a follower rank
+    follows rank 0 and exits with rank 0's code, and on rank 0 returns the runner, whose
+    followers are told to exit with this command's code on the way out."""
+    leaders: list[Runner] = []
+
+    def lead(runner: Runner) -> Runner:
+        if is_follower(runner):
+            raise SystemExit(follow(runner).code)
+        leaders.append(runner)
+        return runner
+
+    code = 1
+    try:
+        with _lost_peers():
+            yield lead
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+        raise
+    except UserError:
+        code = 2
+        raise
+    finally:
+        if code != PEER_LOST:
+            for runner in leaders:
+                finish(runner, code)
