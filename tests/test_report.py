@@ -64,7 +64,6 @@ def test_rounds_are_recorded_and_agree_with_the_counters(local_run) -> None:
             steps = [b - a for a, b in zip(r["tokens"], r["tokens"][1:], strict=False)]
             assert steps == [k + 1 for k in r["kept"][1:]], "each round commits kept + 1 tokens"
             assert all(v > 0 for v in per_round(r)["tps"])
-    assert doc["speed"]["costs"] is None, "a forced depth with nothing cached measures no curve"
 
 
 def test_report_is_self_contained_small_and_every_chart_labelled(local_run) -> None:
@@ -92,6 +91,25 @@ def test_report_is_self_contained_small_and_every_chart_labelled(local_run) -> N
     assert f">{code['p50']:.1f}<" in html and f">{code['p95']:.1f}<" in html
     assert doc["record"]["fingerprint"]["sha256"] in html
     assert "Load memo: acceptance and speed over the rounds" in _texts(svgs[3])
+
+
+def test_cost_curve_is_recorded_when_measured_or_cached_and_drawn_with_the_depths(
+        built, tmp_path: Path, monkeypatch) -> None:
+    from mtpkit.verify.charts import costs_chart
+    from mtpkit.verify.local import open_local
+
+    monkeypatch.setenv("MTPKIT_CACHE", str(tmp_path / "cache"))
+    target, _, _ = open_local(str(built("deepseek_v3")))
+    assert target.costs(2) is None, "a forced depth never measures a curve for a report"
+    measured = target.costs("auto")
+    assert len(measured["verify"]) == 16 and measured["ratios"][0] == 1.0 and measured["measured"]
+    cached = target.costs(2)  # now the cache holds it
+    assert cached["verify"] == measured["verify"] and not cached["measured"]
+    svg = costs_chart(measured, {0: 40, 1: 7, 3: 2})
+    text = _texts(svg)
+    assert "verify c(T) / c(1)" in text and "d1: 7" in text and "d3: 2" in text
+    assert "no cost curve" not in text and "d0" not in text
+    assert "no cost curve" in _texts(costs_chart(None, {}))
 
 
 def test_positions_stop_at_the_last_drafted() -> None:
