@@ -65,7 +65,7 @@ def test_tune_prints_sixteen_widths_and_the_picks(built: Callable[..., Path], ca
     assert [int(r[0]) for r in rows] == list(range(1, 17))
     assert float(rows[0][2]) == 1.0 and all(int(w) >= int(t) for t, _, _, w in rows)
     assert "plain step" in out and "head draft step" in out and "measured now" in out
-    assert len(re.findall(r"a_1 \d+%: (depth \d+|plain decoding), predicted \d+\.\d\dx", out)) == 4
+    assert len(re.findall(r"a_1 \d+%: (depth \d+|plain decoding), predicted \d+\.\d\dx", out)) == 8
 
     doc = _json(bundle)
     assert len(doc["verify"]) == len(doc["ratios"]) == len(doc["widths"]) == 16
@@ -78,6 +78,11 @@ def test_tune_prints_sixteen_widths_and_the_picks(built: Callable[..., Path], ca
         assert w == t if not pays else (w > t and verify[w - 1] == cheapest)
     picks = doc["picks"]
     assert [p["acceptance"] for p in picks] == [0.3, 0.5, 0.7, 0.9]
+    lookups = doc["lookup_picks"]
+    assert [p["acceptance"] for p in lookups] == [0.3, 0.5, 0.7, 0.9]
+    for head, lookup in zip(picks, lookups, strict=True):  # free drafts: every depth is cheaper
+        assert lookup["predicted_speedup"] >= head["predicted_speedup"] - 1e-9
+    assert out.count("predicted") == 8 and "a context (lookup) match" in out
     assert [p["depth"] for p in picks] == sorted(p["depth"] for p in picks), "deeper when kept"
     for p in picks:
         assert p["predicted_speedup"] >= 1.0 if p["depth"] else p["predicted_speedup"] == 1.0
@@ -130,8 +135,9 @@ def test_a_bundle_without_head_has_no_picks(built: Callable[..., Path], cache: P
     bundle = built("qwen3_5", sidecar=None)
     doc = _json(bundle)
     assert doc["picks"] == [] and doc["draft"] == 0 and doc["max_depth"] == 0
+    assert len(doc["lookup_picks"]) == 4, "context drafts speculate without a head"
     code, out, _ = _tune(str(bundle))
-    assert code == 0 and "no MTP head" in out
+    assert code == 0 and "no MTP head" in out and out.count("predicted") == 4
 
 
 def test_bad_input_is_a_one_line_error(built: Callable[..., Path], tmp_path: Path,

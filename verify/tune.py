@@ -26,16 +26,17 @@ def _cache_file(key: dict[str, Any] | None) -> Path | None:
     return cache_dir() / f"{name}.json"
 
 
-def picks(curve: CostCurve, max_depth: int) -> list[dict[str, Any]]:
+def picks(curve: CostCurve, max_depth: int, source: str = "head") -> list[dict[str, Any]]:
     """The depth the policy picks before any round is seen, for a prior acceptance a_1 with
-    geometric decay (a_i = a_1 ** i), and the speedup over plain decoding it predicts."""
+    geometric decay (a_i = a_1 ** i), and the speedup over plain decoding it predicts. For
+    "lookup": drafting is free, and a match is taken as long as max_depth allows."""
     out = []
     for a1 in ACCEPTANCE:
-        policy = DepthPolicy(curve, max_depth, prior=a1)
-        depth = policy.best()
+        policy = DepthPolicy(curve, max_depth, prior=a1, sources=(source,))
+        depth = policy.choose(max_depth)[1]
         out.append({"acceptance": a1, "depth": depth,
-                    "tokens_per_round": 1.0 + sum(policy.acceptance()[:depth]),
-                    "predicted_speedup": policy.predicted_speedup(depth)})
+                    "tokens_per_round": 1.0 + sum(policy.acceptance(source)[:depth]),
+                    "predicted_speedup": policy.predicted_speedup(depth, source)})
     return out
 
 
@@ -47,9 +48,17 @@ def report(runner: Runner, bundle: str, refresh: bool = False) -> dict[str, Any]
     curve = runner.costs(refresh)
     path = _cache_file(curve.key)
     max_depth = runner.policy("auto")[0]
+    lookup_depth = runner.policy("auto", "lookup")[0]
     return {"bundle": bundle, **curve.to_dict(), "context": CONTEXT, "measured": measured,
             "cache": str(path if path is not None and path.exists() else cache_dir()),
-            "max_depth": max_depth, "picks": picks(curve, max_depth) if runner.head else []}
+            "max_depth": max_depth, "picks": picks(curve, max_depth) if runner.head else [],
+            "lookup_picks": picks(curve, lookup_depth, "lookup")}
+
+
+def _pick_lines(found: list[dict[str, Any]]) -> list[str]:
+    return [f"    a_1 {100 * p['acceptance']:.0f}%: "
+            + (f"depth {p['depth']}" if p["depth"] else "plain decoding")
+            + f", predicted {p['predicted_speedup']:.2f}x" for p in found]
 
 
 def render_text(doc: dict[str, Any]) -> str:
@@ -66,12 +75,12 @@ def render_text(doc: dict[str, Any]) -> str:
     if doc["picks"]:
         lines.append(f"  --depth auto's first pick (a_i = a_1^i, depth <= {doc['max_depth']}; "
                      "then it follows the acceptance it sees):")
-        lines += [f"    a_1 {100 * p['acceptance']:.0f}%: "
-                  + (f"depth {p['depth']}" if p["depth"] else "plain decoding")
-                  + f", predicted {p['predicted_speedup']:.2f}x" for p in doc["picks"]]
+        lines += _pick_lines(doc["picks"])
     else:
         lines.append("  no MTP head: --depth auto drafts from the context (lookup) where a match "
                      "pays, and decodes plainly elsewhere")
+    lines.append("  a context (lookup) match as long as the depth allows, drafted for free:")
+    lines += _pick_lines(doc["lookup_picks"])
     return "\n".join(lines)
 
 
