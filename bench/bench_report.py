@@ -86,7 +86,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         doc_path = args.doc or fixture_run(work)
-        doc = load_earlier(doc_path)  # schema-checked like --compare
+        doc = json.loads(doc_path.read_text())  # as verify-run renders its own run
         earlier = load_earlier(args.compare) if args.compare else None
         name = args.compare.name if args.compare else None
         render(doc, earlier, name)  # import matplotlib and warm its caches once
