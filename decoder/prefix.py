@@ -1,0 +1,212 @@
+"""An exact prefix cache across generations: the state a prompt left, reused by the next prompt
+that starts with it.
+
+Agents resend a long system prompt, tool schemas and the conversation so far every turn. Entries
+live in mlx-lm's own LRUPromptCache (a token trie, least recently used out first, a byte bound),
+keyed by the prompt's token ids. An entry holds what a started Session holds for its prompt: the
+trunk's caches (attention KV, GatedDeltaNet states in ArraysCache) and, for sessions drafting
+with the MTP head, the head's cache over the prompt's (hidden, next token) pairs and the prompt's
+hiddens (the last one is owed to the head with the request's next token). A session restored
+from an entry continues as one that prefilled the whole prompt; the context lookup index is
+rebuilt from the ids. Attention KV can be trimmed, so an entry also serves a prompt that leaves it
+part way; recurrent states only serve prompts that extend the whole entry.
+
+MLX arrays are values: an entry keeps views of the arrays the prefill made, never copies, and a
+session writing after them gets a fresh buffer (MLX copies a buffer another array still reads).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, replace
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, KVCache, LRUPromptCache
+
+from mtpkit.decoder.session import Session
+from mtpkit.decoder.shapes import pieces
+
+MAX_ENTRIES = 1 << 16  # the byte bound is the real one
+KINDS = ("trunk", "head")  # trie partitions: sessions drafting with the head need its state too
+
+
+@dataclass
+class _KV:
+    """An attention cache's first `offset` positions (views), trimmable like the cache."""
+
+    keys: mx.array | None
+    values: mx.array | None
+    offset: int
+    nbytes: int  # of the buffers the views keep alive
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        self.offset -= n
+        return n
+
+    def __deepcopy__(self, memo: dict) -> _KV:  # LRUPromptCache copies on fetch: share values
+        return replace(self)
+
+    def thaw(self, cache: KVCache) -> None:
+        if self.offset and self.keys is not None and self.values is not None:
+            cache.keys = self.keys[..., :self.offset, :]
+            cache.values = self.values[..., :self.offset, :]
+            cache.offset = self.offset
+
+
+@dataclass
+class _Arrays:
+    """A recurrent cache's arrays (GatedDeltaNet conv and state): not trimmable."""
+
+    arrays: list[mx.array | None]
+    nbytes: int
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def trim(self, n: int) -> int:
+        return 0
+
+    def __deepcopy__(self, memo: dict) -> _Arrays:
+        return replace(self, arrays=list(self.arrays))
+
+    def thaw(self, cache: ArraysCache) -> None:
+        cache.cache = list(self.arrays)
+
+
+@dataclass
+class _Hidden:
+    """The trunk hiddens of the prompt's positions, which the head's pairs start from."""
+
+    hidden: mx.array
+    length: int
+    nbytes: int
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(self.length, n)
+        self.length -= n
+        return n
+
+    def __deepcopy__(self, memo: dict) -> _Hidden:
+        return replace(self)
+
+
+def _freeze(cache: Any) -> _KV | _Arrays:
+    if isinstance(cache, KVCache):
+        if cache.keys is None:
+            return _KV(None, None, 0, 0)
+        off = cache.offset
+        return _KV(cache.keys[..., :off, :], cache.values[..., :off, :], off,
+                   cache.keys.nbytes + cache.values.nbytes)
+    arrays = list(cache.cache)
+    return _Arrays(arrays, sum(a.nbytes for a in arrays if a is not None))
+
+
+def supported(cache: list[Any]) -> bool:
+    """Caches an entry can hold exactly: mlx-lm's KVCache (and subclasses) and ArraysCache."""
+    return all(isinstance(c, KVCache | ArraysCache) for c in cache)
+
+
+class PrefixCache:
+    """Prompt states keyed by token ids, least recently used evicted beyond `max_bytes`. One
+    generation at a time touches it (serve's queue); counters may be read from any thread."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.lru = LRUPromptCache(max_size=MAX_ENTRIES, max_bytes=max_bytes)
+        self.hits = self.misses = 0
+        self.lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        return self.lru.nbytes
+
+    def __len__(self) -> int:
+        return len(self.lru)
+
+    def fetch(self, kind: str, ids: list[int]) -> tuple[list[Any] | None, int]:
+        """The state of the longest cached prefix that leaves at least one token of `ids` to
+        prefill (the first token's logits come from it), and that prefix's length."""
+        with self.lock:
+            state, rest = self.lru.fetch_nearest_cache(kind, ids[:-1])
+            if state is None:
+                self.misses += 1
+                return None, 0
+            self.hits += 1
+            return state, len(ids) - 1 - len(rest)
+
+    def insert(self, kind: str, ids: list[int], state: list[Any]) -> None:
+        with self.lock:
+            self.lru.insert_cache(kind, list(ids), state)
+
+
+class CachedSession(Session):
+    """A Session whose prompt starts from the longest cached prefix, and whose prompt state
+    is cached for the prompts after it. `cached_tokens`: prompt tokens not prefilled."""
+
+    def __init__(self, *args: Any, prefix: PrefixCache, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.prefix = prefix
+        self.cached_tokens = 0
+        self.kind = KINDS[bool(self.mtp_cache)]
+
+    def start(self, ids: list[int]) -> int:
+        state, cached = self.prefix.fetch(self.kind, ids)
+        before = None
+        if state is not None:
+            before = self._restore(state, ids, cached)
+        self.cached_tokens = cached
+        last = super().start(ids[cached:])
+        self.prefix.insert(self.kind, ids, self._settle(before))
+        return last
+
+    def _restore(self, state: list[Any], ids: list[int], cached: int) -> _Hidden | None:
+        """Caches, lookup index and owed head pair as the cached prefix left them; the
+        prefix's hiddens (head sessions)."""
+        n, m = len(self.cache), len(self.mtp_cache)
+        for cache, frozen in zip(self.cache + self.mtp_cache, state[:n + m], strict=True):
+            frozen.thaw(cache)
+        if self.lookup is not None:
+            self.lookup.extend(ids[:cached])
+        if not m:
+            return None
+        hidden = state[-1]
+        self.owed = (hidden.hidden[:, cached - 1:cached], mx.array([[ids[cached]]]))
+        return hidden
+
+    def _settle(self, before: _Hidden | None) -> list[Any]:
+        """Feed the head the prompt's pairs but the last (the first round's draft takes that
+        one, with the next token), and freeze the state the prompt left (evaluated here: the
+        next session may run on another thread)."""
+        frozen: list[Any] = [_freeze(c) for c in self.cache]
+        if self.mtp_cache:
+            assert self.owed is not None and self.head is not None
+            hidden, tokens = self.owed
+            feed = tokens.shape[1] - 1
+            at = 0
+            for size in (pieces(feed) if self.bounded else [feed]) if feed else []:
+                self.head(hidden[:, at:at + size], tokens[:, at:at + size], self.mtp_cache, 0,
+                          last_only=True)
+                at += size
+            self.owed = (hidden[:, feed:], tokens[:, feed:])
+            if before is not None:  # the owed run starts at the prefix's last position
+                hidden = mx.concatenate([before.hidden[:, :before.length - 1], hidden], axis=1)
+            frozen += [_freeze(c) for c in self.mtp_cache]
+            frozen.append(_Hidden(hidden, hidden.shape[1], hidden.nbytes))
+        mx.eval([a for f in frozen for a in _arrays(f)])
+        return frozen
+
+
+def _arrays(frozen: Any) -> list[mx.array]:
+    if isinstance(frozen, _KV):
+        return [a for a in (frozen.keys, frozen.values) if a is not None]
+    if isinstance(frozen, _Arrays):
+        return [a for a in frozen.arrays if a is not None]
+    return [frozen.hidden]
