@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -186,12 +186,14 @@ class Runner:
     def stream(self, prompt: Prompt, max_tokens: int = 256, temperature: float = 0.0,
                top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
                depth: Depth = "auto", seed: int | None = None,
-               draft: str | None = None, prefix: PrefixCache | None = None) -> Iterator[Piece]:
+               draft: str | None = None, prefix: PrefixCache | None = None,
+               stop: Callable[[], bool] | None = None) -> Iterator[Piece]:
         """Yield text as it is committed; the last piece carries the Result. depth: "auto"
         (chosen per round from this machine's measured costs), a number (forced; 0 is plain
         decoding) or None (the head's layer count). draft: "head", "lookup" (context drafts,
         any bundle) or "both"; default: see draft_source. prefix: a prefix cache the prompt
-        starts from and is kept in (decoder/prefix.py)."""
+        starts from and is kept in (decoder/prefix.py). stop: asked after each piece; true
+        ends the generation there (a stop sequence seen, a client gone), result and all."""
         draft = self.draft_source(depth, draft)
         depth, policy = self.policy(depth, draft)
         ids = self.encode(prompt)
@@ -214,6 +216,8 @@ class Runner:
                     detok.add_token(t)
                 text = detok.last_segment
             yield Piece(text, batch)
+            if stop is not None and stop():
+                break
         tail = ""
         if detok is not None:
             detok.finalize()
