@@ -22,6 +22,7 @@ from mtpkit.decoder.policy import DepthPolicy
 from mtpkit.decoder.runner import MAX_AUTO_DEPTH, Runner
 from mtpkit.decoder.sampling import SamplingParams, probabilities
 from mtpkit.decoder.session import CHAIN_MIN_NGRAM, Session, generate_ids
+from mtpkit.schemas import validate
 
 FAMILIES = ("llama", "qwen3_5", "qwen3_next", "deepseek_v3", "mimo")
 PROMPT = [5, 17, 42, 99, 7, 3, 5, 17, 42, 99, 7, 3, 5, 17]
@@ -199,6 +200,8 @@ def test_head_drafts_continued_by_the_context_are_greedy_identical(
     session._extension = extension  # type: ignore[method-assign]
     tokens = [t for batch in generate_ids(session, PROMPT, 80, set()) for t in batch]
     assert tokens == plain[:80], family
+    validate({"bundle": family, "text": "", "tokens": tokens, "finish_reason": "length",
+              "stats": session.stats.to_dict()}, "generation")
     chain = session.stats.sources["head+lookup"]
     assert chain["rounds"] > 5 and chain["accepted"][2] > 0, chain
     assert any(0 < k < p for k, p in zip(chain["accepted"], chain["proposed"], strict=True))
