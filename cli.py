@@ -466,10 +466,12 @@ Examples:
   mtpkit serve ./bundle                            # 127.0.0.1:8080, depth auto (per round)
   mtpkit serve ./bundle --depth 2 --port 9000
   mtpkit serve ./bundle --host 0.0.0.0 --api-key "$KEY"
+  mtpkit serve ./bundle --cache-gb 8 --max-queue 4   # a bigger prefix cache, a shorter line
 \b
-Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (SSE with
-"stream": true; the final chunk carries usage with MTP statistics). Extensions: "mtp_depth"
-("auto" or 0-16), "mtp_draft" ("head", "lookup" or "both").
+Endpoints: POST /v1/chat/completions, POST /v1/completions (OpenAI; SSE with "stream": true,
+the final chunk carries usage with MTP statistics), POST /v1/messages (Anthropic), GET
+/v1/models, /health, /metrics (Prometheus). Extensions: "mtp_depth" ("auto" or 0-16),
+"mtp_draft" ("head", "lookup" or "both").
 """
 
 
@@ -486,9 +488,16 @@ Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (SSE 
 @click.option("--max-tokens", type=click.IntRange(1, 1 << 16), default=4096, show_default=True,
               help="Ceiling on any request's max_tokens.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]))
+@click.option("--cache-gb", type=click.FloatRange(0), default=2.0, show_default=True,
+              help="Memory bound of the prefix cache (prompt states reused by the prompts that "
+              "start with them); 0 turns it off.")
+@click.option("--max-queue", type=click.IntRange(0, 4096), default=16, show_default=True,
+              help="Requests that may wait behind the running one (first in, first out); one "
+              "more gets 503 with Retry-After.")
 @click.option("--verbose", is_flag=True, help="Log every request to stderr.")
 def serve(bundle: str, host: str, port: int, api_key: str | None, depth_opt: str | int,
-          draft: str | None, max_tokens: int, dtype: str | None, verbose: bool) -> None:
+          draft: str | None, max_tokens: int, dtype: str | None, cache_gb: float,
+          max_queue: int, verbose: bool) -> None:
     """Serve BUNDLE over an OpenAI-compatible API with the reference MTP decoder."""
     from mtpkit.decoder.runner import load
     from mtpkit.serve.server import Server, check_bind
@@ -501,8 +510,9 @@ def serve(bundle: str, host: str, port: int, api_key: str | None, depth_opt: str
         _head_for(runner, draft)
         if depth_opt == "auto":  # the cost curve now, so that no request pays for it
             click.echo(summary(runner, draft), err=True)
-        server = Server(Service(runner, Path(bundle).name, depth_opt, max_tokens, draft), host,
-                        port, api_key, verbose)
+        service = Service(runner, Path(bundle).name, depth_opt, max_tokens, draft,
+                          cache_bytes=int(cache_gb * (1 << 30)), max_queue=max_queue)
+        server = Server(service, host, port, api_key, verbose)
     drafts = f", drafts {runner.draft_source(depth_opt, draft)}" if depth_opt != 0 else ""
     click.echo(f"serving {bundle} on http://{host}:{server.server_address[1]}/v1 "
                f"(MTP depth {depth_opt}){drafts}; chat page at /", err=True)

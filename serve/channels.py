@@ -1,8 +1,9 @@
-"""Reasoning and content channels, as the chat template defines them.
+"""Reasoning and content channels, as the chat template defines them, and stop sequences.
 
 When the rendered prompt ends inside `<think>` (Qwen3.5-style templates with thinking on), the
 model's text up to `</think>` is reasoning; a `<think>` block the model opens itself before any
-content is reasoning too. Markers split across streamed pieces are held back until resolved.
+content is reasoning too. Markers and stop sequences split across streamed pieces are held back
+until resolved, so a stream never shows text a non-streamed answer would not.
 """
 
 from __future__ import annotations
@@ -56,3 +57,27 @@ class ChannelSplitter:
         if self.reasoning:
             return rest, ""
         return "", rest if self.content_started else rest.lstrip()
+
+
+class StopScanner:
+    """Content up to the first of `stops`; `hit` is the stop sequence found (None: none)."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops, self.buffer, self.hit = stops, "", None
+
+    def feed(self, text: str) -> str:
+        if self.hit is not None:
+            return ""
+        self.buffer += text
+        found = [(at, s) for s in self.stops if (at := self.buffer.find(s)) >= 0]
+        if found:
+            at, self.hit = min(found)
+            out, self.buffer = self.buffer[:at], ""
+            return out
+        keep = max(_held_back(self.buffer, s) for s in self.stops)
+        out, self.buffer = self.buffer[:len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
+        return out
+
+    def flush(self) -> str:
+        rest, self.buffer = self.buffer, ""
+        return rest if self.hit is None else ""

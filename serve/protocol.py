@@ -15,6 +15,7 @@ from mtpkit.decoder.session import DRAFTS
 
 MAX_BODY_BYTES = 1 << 20
 MAX_MESSAGES = 256
+MAX_STOPS, MAX_STOP_CHARS = 16, 256
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -47,6 +48,7 @@ class Request:
     enable_thinking: bool | None = None
     depth: int | str | None = None  # extension "mtp_depth": "auto" or 0-16 (0: MTP off)
     draft: str | None = None  # extension "mtp_draft": "head", "lookup" or "both"
+    stop: list[str] | None = None  # stop sequences (the content ends before the first)
 
     @property
     def sampling(self) -> dict[str, Any]:
@@ -54,7 +56,7 @@ class Request:
                 "min_p": self.min_p, "seed": self.seed}
 
 
-def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
+def number(body: dict, name: str, default: float, low: float, high: float) -> float:
     value = body.get(name, default)
     if value is None:
         return default
@@ -63,7 +65,7 @@ def _number(body: dict, name: str, default: float, low: float, high: float) -> f
     return float(value)
 
 
-def _integer(body: dict, name: str, default: int | None, low: int, high: int) -> int | None:
+def integer(body: dict, name: str, default: int | None, low: int, high: int) -> int | None:
     value = body.get(name, default)
     if value is None:
         return default
@@ -72,7 +74,7 @@ def _integer(body: dict, name: str, default: int | None, low: int, high: int) ->
     return value
 
 
-def _depth(body: dict) -> int | str | None:
+def mtp_depth(body: dict) -> int | str | None:
     value = body.get("mtp_depth")
     if value is None or value == "auto":
         return value
@@ -81,11 +83,24 @@ def _depth(body: dict) -> int | str | None:
     return value
 
 
-def _draft(body: dict) -> str | None:
+def mtp_draft(body: dict) -> str | None:
     value = body.get("mtp_draft")
     if value is None or (isinstance(value, str) and value in DRAFTS):
         return value
     raise RequestError(400, 'mtp_draft must be "head", "lookup" or "both"', "mtp_draft")
+
+
+def stops(value: Any, name: str) -> list[str] | None:
+    """Stop sequences: a string or a list of non-empty, bounded strings."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or len(value) > MAX_STOPS or not all(
+            isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in value):
+        raise RequestError(400, f"{name} must be a string or a list of at most {MAX_STOPS} "
+                           f"strings of 1 to {MAX_STOP_CHARS} characters", name)
+    return value or None
 
 
 def _text(content: Any, where: str) -> str:
@@ -122,14 +137,15 @@ def parse(body: Any, chat: bool, max_tokens_limit: int) -> Request:
     requested = body.get("max_completion_tokens", body.get("max_tokens"))
     req = Request(
         chat=chat,
-        max_tokens=_integer({"max_tokens": requested}, "max_tokens", min(256, limit), 1, limit),
-        temperature=_number(body, "temperature", 0.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
-        top_k=_integer(body, "top_k", 0, 0, 1 << 20) or 0,
-        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
-        seed=_integer(body, "seed", None, -(1 << 63), (1 << 63) - 1),
-        depth=_depth(body),
-        draft=_draft(body),
+        max_tokens=integer({"max_tokens": requested}, "max_tokens", min(256, limit), 1, limit),
+        temperature=number(body, "temperature", 0.0, 0.0, 2.0),
+        top_p=number(body, "top_p", 1.0, 1e-9, 1.0),
+        top_k=integer(body, "top_k", 0, 0, 1 << 20) or 0,
+        min_p=number(body, "min_p", 0.0, 0.0, 1.0),
+        seed=integer(body, "seed", None, -(1 << 63), (1 << 63) - 1),
+        depth=mtp_depth(body),
+        draft=mtp_draft(body),
+        stop=stops(body.get("stop"), "stop"),
     )
     req.stream = body.get("stream", False)
     if not isinstance(req.stream, bool):

@@ -1,19 +1,25 @@
 """The HTTP layer of `mtpkit serve`, on the standard library's ThreadingHTTPServer (as
-mlx-lm's own server): routes, API-key check, bounded bodies, SSE streaming, JSON errors."""
+mlx-lm's own server): routes, API-key check, bounded bodies, SSE streaming, JSON errors in each
+API's shape, 503 with Retry-After when the queue is full, a client gone noticed each round.
+GET routes run beside a generation (one thread per connection)."""
 
 from __future__ import annotations
 
 import hmac
 import ipaddress
 import json
+import select
 import socket
 import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import urlsplit
 
 from mtpkit.loaders.findings import UserError
-from mtpkit.serve import page
+from mtpkit.serve import anthropic, page
+from mtpkit.serve.metrics import CONTENT_TYPE
 from mtpkit.serve.protocol import MAX_BODY_BYTES, RequestError, completion_id, envelope, parse
+from mtpkit.serve.queue import Gone, QueueFull
 from mtpkit.serve.service import Service, tool_calls, usage
 
 SOCKET_TIMEOUT_S = 120
@@ -37,11 +43,18 @@ def is_loopback(host: str) -> bool:
 
 
 class Handler(BaseHTTPRequestHandler):
+    """GET_ROUTES and POST_ROUTES map a path to the method answering it (the one place an API
+    route is registered; the chat page, serve/page.py, answers its own paths)."""
+
     server: Server
     protocol_version = "HTTP/1.1"
     timeout = SOCKET_TIMEOUT_S
+    GET_ROUTES = {"/v1/models": "_models", "/health": "_health", "/metrics": "_metrics"}
+    POST_ROUTES = {"/v1/chat/completions": "_openai", "/v1/completions": "_openai",
+                   "/v1/messages": "_anthropic"}
 
     streaming = False  # the SSE headers are out: an error can no longer change the status
+    api = "openai"  # whose error shape this request gets
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (stdlib signature)
         if self.server.verbose:
@@ -59,29 +72,54 @@ class Handler(BaseHTTPRequestHandler):
 
     # -- plumbing ---------------------------------------------------------------------------
 
-    def _json(self, status: int, doc: dict[str, Any], close: bool = False) -> None:
-        body = json.dumps(doc).encode()
+    def _send(self, status: int, body: bytes, content_type: str, close: bool = False,
+              headers: dict[str, str] | None = None) -> None:
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         if close:
             self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(body)
 
-    def _error(self, err: RequestError) -> None:
-        """JSON with the status; on a stream already started, a last SSE event instead."""
-        if self.streaming:
-            self._sse(err.body())
+    def _json(self, status: int, doc: dict[str, Any], close: bool = False,
+              headers: dict[str, str] | None = None) -> None:
+        self._send(status, json.dumps(doc).encode(), "application/json", close, headers)
+
+    def _error(self, err: RequestError, headers: dict[str, str] | None = None) -> None:
+        """JSON in the request's API shape with the status; on a stream already started, a
+        last event instead."""
+        if self.api == "anthropic":
+            doc = anthropic.error_body(err)
+            if self.streaming:
+                self._event("error", doc)
+                return
         else:
-            self._json(err.status, err.body(), close=self.close_connection)
+            doc = err.body()
+            if self.streaming:
+                self._sse(doc)
+                return
+        self._json(err.status, doc, close=self.close_connection, headers=headers)
 
     def _authorized(self) -> bool:
+        """`Authorization: Bearer KEY` (OpenAI clients) or `x-api-key: KEY` (Anthropic's)."""
         key = self.server.api_key
         if key is None:
             return True
-        given = self.headers.get("Authorization", "")
-        return hmac.compare_digest(given.encode(), f"Bearer {key}".encode())
+        bearer = self.headers.get("Authorization", "")
+        given = self.headers.get("x-api-key", "")
+        return (hmac.compare_digest(bearer.encode(), f"Bearer {key}".encode())
+                or hmac.compare_digest(given.encode(), key.encode()))
+
+    def _gone(self) -> bool:
+        """The client closed its end (a read would see EOF): its generation can stop."""
+        try:
+            ready, _, _ = select.select([self.connection], [], [], 0)
+            return bool(ready) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
 
     def _body(self) -> bytes:
         """The whole body, read before anything is answered, so that a kept-alive connection
@@ -104,59 +142,124 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(f"data: {data}\n\n".encode())
         self.wfile.flush()
 
+    def _event(self, name: str, doc: dict[str, Any]) -> None:
+        """An SSE event with its name (Anthropic's streams)."""
+        self.wfile.write(f"event: {name}\ndata: {json.dumps(doc)}\n\n".encode())
+        self.wfile.flush()
+
+    def _start_stream(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = self.streaming = True
+
     # -- routes -----------------------------------------------------------------------------
 
     def do_GET(self) -> None:  # noqa: N802 (stdlib name)
+        path = urlsplit(self.path).path.rstrip("/") or "/"
+        route = self.GET_ROUTES.get(path)
         if page.is_page(self.path):  # the chat page holds nothing; its API calls carry the key
             page.send(self)
         elif not self._authorized():
             self._json(401, RequestError(401, "invalid API key", kind="authentication_error").body())
-        elif self.path.rstrip("/") == "/v1/models":
-            self._json(200, {"object": "list", "data": [
-                {"id": self.server.service.model_id, "object": "model", "owned_by": "mtpkit"}]})
-        elif self.path.rstrip("/") == "/health":
-            self._json(200, {"status": "ok"})
-        else:
+        elif route is None:
             self._json(404, RequestError(404, f"no route {self.path}", kind="not_found").body())
+        else:
+            getattr(self, route)()
+
+    def _models(self) -> None:
+        self._json(200, {"object": "list", "data": [
+            {"id": self.server.service.model_id, "object": "model", "owned_by": "mtpkit"}]})
+
+    def _health(self) -> None:
+        self._json(200, {"status": "ok"})
+
+    def _metrics(self) -> None:
+        self._send(200, self.server.service.metrics.text(), CONTENT_TYPE)
 
     def do_POST(self) -> None:  # noqa: N802 (stdlib name)
-        routes = {"/v1/chat/completions": True, "/v1/completions": False}
-        chat = routes.get(self.path.rstrip("/"))
+        path = urlsplit(self.path).path.rstrip("/")
+        route = self.POST_ROUTES.get(path)
+        self.api = "anthropic" if route == "_anthropic" else "openai"
+        name = path.rsplit("/", 1)[-1] if route else "unknown"
+        outcome = "error"
         try:
             raw = self._body()
             if not self._authorized():
                 raise RequestError(401, "invalid API key", kind="authentication_error")
-            if chat is None:
+            if route is None:
                 raise RequestError(404, f"no route {self.path}", kind="not_found")
             try:
                 body = json.loads(raw or b"null")
             except (json.JSONDecodeError, UnicodeDecodeError):
                 raise RequestError(400, "the body is not valid JSON") from None
-            req = parse(body, chat, self.server.service.max_tokens)
-            if req.stream:
-                self._stream(req)
-            else:
-                self._complete(req)
+            getattr(self, route)(body, path.endswith("/chat/completions"))
+            outcome = "ok"
         except RequestError as err:
             self._error(err)
+        except QueueFull as full:
+            outcome = "rejected"
+            self.close_connection = True
+            self._error(RequestError(503, str(full), kind="server_error"),
+                        {"Retry-After": str(full.retry_after)})
         except UserError as err:
             self._error(RequestError(400, f"{err.code}: {err}"))
-        except (TimeoutError, BrokenPipeError, ConnectionResetError):
+        except (Gone, TimeoutError, BrokenPipeError, ConnectionResetError):
+            outcome = "cancelled"
             self.close_connection = True
         except Exception as exc:  # a bug of ours: answer it, and log the traceback
             self.log_error("%s", traceback.format_exc())
             detail = " ".join(str(exc).split())[:200]
             self._error(RequestError(500, f"internal error: {type(exc).__name__}: {detail}",
                                      kind="server_error"))
+        finally:
+            self.server.service.metrics.requests.labels(name, outcome).inc()
+
+    def _openai(self, body: Any, chat: bool) -> None:
+        req = parse(body, chat, self.server.service.max_tokens)
+        if req.stream:
+            self._stream(req)
+        else:
+            self._complete(req)
+
+    def _anthropic(self, body: Any, _chat: bool) -> None:
+        service = self.server.service
+        req = anthropic.parse(body, service.max_tokens)
+        mid = anthropic.message_id()
+        job = service.deltas(req, self._gone)
+        try:
+            if req.stream:
+                self._start_stream()
+                events = anthropic.Events(self._event, mid, service.model_id, req)
+                for d in job:
+                    events.feed(d.reasoning, d.content)
+                    if d.result is not None:
+                        events.finish(d.result, d.draft, d.stop_sequence)
+                return
+            reasoning = content = ""
+            for d in job:
+                reasoning, content = reasoning + d.reasoning, content + d.content
+                if d.result is not None:
+                    self._json(200, anthropic.message(mid, service.model_id, req, reasoning,
+                                                      content, d.result, d.draft,
+                                                      d.stop_sequence))
+        finally:
+            job.close()
 
     def _complete(self, req: Any) -> None:
         service = self.server.service
         reasoning = content = ""
         result, draft = None, None
-        for delta in service.deltas(req):
-            reasoning += delta.reasoning
-            content += delta.content
-            result, draft = delta.result or result, delta.draft or draft
+        job = service.deltas(req, self._gone)
+        try:
+            for delta in job:
+                reasoning += delta.reasoning
+                content += delta.content
+                result, draft = delta.result or result, delta.draft or draft
+        finally:
+            job.close()
         assert result is not None
         doc = envelope(completion_id(req.chat), service.model_id, req.chat, chunk=False)
         if req.chat:
@@ -177,13 +280,15 @@ class Handler(BaseHTTPRequestHandler):
     def _stream(self, req: Any) -> None:
         service = self.server.service
         cid = completion_id(req.chat)
-        deltas = service.deltas(req)  # request errors surface here, before the 200
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Connection", "close")
-        self.end_headers()
-        self.close_connection = self.streaming = True
+        job = service.deltas(req, self._gone)  # request errors surface here, before the 200
+        try:
+            self._start_stream()
+            self._chunks(req, cid, job)
+        finally:
+            job.close()
+
+    def _chunks(self, req: Any, cid: str, deltas: Any) -> None:
+        service = self.server.service
         held = ""  # with tools, content is held back until the calls in it are known
 
         def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:

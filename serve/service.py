@@ -1,20 +1,25 @@
 """One loaded bundle answering requests: chat rendering (thinking switch, tools), the reasoning
-channel, tool calls, usage with MTP statistics. One generation at a time (MLX state is not
-shared across threads)."""
+channel, stop sequences, tool calls, usage with MTP statistics, the prefix cache and metrics.
+One generation at a time (MLX state is not shared across threads), in arrival order
+(serve/queue.py); a generation whose client went away ends at the next round."""
 
 from __future__ import annotations
 
 import json
 import re
-import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from mtpkit.decoder.prefix import PrefixCache, supported
 from mtpkit.decoder.runner import Depth, Result, Runner
 from mtpkit.loaders.templates import RENDER_ERRORS, describe_failure
-from mtpkit.serve.channels import OPEN, ChannelSplitter
+from mtpkit.serve.channels import OPEN, ChannelSplitter, StopScanner
+from mtpkit.serve.metrics import Metrics
 from mtpkit.serve.protocol import Request, RequestError
+from mtpkit.serve.queue import FairQueue, Ticket
+
+MAX_QUEUE = 16  # requests that may wait behind the running one by default
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
 
@@ -28,6 +33,7 @@ class Delta:
     result: Result | None = None
     tokens: int = 0  # committed tokens behind this text
     draft: str | None = None  # with the result: the draft source used (None: plain decoding)
+    stop_sequence: str | None = None  # with the result: the stop sequence that ended it
 
 
 def tool_calls(content: str) -> tuple[str, list[dict[str, Any]]]:
@@ -53,8 +59,10 @@ def usage(result: Result, draft: str | None = None) -> dict[str, Any]:
     """OpenAI usage, plus "mtp": the decoder's statistics, the draft source (None: plain
     decoding) and per source ("head", "lookup") its rounds and acceptance."""
     s = result.stats
-    return {"prompt_tokens": s.prompt_tokens, "completion_tokens": len(result.tokens),
-            "total_tokens": s.prompt_tokens + len(result.tokens),
+    prompt = s.prompt_tokens + result.cached_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": len(result.tokens),
+            "total_tokens": prompt + len(result.tokens),
+            "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
             "mtp": {"depth": s.depth, "acceptance_by_depth": s.acceptance_by_depth,
                     "mean_accepted": s.mean_accepted, "verify_calls": s.verify_calls,
                     "decode_tps": s.decode_tps, "ttft_s": s.ttft_s,
@@ -64,16 +72,42 @@ def usage(result: Result, draft: str | None = None) -> dict[str, Any]:
                     "sources": s.to_dict()["sources"]}}
 
 
+class Job:
+    """An admitted request: iterate for its deltas (the first waits for its turn); close()
+    ends it and gives up its place, whether it started or not."""
+
+    def __init__(self, ticket: Ticket, deltas: Iterator[Delta]) -> None:
+        self.ticket, self.deltas = ticket, deltas
+
+    def __iter__(self) -> Job:
+        return self
+
+    def __next__(self) -> Delta:
+        return next(self.deltas)
+
+    def close(self) -> None:
+        self.deltas.close()  # type: ignore[attr-defined]
+        self.ticket.leave()
+
+
 class Service:
     """depth: the default of requests that name none: "auto" (chosen per round from this
     machine's measured costs, decoder/policy.py) or a number (0: plain decoding). draft: the
-    default draft source, "head", "lookup" or "both" (None: as Runner.draft_source decides)."""
+    default draft source, "head", "lookup" or "both" (None: as Runner.draft_source decides).
+    cache_bytes: the prefix cache's bound (0: no cache); max_queue: requests that may wait."""
 
     def __init__(self, runner: Runner, model_id: str, depth: Depth, max_tokens: int,
-                 draft: str | None = None) -> None:
+                 draft: str | None = None, cache_bytes: int = 0,
+                 max_queue: int = MAX_QUEUE) -> None:
         self.runner, self.model_id, self.depth, self.max_tokens = runner, model_id, depth, max_tokens
         self.draft = draft
-        self.lock = threading.Lock()
+        cacheable = cache_bytes > 0 and supported(runner.trunk.make_cache())
+        self.prefix = PrefixCache(cache_bytes) if cacheable else None
+        self.queue = FairQueue(max_queue)
+        prefix = self.prefix
+        self.metrics = Metrics(lambda: self.queue.depth, lambda: int(self.queue.running is not None),
+                               lambda: prefix.nbytes if prefix else 0,
+                               lambda: len(prefix) if prefix else 0)
 
     def _prompt(self, req: Request) -> tuple[list[int], bool]:
         """Token ids, and whether the rendered prompt leaves the model inside <think>. A request
@@ -103,33 +137,55 @@ class Service:
         assert tokenizer is not None
         return list(tokenizer.encode(text, add_special_tokens=False)), text.rstrip().endswith(OPEN)
 
-    def deltas(self, req: Request) -> Iterator[Delta]:
-        """The prompt is prepared here, before the first delta is asked for, so that a request
-        error is raised while the HTTP layer can still answer it with a status."""
+    def deltas(self, req: Request, gone: Callable[[], bool] | None = None) -> Job:
+        """The prompt is prepared and the request admitted to the queue here, before the first
+        delta is asked for, so that a request error or a full queue (QueueFull) is raised
+        while the HTTP layer can still answer it with a status. gone(): the client went away
+        (asked while waiting and after each round)."""
         draft = req.draft or self.draft
         if draft == "head" and self.runner.head is None:
             raise RequestError(400, 'mtp_draft "head" drafts with an MTP head; this model has '
                                'none (use "lookup" or "both": context drafts)', "mtp_draft")
         ids, opened = self._prompt(req)
         depth = self.depth if req.depth is None else req.depth
-        return self._generate(req, ids, opened, depth, draft)
+        ticket = self.queue.enter()
+        return Job(ticket, self._generate(req, ids, opened, depth, draft, ticket, gone))
 
     def _generate(self, req: Request, ids: list[int], opened: bool, depth: Depth,
-                  draft: str | None) -> Iterator[Delta]:
+                  draft: str | None, ticket: Ticket,
+                  gone: Callable[[], bool] | None) -> Iterator[Delta]:
         splitter = ChannelSplitter(opened) if req.chat else None
+        stops = StopScanner(req.stop) if req.stop else None
         used = self.runner.draft_source(depth, draft) if depth != 0 else None
         options = req.sampling | ({"draft": draft} if draft else {})
-        with self.lock:
-            for piece in self.runner.stream(ids, req.max_tokens, depth=depth, **options):
-                if splitter is None:
-                    delta = Delta(content=piece.text)
-                else:
-                    delta = Delta(*splitter.feed(piece.text))
+
+        def stop() -> bool:
+            return (stops is not None and stops.hit is not None) or (gone is not None and gone())
+
+        sent = 0
+        try:
+            ticket.wait(gone)
+            for piece in self.runner.stream(ids, req.max_tokens, depth=depth, prefix=self.prefix,
+                                            stop=stop, **options):
+                delta = Delta(content=piece.text) if splitter is None else \
+                    Delta(*splitter.feed(piece.text))
+                if piece.result is not None and splitter is not None:
+                    reasoning, content = splitter.flush()
+                    delta = Delta(delta.reasoning + reasoning, delta.content + content)
+                if stops is not None:
+                    delta.content = stops.feed(delta.content)
                     if piece.result is not None:
-                        reasoning, content = splitter.flush()
-                        delta = Delta(delta.reasoning + reasoning, delta.content + content)
+                        delta.content += stops.flush()
+                        delta.stop_sequence = stops.hit
                 delta.result, delta.tokens = piece.result, len(piece.tokens)
                 delta.draft = used if piece.result is not None else None
+                sent += delta.tokens
+                if piece.result is not None:
+                    self.metrics.generation(piece.result, self.prefix is not None)
+                    sent = 0
                 if delta.reasoning or delta.content or delta.tokens or delta.result is not None:
                     yield delta
+        finally:
+            self.metrics.completion_tokens.inc(sent)  # a generation given up: what it made
+            ticket.leave()
 
