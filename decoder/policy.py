@@ -31,6 +31,13 @@ PRIOR = 0.5  # a_1 before anything is measured; a_i = PRIOR ** i
 MIN_STRETCH = 16
 MAX_STRETCH = 512
 MARGIN = 1.02  # speculation must beat plain by this much to be chosen
+LONG_MATCH = 4  # lookups are tracked apart by match length 1, 2, 3, 4+: a rejected one-token
+# match says little about an eight-token one, and one tracker let it starve the long ones
+
+
+def tracker_key(source: str, match: int = 0) -> str:
+    """The tracker of a source; a lookup's by the length of the match it drafts from."""
+    return f"lookup:{min(max(match, 1), LONG_MATCH)}" if source == "lookup" else source
 
 
 @dataclass
@@ -82,12 +89,14 @@ class DepthPolicy:
     chosen: dict[int, int] = field(default_factory=dict)  # depth -> rounds (0: plain steps)
 
     def __post_init__(self) -> None:
-        chains = ("chain",) if {"head", "lookup"} <= set(self.sources) else ()
-        self.trackers = self.trackers or {s: Tracker(self.max_depth, self.prior)
-                                          for s in (*self.sources, *chains)}
+        keys = [tracker_key(s, n) for s in self.sources
+                for n in (range(1, LONG_MATCH + 1) if s == "lookup" else (0,))]
+        keys += ["chain"] if {"head", "lookup"} <= set(self.sources) else []
+        self.trackers = self.trackers or {k: Tracker(self.max_depth, self.prior) for k in keys}
 
-    def acceptance(self, source: str = "head") -> list[float]:
-        return self.trackers[source].estimates()
+    def acceptance(self, source: str = "head", match: int = 0) -> list[float]:
+        """a_1..a_max_depth of a source (a lookup's: of matches `match` tokens long)."""
+        return self.trackers[tracker_key(source, match)].estimates()
 
     def cost(self, depth: int, source: str = "head", drafted: int | None = None) -> float:
         """Seconds for a round of `depth` drafts, `drafted` of them by the head (default: all
@@ -105,14 +114,15 @@ class DepthPolicy:
         a = self.acceptance(source) if acceptance is None else acceptance
         return (1.0 + sum(a[:depth])) / self.cost(depth, source)
 
-    def choose(self, lookup_width: int = 0,
-               sources: tuple[str, ...] | None = None) -> tuple[str, int]:
+    def choose(self, lookup_width: int = 0, sources: tuple[str, ...] | None = None,
+               match: int = 0) -> tuple[str, int]:
         """The (source, depth) with the highest expected rate; ("plain", 0) unless speculation
-        beats plain by MARGIN. A lookup can draft at most `lookup_width` tokens this round."""
+        beats plain by MARGIN. A lookup can draft at most `lookup_width` tokens this round,
+        from a match `match` tokens long."""
         options = []
         for source in self.sources if sources is None else sources:
             most = self.max_depth if source == "head" else min(lookup_width, self.max_depth)
-            a = self.acceptance(source)
+            a = self.acceptance(source, match)
             options += [(self.rate(d, a, source), source, d) for d in range(1, most + 1)]
         if not options:
             return "plain", 0
@@ -144,17 +154,18 @@ class DepthPolicy:
         return self.rate(depth, source=source) / self.rate(0)
 
     def record(self, depth: int, accepted: int, source: str = "head",
-               drafted: int | None = None) -> None:
-        """One verified round: drafts 1..accepted kept out of `depth`. A "chain" round's
-        first `drafted` were the head's: they count for the head, and the rest for the chain
-        only when every head draft was kept (else they were never put to the test)."""
+               drafted: int | None = None, match: int = 0) -> None:
+        """One verified round: drafts 1..accepted kept out of `depth` (a lookup's drafted
+        from a `match`-token match). A "chain" round's first `drafted` were the head's: they
+        count for the head, and the rest for the chain only when every head draft was kept
+        (else they were never put to the test)."""
         if source == "chain":
             assert drafted is not None
             self.trackers["head"].record(drafted, min(accepted, drafted))
             if accepted >= drafted:
                 self.trackers["chain"].record(depth - drafted, accepted - drafted)
         else:
-            self.trackers[source].record(depth, accepted)
+            self.trackers[tracker_key(source, match)].record(depth, accepted)
         self.chosen[depth] = self.chosen.get(depth, 0) + 1
 
     def plain_stretch(self) -> int:

@@ -210,9 +210,10 @@ class Session:
         return mx.concatenate(chain, axis=1), (np.stack(rows) if rows else None), chained
 
     def round(self, depth: int, lookup: list[int] | None = None,
-              most: int | None = None) -> list[int]:
-        """Draft `depth` tokens (the head's, or the given context `lookup` drafts, whose q is
-        one-hot), verify them in one trunk pass, commit and roll back. The pass may be padded
+              most: int | None = None, match: int = 0) -> list[int]:
+        """Draft `depth` tokens (the head's, or the given context `lookup` drafts from a
+        `match`-token match, whose q is one-hot), verify them in one trunk pass, commit and
+        roll back. The pass may be padded
         to a wider, cheaper width (the policy's cost curve); padding rows repeat the last token
         and are rolled back like rejected drafts."""
         source, drafted = ("lookup", 0) if lookup is not None else ("head", depth)
@@ -269,7 +270,7 @@ class Session:
         if depth > 0:
             self.stats.count_round(SOURCE_NAMES[source], depth, kept, verdict.bonus(depth))
             if self.policy is not None:
-                self.policy.record(depth, kept, source, drafted)
+                self.policy.record(depth, kept, source, drafted, match)
                 self.stats.predicted_s += self.policy.cost(depth, source, drafted)
         return committed
 
@@ -294,12 +295,14 @@ class Session:
                 return self.round(len(drafts), drafts)
         return self.round(depth if self.head is not None else 0)
 
-    def _choice(self, most: int) -> tuple[str, int, list[int]]:
-        """The policy's (source, depth, lookup drafts) for the next round, up to `most`."""
+    def _choice(self, most: int) -> tuple[str, int, list[int], int]:
+        """The policy's (source, depth, lookup drafts, their match length) for the next
+        round, up to `most`."""
         assert self.policy is not None
-        drafts = self.lookup.propose(min(most, self.policy.max_depth))[0] if self.lookup else []
-        source, depth = self.policy.choose(len(drafts))
-        return source, min(depth, most), drafts
+        drafts, match = (self.lookup.propose(min(most, self.policy.max_depth))
+                         if self.lookup else ([], 0))
+        source, depth = self.policy.choose(len(drafts), match=match)
+        return source, min(depth, most), drafts, match
 
     def auto_rounds(self, left: Callable[[], int]) -> Iterator[list[int]]:
         """Rounds at the source and depth the policy chooses; where plain decoding wins, a
@@ -308,11 +311,13 @@ class Session:
         policy = self.policy
         assert policy is not None
         while True:
-            source, depth, drafts = self._choice(left() - 1)
+            source, depth, drafts, match = self._choice(left() - 1)
             if depth > 0 or left() <= 1:
                 policy.reset_stretch()
-                yield self.round(depth, drafts[:depth]) if source == "lookup" and depth > 0 \
-                    else self.round(max(depth, 0), most=left() - 1)
+                if source == "lookup" and depth > 0:
+                    yield self.round(depth, drafts[:depth], match=match)
+                else:
+                    yield self.round(max(depth, 0), most=left() - 1)
                 continue
 
             cut: list[bool] = []
@@ -330,8 +335,10 @@ class Session:
                 continue
             if self.head is not None:
                 yield self.round(1)  # the probe
-            elif self.lookup is not None and (drafts := self.lookup.propose(1)[0]):
-                yield self.round(1, drafts)
+            elif self.lookup is not None:
+                drafts, match = self.lookup.propose(1)
+                if drafts:
+                    yield self.round(1, drafts, match=match)
 
     def draft_step_time(self, repeats: int) -> float:
         """Median seconds of one chained head draft step (after a started session)."""

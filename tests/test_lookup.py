@@ -18,7 +18,7 @@ import mtpkit
 from fixtures.decoder_models import tiny_runner
 from mtpkit.decoder.costs import CostCurve
 from mtpkit.decoder.lookup import MAX_NGRAM, ContextIndex
-from mtpkit.decoder.policy import DepthPolicy
+from mtpkit.decoder.policy import LONG_MATCH, DepthPolicy
 from mtpkit.decoder.runner import MAX_AUTO_DEPTH, Runner
 from mtpkit.decoder.sampling import SamplingParams, probabilities
 from mtpkit.decoder.session import CHAIN_MIN_NGRAM, Session, generate_ids
@@ -116,6 +116,20 @@ def test_policy_backs_off_lookup_that_misses_and_takes_it_when_it_hits() -> None
     assert policy.choose(3) == ("lookup", 3)
 
 
+def test_lookups_are_tracked_by_match_length() -> None:
+    """Short matches that miss do not stop long ones from drafting (and vice versa): each
+    match length 1, 2, 3, 4+ has its own acceptance."""
+    policy = DepthPolicy(CostCurve([1.0 + 0.3 * t for t in range(16)], plain=1.0, draft=0.0),
+                         8, sources=("lookup",))
+    for _ in range(40):
+        policy.record(4, 0, "lookup", match=1)
+        policy.record(4, 4, "lookup", match=7)
+    assert policy.choose(8, match=1) == ("plain", 0)
+    assert policy.choose(8, match=4) == ("lookup", 8) == policy.choose(8, match=8)
+    assert policy.choose(8, match=2)[0] == "lookup", "an untried length starts from the prior"
+    assert policy.acceptance("lookup", 1)[0] < 0.1 < 0.9 < policy.acceptance("lookup", 5)[0]
+
+
 V = 4
 SAMPLED_PROMPT = [1, 2, 1, 2, 1, 2, 1]
 DE_BRUIJN = [0, 0, 1, 0, 2, 0, 3, 1, 1, 2, 1, 3, 2, 2, 3, 3, 0]  # every pair of tokens once
@@ -162,7 +176,8 @@ def _chain_session(runner: Runner, params: SamplingParams, seed: int | None = No
     runner._costs = CostCurve([1.0 + 0.05 * t for t in range(16)], plain=1.0, draft=0.1)
     policy = DepthPolicy(runner.costs(), MAX_AUTO_DEPTH, sources=("head", "lookup"))
     for _ in range(60):
-        policy.record(4, 0, "lookup")
+        for match in range(1, LONG_MATCH + 1):
+            policy.record(4, 0, "lookup", match=match)
     for _ in range(10):
         policy.record(2, 1, "head")
         policy.trackers["chain"].record(7, 7)
