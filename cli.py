@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import shlex
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -96,6 +97,26 @@ def _depth(value: str) -> str | int:
 DRAFT_HELP = ("Draft source: the MTP head, the context (tokens that followed an earlier match; "
               "any bundle) or both. Default: both with --depth auto, the head at a forced "
               "depth, lookup for a bundle without a head.")
+
+
+SHARD_HELP = ("Under mlx.launch: split the trunk over the ranks, tensor (each rank a share of "
+              "every layer's heads) or pipeline (each rank a run of layers); rank 0 drafts, "
+              "decides and prints, the others follow.")
+
+
+def _leads(command: Callable[..., None]) -> Callable[..., None]:
+    """A command that may run sharded: its followers exit with its exit code, a lost rank is
+    one line (decoder/distributed.py)."""
+    @functools.wraps(command)
+    def run(*args: object, **kwargs: object) -> None:
+        if kwargs.get("shard") is None:
+            return command(*args, **kwargs)
+        from mtpkit.decoder.distributed import leading
+
+        with leading():
+            command(*args, **kwargs)
+
+    return run
 
 
 def _head_for(runner: Runner, draft: str | None) -> None:
@@ -302,18 +323,21 @@ def convert(src: str, out: Path, quantize: bool, q_bits: int | None, q_group_siz
               help="Run plain decoding first (both warmed up) and report the measured speedup.")
 @click.option("--draft", type=click.Choice(["head", "lookup", "both"]), help=DRAFT_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document (generation schema).")
+@click.option("--shard", type=click.Choice(["tensor", "pipeline"]), help=SHARD_HELP)
+@_leads
 def generate(bundle: str, prompt: str, raw: bool, max_tokens: int, depth: str | int,
              temperature: float, top_p: float, top_k: int, min_p: float, seed: int | None,
              dtype: str | None, rollback: str, compare: bool, draft: str | None,
-             as_json: bool) -> None:
+             as_json: bool, shard: str | None) -> None:
     """Generate from BUNDLE with the reference MTP decoder (exact: greedy output equals plain)."""
     from mtpkit.decoder.blas import note
     from mtpkit.decoder.compare import Comparison, baseline
+    from mtpkit.decoder.distributed import lead
     from mtpkit.decoder.runner import load
     from mtpkit.verify.run import depths_text
 
     with _user_errors("OUT"):
-        runner = load(bundle, dtype=dtype, rollback=rollback)
+        runner = lead(load(bundle, dtype=dtype, rollback=rollback, shard=shard))
         _head_for(runner, draft)
         if advice := note():
             click.echo(advice, err=True)
@@ -495,10 +519,13 @@ the final chunk carries usage with MTP statistics), POST /v1/messages (Anthropic
               help="Requests that may wait behind the running one (first in, first out); one "
               "more gets 503 with Retry-After.")
 @click.option("--verbose", is_flag=True, help="Log every request to stderr.")
+@click.option("--shard", type=click.Choice(["tensor", "pipeline"]), help=SHARD_HELP)
+@_leads
 def serve(bundle: str, host: str, port: int, api_key: str | None, depth_opt: str | int,
           draft: str | None, max_tokens: int, dtype: str | None, cache_gb: float,
-          max_queue: int, verbose: bool) -> None:
+          max_queue: int, verbose: bool, shard: str | None) -> None:
     """Serve BUNDLE over an OpenAI-compatible API with the reference MTP decoder."""
+    from mtpkit.decoder.distributed import lead
     from mtpkit.decoder.runner import load
     from mtpkit.serve.server import Server, check_bind
     from mtpkit.serve.service import Service
@@ -506,7 +533,7 @@ def serve(bundle: str, host: str, port: int, api_key: str | None, depth_opt: str
 
     with _user_errors("--out"):
         check_bind(host, api_key)  # before the (slow) load
-        runner = load(bundle, dtype=dtype)
+        runner = lead(load(bundle, dtype=dtype, shard=shard))
         _head_for(runner, draft)
         if depth_opt == "auto":  # the cost curve now, so that no request pays for it
             click.echo(summary(runner, draft), err=True)
@@ -563,11 +590,13 @@ Exit codes: 0 every check passed, 1 a check failed or a floor was not met, 2 bad
               "run as one self-contained HTML page with charts (written even when checks fail).")
 @click.option("--compare", type=click.Path(path_type=Path), metavar="EARLIER.json",
               help="With --report: overlay an earlier verify-run --json document's numbers.")
+@click.option("--shard", type=click.Choice(["tensor", "pipeline"]), help=SHARD_HELP)
+@_leads
 def verify_run(bundle: str | None, endpoint: str | None, api_key: str | None, as_json: bool,
                stamp: bool, depth_opt: str | int, draft: str | None, loads: str, runs: int,
                max_tokens: int, min_accept: float | None, min_speedup: float | None,
                timeout: float, dtype: str | None, report_path: Path | None,
-               compare: Path | None) -> None:
+               compare: Path | None, shard: str | None) -> None:
     """Check BUNDLE (or --endpoint) end to end and measure its speed the honest way."""
     from mtpkit.verify.endpoint import EndpointError, open_endpoint
     from mtpkit.verify.loads import LOADS
@@ -582,6 +611,8 @@ def verify_run(bundle: str | None, endpoint: str | None, api_key: str | None, as
         _fail("usage", "give a BUNDLE or --endpoint URL (not both)", "see mtpkit verify-run --help")
     if stamp and endpoint:
         _fail("usage", "--stamp writes into a local bundle", "drop --stamp or pass BUNDLE")
+    if shard and endpoint:
+        _fail("usage", "--shard splits a local bundle", "drop --shard or pass BUNDLE")
     chosen = tuple(x.strip() for x in loads.split(",") if x.strip())
     if not chosen or set(chosen) - set(LOADS):
         _fail("usage", f"--loads takes a comma list of {', '.join(LOADS)}", "e.g. --loads code")
@@ -599,8 +630,10 @@ def verify_run(bundle: str | None, endpoint: str | None, api_key: str | None, as
                 facts = Facts("endpoint", endpoint)
             else:
                 assert bundle is not None
-                target, facts, view = open_local(bundle, dtype)
-                _head_for(target.service.runner, draft)
+                from mtpkit.decoder.distributed import lead
+
+                target, facts, view = open_local(bundle, dtype, shard)
+                _head_for(lead(target.service.runner), draft)
         except EndpointError as exc:
             _fail("endpoint.unreachable", str(exc), "check --endpoint and that the server runs")
         if stamp and view is not None:

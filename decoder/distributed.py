@@ -13,7 +13,7 @@ back from the all_sum, so a lazy token (pipelined plain decoding) stays lazy.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -31,7 +31,8 @@ if TYPE_CHECKING:
     from mtpkit.decoder.runner import Runner
 
 MAGIC = 0x4D545031  # "MTP1": a message from another protocol version is refused, not obeyed
-HEADER = 7  # magic, op, value, token count, rank 0's committed length, real, recording
+HEADER = 8  # magic, op, value, token count, rank 0's committed length, real, recording, and
+PRESENT = HEADER - 1  # the followers present: each adds 1, so rank 0 sees one that is gone
 ROOM = 32  # tokens carried in the message itself; a longer pass (prefill) sends a second array
 CACHE, PASS, QUIT = 1, 2, 3  # ops; value: CACHE bounded, QUIT the exit code
 LOST = ("[ring]", "[jaccl]", "[mpi]", "[nccl]")  # how MLX's backends word a lost peer
@@ -39,6 +40,10 @@ LOST = ("[ring]", "[jaccl]", "[mpi]", "[nccl]")  # how MLX's backends word a los
 
 class Desync(RuntimeError):
     """A follower was told something its state cannot match (a bug, never a user error)."""
+
+
+class PeerLost(RuntimeError):
+    """A rank is gone: MLX's ring backend may fail a collective with zeros, not an error."""
 
 
 def committed(cache: list[Any]) -> int:
@@ -72,6 +77,8 @@ class LeaderTrunk:
         self.recorders: list[Any] = [*trunk.recorders,
                                      *([RemoteRecorder()] if remote_recurrent else [])]
         self.cache: list[Any] | None = None
+        self.span = (0, 0)  # the positions the last pass wrote
+        self.unchecked: list[mx.array] = []  # presence counts of messages sent lazily
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.trunk, name)
@@ -82,13 +89,24 @@ class LeaderTrunk:
     def _committed(self) -> int:
         return committed(self._local(self.cache)) if self.cache is not None else 0
 
+    def _check(self, present: mx.array) -> None:
+        if int(present.item()) != self.group.size() - 1:
+            raise PeerLost("a follower rank is gone: its share of a message is missing")
+
+    def _send(self, header: list[int]) -> None:
+        """A message delivered now (after every earlier one was checked)."""
+        while self.unchecked:
+            self._check(self.unchecked.pop(0))
+        message = mx.array(header + [0] * (HEADER - len(header) + ROOM), dtype=mx.int32)
+        self._check(mx.distributed.all_sum(message, group=self.group, stream=mx.cpu)[PRESENT])
+
     def make_cache(self, bounded: bool = False) -> list[Any]:
         """A new cache here and on every follower (the previous one is settled there)."""
-        _send(self.group, [MAGIC, CACHE, int(bounded), 0, self._committed(), 0, 0])
+        self._send([MAGIC, CACHE, int(bounded), 0, self._committed()])
         cache = self.trunk.make_cache(bounded)
         if self.remote:
             cache.append(ArraysCache(0))
-        self.cache = cache
+        self.cache, self.span = cache, (0, 0)
         return cache
 
     def __call__(self, tokens: mx.array, cache: list[Any], logits_for: int | None = None,
@@ -96,31 +114,38 @@ class LeaderTrunk:
         if cache is not self.cache:
             raise Desync("a sharded trunk follows one cache at a time: the last one made")
         local = self._local(cache)
+        length = committed(local)
+        if not self.span[0] <= length <= self.span[1]:
+            raise Desync(f"the cache holds {length} tokens but the last pass wrote positions "
+                         f"{self.span[0]}..{self.span[1]}: a sharded trunk's cache changes only "
+                         "by its own passes and trims (no prefix cache)")
+        while len(self.unchecked) > 1:  # the one before last has been evaluated by now
+            self._check(self.unchecked.pop(0))
         recording = any(r.recording for r in self.recorders)
         flat = tokens.reshape(-1).astype(mx.int32)
         n = flat.size
-        header = mx.array([MAGIC, PASS, 0, n, committed(local), real or 0, int(recording)],
-                          dtype=mx.int32)
+        self.span = (length, length + n)
+        header = [MAGIC, PASS, 0, n, length, real or 0, int(recording), 0]
         if n <= ROOM:  # lazy: the pass below depends on the all_sum, which keeps the order
-            message = mx.concatenate([header, flat, mx.zeros(ROOM - n, mx.int32)])
+            message = mx.concatenate([mx.array(header, dtype=mx.int32), flat,
+                                      mx.zeros(ROOM - n, mx.int32)])
             sent = mx.distributed.all_sum(message, group=self.group, stream=mx.cpu)
+            self.unchecked.append(sent[PRESENT])
             flat = sent[HEADER:HEADER + n]
             if self.eager:
                 mx.eval(flat)
         else:
-            _send(self.group, header.tolist())
+            self._send(header)
             flat = mx.distributed.all_sum(flat, group=self.group, stream=mx.cpu)
             mx.eval(flat)
-        return self.trunk(flat[None], local, logits_for, real)
+        hidden, logits = self.trunk(flat[None], local, logits_for, real)
+        if logits_for == 0:  # the caller may read only the caches, which do not depend on the
+            mx.eval(hidden)  # pass's last collectives (the followers wait in them)
+        return hidden, logits
 
     def quit(self, code: int) -> None:
         """Tell the followers to settle the last cache and exit with `code`."""
-        _send(self.group, [MAGIC, QUIT, code, 0, self._committed(), 0, 0])
-
-
-def _send(group: mx.distributed.Group, header: list[int]) -> None:
-    message = mx.array(header + [0] * ROOM, dtype=mx.int32)
-    mx.eval(mx.distributed.all_sum(message, group=group, stream=mx.cpu))
+        self._send([MAGIC, QUIT, code, 0, self._committed()])
 
 
 @dataclass
@@ -170,9 +195,13 @@ class Follower:
 
     def _receive(self) -> tuple[int, int, list[int], int, int, bool]:
         """(op, value, tokens, committed length, real, recording) of rank 0's next message."""
-        blank = mx.zeros(HEADER + ROOM, mx.int32)
-        message = np.array(mx.distributed.all_sum(blank, group=self.group, stream=mx.cpu))
-        magic, op, value, n, length, real, recording = message[:HEADER].tolist()
+        blank = np.zeros(HEADER + ROOM, np.int32)
+        blank[PRESENT] = 1
+        message = np.array(mx.distributed.all_sum(mx.array(blank), group=self.group,
+                                                  stream=mx.cpu))
+        magic, op, value, n, length, real, recording, _ = message[:HEADER].tolist()
+        if magic == 0:
+            raise PeerLost("rank 0 is gone: its message came back empty")
         if magic != MAGIC or op not in (CACHE, PASS, QUIT):
             raise Desync(f"not a message of this protocol: {message[:HEADER].tolist()}")
         tokens = message[HEADER:HEADER + n] if n <= ROOM else np.array(
@@ -243,36 +272,47 @@ def is_follower(runner: Runner) -> bool:
     return "shard" in runner.load_options and mx.distributed.init().rank() > 0
 
 
+def _lost(exc: BaseException) -> bool:
+    return isinstance(exc, PeerLost) or isinstance(exc, RuntimeError) and str(exc).startswith(LOST)
+
+
 @contextmanager
 def _lost_peers() -> Iterator[None]:
-    """A rank lost mid-collective: one line and PEER_LOST, not a traceback."""
+    """A lost rank: one line and PEER_LOST, not a traceback."""
     try:
         yield
     except RuntimeError as exc:
-        if not str(exc).startswith(LOST):
+        if not _lost(exc):
             raise
         print(f"error [distributed.peer_lost]: {exc}\n  hint: another rank exited or its "
               "machine is unreachable; its own output says why", file=sys.stderr, flush=True)
         raise SystemExit(PEER_LOST) from None
 
 
+_LEADING: list[list[Runner]] = []  # per command running under leading(): the runners it led
+
+
+def lead(runner: Runner) -> Runner:
+    """For a command: on a follower rank, follow rank 0 and exit with rank 0's exit code; on
+    rank 0 (or unsharded) return the runner; under leading(), its followers are told to exit
+    with the command's code when the command ends."""
+    if is_follower(runner):
+        raise SystemExit(follow(runner).code)
+    if _LEADING:
+        _LEADING[-1].append(runner)
+    return runner
+
+
 @contextmanager
-def leading() -> Iterator[Callable[[Runner], Runner]]:
-    """For a command that may run sharded: yields `lead(runner)`, which on a follower rank
-    follows rank 0 and exits with rank 0's code, and on rank 0 returns the runner, whose
-    followers are told to exit with this command's code on the way out."""
-    leaders: list[Runner] = []
-
-    def lead(runner: Runner) -> Runner:
-        if is_follower(runner):
-            raise SystemExit(follow(runner).code)
-        leaders.append(runner)
-        return runner
-
+def leading() -> Iterator[None]:
+    """Around a command (also a decorator) that may lead followers (see lead): a lost rank is
+    one line and PEER_LOST; on the way out the followers get the command's exit code."""
+    led: list[Runner] = []
+    _LEADING.append(led)
     code = 1
     try:
         with _lost_peers():
-            yield lead
+            yield
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
@@ -281,6 +321,8 @@ def leading() -> Iterator[Callable[[Runner], Runner]]:
         code = 2
         raise
     finally:
+        _LEADING.pop()
         if code != PEER_LOST:
-            for runner in leaders:
-                finish(runner, code)
+            with _lost_peers():
+                for runner in led:
+                    finish(runner, code)

@@ -11,8 +11,8 @@ lazily, so a rank reads only what it keeps.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
-import threading
 from typing import Any
 
 import mlx.core as mx
@@ -22,8 +22,13 @@ from mtpkit.decoder.trunk import Trunk
 from mtpkit.loaders.findings import UserError
 
 MODES = ("tensor", "pipeline")
-PEER_LOST = 3  # exit code of a rank whose world lost a member
+PEER_LOST = 3  # exit code of a rank whose world lost a member (killed: one that never joined)
 CONNECT_TIMEOUT_S = 300.0  # MTPKIT_CONNECT_TIMEOUT overrides: seconds to wait for every rank
+# Run beside mx.distributed.init: kills the process (argv 1) unless its stdin closes in time.
+WATCHDOG = """import os, select, signal, sys
+if not select.select([sys.stdin], [], [], float(sys.argv[2]))[0]:
+    sys.stderr.write(sys.argv[3]); sys.stderr.flush(); os.kill(int(sys.argv[1]), signal.SIGKILL)
+"""
 # Dimensions mlx-lm's shard() splits N ways (where the model has them).
 SPLIT_DIMS = ("num_attention_heads", "num_key_value_heads", "linear_num_key_heads",
               "linear_num_value_heads", "intermediate_size", "moe_intermediate_size",
@@ -34,31 +39,32 @@ KV_REPEATING = ("qwen3_5", "qwen3_5_moe")
 
 def join(mode: str) -> mx.distributed.Group:
     """The world this process was launched into (mlx.launch, or MLX_RANK and MLX_HOSTFILE).
-    A rank that never shows up would block forever: past the connect timeout this process
-    exits with PEER_LOST instead."""
+    A rank that never shows up would block forever in mx.distributed.init, which holds the
+    GIL: a watchdog process ends this one after the connect timeout, with one line."""
     if mode not in MODES:
         raise ValueError(f"shard must be one of {', '.join(MODES)}")
     limit = float(os.environ.get("MTPKIT_CONNECT_TIMEOUT", CONNECT_TIMEOUT_S))
-    timer = threading.Timer(limit, _give_up, (limit,))
-    timer.daemon = True
-    timer.start()
+    message = (f"error [distributed.connect_timeout]: not every rank joined within {limit:g} s"
+               "\n  hint: start every rank (mlx.launch does), check the hostfile's addresses, "
+               "or raise MTPKIT_CONNECT_TIMEOUT\n")
+    watchdog = subprocess.Popen([sys.executable, "-c", WATCHDOG, str(os.getpid()), str(limit),
+                                 message], stdin=subprocess.PIPE)
     try:
         group = mx.distributed.init()
+    except RuntimeError as exc:  # e.g. an unreadable hostfile
+        raise UserError("distributed.init_failed", f"MLX distributed could not start: {exc}",
+                        "check MLX_HOSTFILE (a JSON list of [\"ip:port\"] per rank) or start "
+                        "under mlx.launch") from None
     finally:
-        timer.cancel()
+        assert watchdog.stdin is not None
+        watchdog.stdin.close()  # joined (or failed): the watchdog exits
+        watchdog.wait()
     if group.size() < 2:
         raise UserError("distributed.single_process", f"--shard {mode} needs 2 or more ranks; "
                         "this process runs alone", "start it under mlx.launch (e.g. mlx.launch "
                         "--hostfile hosts.json --backend ring -- mtpkit generate ... --shard "
                         f"{mode})")
     return group
-
-
-def _give_up(limit: float) -> None:
-    print(f"error [distributed.connect_timeout]: not every rank joined within {limit:.0f} s\n"
-          "  hint: start every rank (mlx.launch does), check the hostfile's addresses, or raise "
-          "MTPKIT_CONNECT_TIMEOUT", file=sys.stderr, flush=True)
-    os._exit(PEER_LOST)
 
 
 def text_model(model: nn.Module) -> nn.Module:
@@ -68,9 +74,9 @@ def text_model(model: nn.Module) -> nn.Module:
 def check_tensor(model: nn.Module, ranks: int) -> None:
     """Refuse, naming the dimensions, a rank count that does not split the heads evenly
     (mlx-lm would silently split a head in two or fail deep inside)."""
-    text = text_model(model)
+    text, kind = text_model(model), model.model_type
     if not hasattr(model, "shard"):
-        raise UserError("distributed.unsupported", f"mlx-lm cannot split {text.model_type} "
+        raise UserError("distributed.unsupported", f"mlx-lm cannot split {kind} "
                         "tensor-parallel", "use --shard pipeline" if _pipelines(model) else
                         "this family runs on one machine only")
     args = text.args
@@ -81,14 +87,14 @@ def check_tensor(model: nn.Module, ranks: int) -> None:
             continue
         if name == "num_key_value_heads" and (
                 hasattr(args, "kv_lora_rank")  # MLA: one latent cache, no KV heads to split
-                or text.model_type in KV_REPEATING and ranks % value == 0):
+                or kind in KV_REPEATING and ranks % value == 0):
             continue
         bad.append(f"{name}={value}")
     if "lm_head" in text and args.vocab_size % ranks:  # mlx-lm asserts before sharding it
         bad.append(f"vocab_size={args.vocab_size}")
     if bad:
         raise UserError("distributed.indivisible", f"{ranks} ranks do not divide "
-                        f"{', '.join(bad)} of this {text.model_type} trunk",
+                        f"{', '.join(bad)} of this {kind} trunk",
                         "use a rank count that divides them, or --shard pipeline")
 
 
@@ -114,7 +120,7 @@ def shard_pipeline(trunk: Trunk, group: mx.distributed.Group) -> None:
     inner = trunk.inner
     if not _pipelines(trunk.model):
         raise UserError("distributed.unsupported", f"mlx-lm cannot pipeline "
-                        f"{trunk.text.model_type}", "use --shard tensor"
+                        f"{trunk.model.model_type}", "use --shard tensor"
                         if hasattr(trunk.model, "shard") else
                         "this family runs on one machine only")
     layers, ranks = len(inner.layers), group.size()

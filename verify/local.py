@@ -54,11 +54,12 @@ class Local:
         return report(runner, str(runner.root))
 
 
-def open_local(bundle: str, dtype: str | None = None) -> tuple[Local, Facts, BundleView]:
+def open_local(bundle: str, dtype: str | None = None,
+               shard: str | None = None) -> tuple[Local, Facts, BundleView]:
     """The bundle loaded behind serve's service, what verify-run knows of it (the template
-    verdict, its thinking switch), and its view."""
+    verdict, its thinking switch), and its view. shard: this rank's part (load's shard)."""
     view = open_bundle(bundle)
-    runner = load(bundle, dtype=dtype)
+    runner = load(bundle, dtype=dtype, shard=shard)
     t = view.template
     if runner.template is None:
         template = Check("template", FAIL, "no usable chat template" + (
