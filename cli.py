@@ -538,7 +538,8 @@ def serve(bundle: str, host: str, port: int, api_key: str | None, depth_opt: str
         if depth_opt == "auto":  # the cost curve now, so that no request pays for it
             click.echo(summary(runner, draft), err=True)
         service = Service(runner, Path(bundle).name, depth_opt, max_tokens, draft,
-                          cache_bytes=int(cache_gb * (1 << 30)), max_queue=max_queue)
+                          cache_bytes=int(cache_gb * (1 << 30)) if shard is None else 0,
+                          max_queue=max_queue)  # sharded: no prefix cache (followers hold none)
         server = Server(service, host, port, api_key, verbose)
     drafts = f", drafts {runner.draft_source(depth_opt, draft)}" if depth_opt != 0 else ""
     click.echo(f"serving {bundle} on http://{host}:{server.server_address[1]}/v1 "

@@ -384,6 +384,47 @@ def _wait_for_output(proc: subprocess.Popen, timeout: float) -> None:
     assert ready and os.read(proc.stdout.fileno(), 1), "rank 0 printed nothing"
 
 
+def test_serve_sharded(bundles: dict, tmp_path: Path) -> None:
+    """serve --shard: rank 0 answers HTTP like one process would, the follower runs its
+    passes; on Ctrl-C both exit 0."""
+    import urllib.request
+
+    from mtpkit.decoder.runner import load
+
+    bundle = bundles["tensor", "qwen3_5"]
+    argv = cli("serve", str(bundle), "--port", "0", "--depth", "2", "--dtype", "float32",
+               "--shard", "tensor")
+    body = json.dumps({"prompt": "hello", "max_tokens": 12, "temperature": 0}).encode()
+    with world(tmp_path, argv) as procs:
+        port = _serving_port(procs[0], 120)
+        answers = []
+        for _ in range(2):  # two requests: the second one starts a new cache on both ranks
+            request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                             {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=120) as response:
+                answers.append(json.loads(response.read()))
+        os.kill(procs[0].pid, signal.SIGINT)
+        outs = finish(procs, 60)
+    assert [code for code, _, _ in outs] == [0, 0], outs[1][2][-2000:]
+    expected = load(bundle, dtype="float32").generate("hello", 12, depth=2)
+    for answer in answers:
+        assert answer["choices"][0]["text"] == expected.text
+        assert answer["usage"]["completion_tokens"] == len(expected.tokens)
+
+
+def _serving_port(proc: subprocess.Popen, timeout: float) -> int:
+    """The port rank 0's serve announces on stderr."""
+    assert proc.stderr is not None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stderr], [], [], deadline - time.monotonic())
+        line = proc.stderr.readline() if ready else ""
+        if "serving" in line:
+            return int(line.split("http://127.0.0.1:")[1].split("/")[0])
+        assert line or proc.poll() is None, "rank 0 exited before serving"
+    raise AssertionError("rank 0 never served")
+
+
 def test_cli_under_mlx_launch(bundles: dict, tmp_path: Path) -> None:
     """The CLI itself under mlx.launch: one JSON document (rank 0's), tokens equal to the
     single-process run; the followers print nothing."""
