@@ -18,6 +18,7 @@ session writing after them gets a fresh buffer (MLX copies a buffer another arra
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -26,6 +27,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, LRUPromptCache
 
 from mtpkit.decoder.session import Session
 from mtpkit.decoder.shapes import pieces
+from mtpkit.decoder.state import trimmable
 
 MAX_ENTRIES = 1 << 16  # the byte bound is the real one
 KINDS = ("trunk", "head")  # trie partitions: sessions drafting with the head need its state too
@@ -149,39 +151,55 @@ class PrefixCache:
 
 class CachedSession(Session):
     """A Session whose prompt starts from the longest cached prefix, and whose prompt state
-    is cached for the prompts after it. `cached_tokens`: prompt tokens not prefilled."""
+    is cached for the prompts after it. `cached_tokens`: prompt tokens not prefilled.
+    `checkpoints`: shorter prompt lengths whose state is kept too, where recurrent states
+    cannot be trimmed back to them (the end of the conversation before the assistant's
+    turn opens, say: the next turn renders the same history, then differs)."""
 
-    def __init__(self, *args: Any, prefix: PrefixCache, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, prefix: PrefixCache, checkpoints: Sequence[int] = (),
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.prefix = prefix
+        self.prefix, self.checkpoints = prefix, checkpoints
         self.cached_tokens = 0
         self.kind = KINDS[bool(self.mtp_cache)]
+        self._done: list[mx.array] = []  # head sessions: hiddens before the owed run
 
     def start(self, ids: list[int]) -> int:
         state, cached = self.prefix.fetch(self.kind, ids)
-        before = None
         if state is not None:
-            before = self._restore(state, ids, cached)
-        self.cached_tokens = cached
-        last = super().start(ids[cached:])
-        self.prefix.insert(self.kind, ids, self._settle(before))
+            self._restore(state, ids, cached)
+        self.cached_tokens = at = cached
+        spent = 0.0
+        marks = [] if trimmable(self.cache) else sorted(
+            b for b in set(self.checkpoints) if cached < b < len(ids))
+        for mark in marks:
+            hidden, _ = self._prefill(ids[at:mark], keep_hidden=bool(self.mtp_cache))
+            spent += self.stats.prefill_s
+            if hidden is not None:
+                self._owe(hidden, ids[at + 1:mark + 1])
+            if self.lookup is not None:
+                self.lookup.extend(ids[at:mark])
+            self.prefix.insert(self.kind, ids[:mark], self._settle())
+            at = mark
+        last = super().start(ids[at:])
+        self.stats.prompt_tokens, self.stats.prefill_s = len(ids) - cached, self.stats.prefill_s + spent
+        self.prefix.insert(self.kind, ids, self._settle())
         return last
 
-    def _restore(self, state: list[Any], ids: list[int], cached: int) -> _Hidden | None:
-        """Caches, lookup index and owed head pair as the cached prefix left them; the
-        prefix's hiddens (head sessions)."""
+    def _restore(self, state: list[Any], ids: list[int], cached: int) -> None:
+        """Caches, lookup index and owed head pair as the cached prefix left them."""
         n, m = len(self.cache), len(self.mtp_cache)
         for cache, frozen in zip(self.cache + self.mtp_cache, state[:n + m], strict=True):
             frozen.thaw(cache)
         if self.lookup is not None:
             self.lookup.extend(ids[:cached])
-        if not m:
-            return None
-        hidden = state[-1]
-        self.owed = (hidden.hidden[:, cached - 1:cached], mx.array([[ids[cached]]]))
-        return hidden
+        if m:
+            hidden = state[-1]
+            assert hidden.length == cached
+            self._done = [hidden.hidden[:, :cached - 1]]
+            self.owed = (hidden.hidden[:, cached - 1:cached], mx.array([[ids[cached]]]))
 
-    def _settle(self, before: _Hidden | None) -> list[Any]:
+    def _settle(self) -> list[Any]:
         """Feed the head the prompt's pairs but the last (the first round's draft takes that
         one, with the next token), and freeze the state the prompt left (evaluated here: the
         next session may run on another thread)."""
@@ -196,10 +214,10 @@ class CachedSession(Session):
                           last_only=True)
                 at += size
             self.owed = (hidden[:, feed:], tokens[:, feed:])
-            if before is not None:  # the owed run starts at the prefix's last position
-                hidden = mx.concatenate([before.hidden[:, :before.length - 1], hidden], axis=1)
+            prompt = mx.concatenate([*self._done, hidden], axis=1)  # every prompt position
+            self._done = [prompt[:, :-1]]
             frozen += [_freeze(c) for c in self.mtp_cache]
-            frozen.append(_Hidden(hidden, hidden.shape[1], hidden.nbytes))
+            frozen.append(_Hidden(prompt, prompt.shape[1], prompt.nbytes))
         mx.eval([a for f in frozen for a in _arrays(f)])
         return frozen
 

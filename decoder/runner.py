@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -187,13 +187,15 @@ class Runner:
                top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
                depth: Depth = "auto", seed: int | None = None,
                draft: str | None = None, prefix: PrefixCache | None = None,
-               stop: Callable[[], bool] | None = None) -> Iterator[Piece]:
+               stop: Callable[[], bool] | None = None,
+               checkpoints: Sequence[int] = ()) -> Iterator[Piece]:
         """Yield text as it is committed; the last piece carries the Result. depth: "auto"
         (chosen per round from this machine's measured costs), a number (forced; 0 is plain
         decoding) or None (the head's layer count). draft: "head", "lookup" (context drafts,
         any bundle) or "both"; default: see draft_source. prefix: a prefix cache the prompt
-        starts from and is kept in (decoder/prefix.py). stop: asked after each piece; true
-        ends the generation there (a stop sequence seen, a client gone), result and all."""
+        starts from and is kept in (decoder/prefix.py), with the states at `checkpoints` (prompt
+        lengths) where recurrent states cannot be trimmed back. stop: asked after each piece;
+        true ends the generation there (a stop sequence seen, a client gone), result and all."""
         draft = self.draft_source(depth, draft)
         depth, policy = self.policy(depth, draft)
         ids = self.encode(prompt)
@@ -202,7 +204,7 @@ class Runner:
         params = SamplingParams(temperature, top_p, top_k, min_p)
         args = (self.trunk, self.head, params, depth, seed, self.rollback, policy)
         session = Session(*args, draft=draft) if prefix is None else \
-            CachedSession(*args, draft=draft, prefix=prefix)
+            CachedSession(*args, draft=draft, prefix=prefix, checkpoints=checkpoints)
         eos = set(self.tokenizer.eos_token_ids) if self.tokenizer is not None else set()
         detok = self.tokenizer.detokenizer if self.tokenizer is not None else None
         if detok is not None:

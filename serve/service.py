@@ -13,6 +13,7 @@ from typing import Any
 
 from mtpkit.decoder.prefix import PrefixCache, supported
 from mtpkit.decoder.runner import Depth, Result, Runner
+from mtpkit.decoder.state import trimmable
 from mtpkit.loaders.templates import RENDER_ERRORS, describe_failure
 from mtpkit.serve.channels import OPEN, ChannelSplitter, StopScanner
 from mtpkit.serve.metrics import Metrics
@@ -101,8 +102,9 @@ class Service:
                  max_queue: int = MAX_QUEUE) -> None:
         self.runner, self.model_id, self.depth, self.max_tokens = runner, model_id, depth, max_tokens
         self.draft = draft
-        cacheable = cache_bytes > 0 and supported(runner.trunk.make_cache())
-        self.prefix = PrefixCache(cache_bytes) if cacheable else None
+        caches = runner.trunk.make_cache()
+        self.prefix = PrefixCache(cache_bytes) if cache_bytes > 0 and supported(caches) else None
+        self.trimmable = trimmable(caches)
         self.queue = FairQueue(max_queue)
         prefix = self.prefix
         self.metrics = Metrics(lambda: self.queue.depth, lambda: int(self.queue.running is not None),
@@ -137,6 +139,29 @@ class Service:
         assert tokenizer is not None
         return list(tokenizer.encode(text, add_special_tokens=False)), text.rstrip().endswith(OPEN)
 
+    def _turn_end(self, req: Request, ids: list[int]) -> list[int]:
+        """Where the next turn's prompt will likely leave this one: how far this prompt agrees
+        with the same conversation plus a reply and a user turn. A checkpoint there lets a
+        model whose recurrent states cannot be trimmed (GatedDeltaNet) reuse this turn when
+        the next arrives; attention KV alone needs none (it is trimmed to any prefix)."""
+        if self.prefix is None or not req.chat or self.trimmable:
+            return []
+        options: dict[str, Any] = {} if req.enable_thinking is None else {
+            "enable_thinking": req.enable_thinking}
+        if req.tools:
+            options["tools"] = req.tools
+        probe = [*req.messages, {"role": "assistant", "content": "x"},
+                 {"role": "user", "content": "x"}]
+        try:
+            text = self.runner.render(probe, **options)
+        except RENDER_ERRORS:
+            return []
+        assert self.runner.tokenizer is not None
+        other = self.runner.tokenizer.encode(text, add_special_tokens=False)
+        agree = next((i for i, (a, b) in enumerate(zip(ids, other, strict=False)) if a != b),
+                     min(len(ids), len(other)))
+        return [agree] if 0 < agree < len(ids) else []
+
     def deltas(self, req: Request, gone: Callable[[], bool] | None = None) -> Job:
         """The prompt is prepared and the request admitted to the queue here, before the first
         delta is asked for, so that a request error or a full queue (QueueFull) is raised
@@ -148,11 +173,12 @@ class Service:
                                'none (use "lookup" or "both": context drafts)', "mtp_draft")
         ids, opened = self._prompt(req)
         depth = self.depth if req.depth is None else req.depth
+        marks = self._turn_end(req, ids)
         ticket = self.queue.enter()
-        return Job(ticket, self._generate(req, ids, opened, depth, draft, ticket, gone))
+        return Job(ticket, self._generate(req, ids, opened, depth, draft, marks, ticket, gone))
 
     def _generate(self, req: Request, ids: list[int], opened: bool, depth: Depth,
-                  draft: str | None, ticket: Ticket,
+                  draft: str | None, marks: list[int], ticket: Ticket,
                   gone: Callable[[], bool] | None) -> Iterator[Delta]:
         splitter = ChannelSplitter(opened) if req.chat else None
         stops = StopScanner(req.stop) if req.stop else None
@@ -166,7 +192,7 @@ class Service:
         try:
             ticket.wait(gone)
             for piece in self.runner.stream(ids, req.max_tokens, depth=depth, prefix=self.prefix,
-                                            stop=stop, **options):
+                                            stop=stop, checkpoints=marks, **options):
                 delta = Delta(content=piece.text) if splitter is None else \
                     Delta(*splitter.feed(piece.text))
                 if piece.result is not None and splitter is not None:

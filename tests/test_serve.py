@@ -323,7 +323,8 @@ def test_sampling_seed_and_depth_over_http_reach_the_decoder(built) -> None:
 
     def spy(ids: list[int], max_tokens: int, **options: Any) -> Iterator[Piece]:
         assert options["prefix"] is None and callable(options["stop"])  # no --cache-gb here
-        seen.append({k: v for k, v in options.items() if k not in ("prefix", "stop")})
+        assert options["checkpoints"] == []
+        seen.append({k: v for k, v in options.items() if k not in ("prefix", "stop", "checkpoints")})
         return stream(ids, max_tokens, **options)
 
     runner.stream = spy  # type: ignore[method-assign]
