@@ -599,7 +599,7 @@ def verify_run(bundle: str | None, endpoint: str | None, api_key: str | None, as
                timeout: float, dtype: str | None, report_path: Path | None,
                compare: Path | None, shard: str | None) -> None:
     """Check BUNDLE (or --endpoint) end to end and measure its speed the honest way."""
-    from mtpkit.verify.endpoint import EndpointError, open_endpoint
+    from mtpkit.verify.endpoint import EndpointError, open_endpoint, serving_checks
     from mtpkit.verify.loads import LOADS
     from mtpkit.verify.local import open_local
     from mtpkit.verify.record import fingerprint, machine, require_manifest
@@ -641,6 +641,9 @@ def verify_run(bundle: str | None, endpoint: str | None, api_key: str | None, as
             require_manifest(view.root)  # before the (long) run
         report = run(target, facts, options, progress=lambda s: click.echo(f"verify-run: {s}",
                                                                            err=True))
+        if endpoint:  # across requests: a second turn over the prefix cache, the Messages API
+            report.checks += serving_checks(target, lambda s: click.echo(f"verify-run: {s}",
+                                                                         err=True))
         report.record = {"machine": machine(), **({"fingerprint": fingerprint(view)} if view
                                                    else {"endpoint": endpoint})}
         if view is not None and report.speed:

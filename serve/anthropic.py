@@ -25,9 +25,10 @@ from mtpkit.serve.protocol import (
     mtp_depth,
     mtp_draft,
     number,
+    prefix_cache,
     stops,
 )
-from mtpkit.serve.service import tool_calls, usage
+from mtpkit.serve.service import Delta, tool_calls, usage
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 411: "invalid_request_error", 413: "request_too_large",
@@ -151,19 +152,21 @@ def parse(body: Any, max_tokens_limit: int) -> Request:
         top_k=integer(body, "top_k", 0, 0, 1 << 20) or 0,
         seed=integer(body, "seed", None, -(1 << 63), (1 << 63) - 1),
         tools=_tools(body), enable_thinking=_thinking(body), depth=mtp_depth(body),
-        draft=mtp_draft(body), stop=stops(body.get("stop_sequences"), "stop_sequences"))
+        draft=mtp_draft(body), stop=stops(body.get("stop_sequences"), "stop_sequences"),
+        prefix_cache=prefix_cache(body))
 
 
 def message_id() -> str:
     return "msg_" + uuid.uuid4().hex[:24]
 
 
-def _usage(result: Result | None, draft: str | None) -> dict[str, Any]:
+def _usage(last: Delta | None) -> dict[str, Any]:
     """Input tokens prefilled, prompt tokens read from the prefix cache, output tokens, and
     the decoder's MTP statistics (None: message_start, before the prefill)."""
-    if result is None:
+    if last is None or last.result is None:
         return {"input_tokens": 0, "output_tokens": 0}
-    openai = usage(result, draft)
+    result = last.result
+    openai = usage(result, last.draft, last.cached)
     return {"input_tokens": result.stats.prompt_tokens, "output_tokens": len(result.tokens),
             "cache_read_input_tokens": result.cached_tokens, "cache_creation_input_tokens": 0,
             "mtp": openai["mtp"]}
@@ -189,9 +192,10 @@ def _tool_blocks(content: str) -> tuple[str, list[dict[str, Any]]]:
     return text, blocks
 
 
-def message(mid: str, model: str, req: Request, reasoning: str, content: str, result: Result,
-            draft: str | None, stop_sequence: str | None) -> dict[str, Any]:
-    """The whole (non-streamed) answer."""
+def message(mid: str, model: str, req: Request, reasoning: str, content: str,
+            last: Delta) -> dict[str, Any]:
+    """The whole (non-streamed) answer; `last`: the delta with the result."""
+    assert last.result is not None
     blocks: list[dict[str, Any]] = []
     if reasoning:
         blocks.append({"type": "thinking", "thinking": reasoning, "signature": ""})
@@ -200,8 +204,8 @@ def message(mid: str, model: str, req: Request, reasoning: str, content: str, re
         blocks.append({"type": "text", "text": text})
     blocks += calls
     return {"id": mid, "type": "message", "role": "assistant", "model": model, "content": blocks,
-            "stop_reason": stop_reason(result, stop_sequence, bool(calls)),
-            "stop_sequence": stop_sequence, "usage": _usage(result, draft)}
+            "stop_reason": stop_reason(last.result, last.stop_sequence, bool(calls)),
+            "stop_sequence": last.stop_sequence, "usage": _usage(last)}
 
 
 class Events:
@@ -217,7 +221,7 @@ class Events:
         send("message_start", {"type": "message_start", "message": {
             "id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
             "stop_reason": None, "stop_sequence": None,
-            "usage": _usage(None, None)}})
+            "usage": _usage(None)}})
 
     def _block(self, kind: str, start: dict[str, Any]) -> None:
         self._close()
@@ -246,7 +250,9 @@ class Events:
         elif content:
             self._delta("text", {"type": "text_delta", "text": content})
 
-    def finish(self, result: Result, draft: str | None, stop_sequence: str | None) -> None:
+    def finish(self, last: Delta) -> None:
+        """The held text and tool calls, the block's end, the stop reason and usage."""
+        assert last.result is not None
         calls: list[dict[str, Any]] = []
         if self.req.tools:
             text, calls = _tool_blocks(self.held)
@@ -259,6 +265,6 @@ class Events:
                     "delta": {"type": "input_json_delta", "partial_json": json.dumps(call["input"])}})
         self._close()
         self.send("message_delta", {"type": "message_delta", "delta": {
-            "stop_reason": stop_reason(result, stop_sequence, bool(calls)),
-            "stop_sequence": stop_sequence}, "usage": _usage(result, draft)})
+            "stop_reason": stop_reason(last.result, last.stop_sequence, bool(calls)),
+            "stop_sequence": last.stop_sequence}, "usage": _usage(last)})
         self.send("message_stop", {"type": "message_stop"})

@@ -49,6 +49,7 @@ class Request:
     depth: int | str | None = None  # extension "mtp_depth": "auto" or 0-16 (0: MTP off)
     draft: str | None = None  # extension "mtp_draft": "head", "lookup" or "both"
     stop: list[str] | None = None  # stop sequences (the content ends before the first)
+    prefix_cache: bool = True  # extension "prefix_cache": false prefills the whole prompt
 
     @property
     def sampling(self) -> dict[str, Any]:
@@ -88,6 +89,15 @@ def mtp_draft(body: dict) -> str | None:
     if value is None or (isinstance(value, str) and value in DRAFTS):
         return value
     raise RequestError(400, 'mtp_draft must be "head", "lookup" or "both"', "mtp_draft")
+
+
+def prefix_cache(body: dict) -> bool:
+    """The "prefix_cache" extension: false makes a request start cold (verify-run's reference
+    for a cached answer), and keeps nothing of it."""
+    value = body.get("prefix_cache", True)
+    if not isinstance(value, bool):
+        raise RequestError(400, "prefix_cache must be true or false", "prefix_cache")
+    return value
 
 
 def stops(value: Any, name: str) -> list[str] | None:
@@ -145,7 +155,7 @@ def parse(body: Any, chat: bool, max_tokens_limit: int) -> Request:
         seed=integer(body, "seed", None, -(1 << 63), (1 << 63) - 1),
         depth=mtp_depth(body),
         draft=mtp_draft(body),
-        stop=stops(body.get("stop"), "stop"),
+        stop=stops(body.get("stop"), "stop"), prefix_cache=prefix_cache(body),
     )
     req.stream = body.get("stream", False)
     if not isinstance(req.stream, bool):

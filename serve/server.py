@@ -20,7 +20,7 @@ from mtpkit.serve import anthropic, page
 from mtpkit.serve.metrics import CONTENT_TYPE
 from mtpkit.serve.protocol import MAX_BODY_BYTES, RequestError, completion_id, envelope, parse
 from mtpkit.serve.queue import Gone, QueueFull
-from mtpkit.serve.service import Service, tool_calls, usage
+from mtpkit.serve.service import Job, Service, tool_calls, usage
 
 SOCKET_TIMEOUT_S = 120
 DRAIN_BYTES = 16 * MAX_BODY_BYTES  # oversized bodies up to this are read and dropped
@@ -55,6 +55,7 @@ class Handler(BaseHTTPRequestHandler):
 
     streaming = False  # the SSE headers are out: an error can no longer change the status
     api = "openai"  # whose error shape this request gets
+    job: Job | None = None  # the request's generation, once admitted
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (stdlib signature)
         if self.server.verbose:
@@ -195,8 +196,9 @@ class Handler(BaseHTTPRequestHandler):
                 body = json.loads(raw or b"null")
             except (json.JSONDecodeError, UnicodeDecodeError):
                 raise RequestError(400, "the body is not valid JSON") from None
+            self.job = None
             getattr(self, route)(body, path.endswith("/chat/completions"))
-            outcome = "ok"
+            outcome = "cancelled" if self.job is not None and self.job.cancelled else "ok"
         except RequestError as err:
             self._error(err)
         except QueueFull as full:
@@ -228,7 +230,7 @@ class Handler(BaseHTTPRequestHandler):
         service = self.server.service
         req = anthropic.parse(body, service.max_tokens)
         mid = anthropic.message_id()
-        job = service.deltas(req, self._gone)
+        self.job = job = service.deltas(req, self._gone)
         try:
             if req.stream:
                 self._start_stream()
@@ -236,31 +238,31 @@ class Handler(BaseHTTPRequestHandler):
                 for d in job:
                     events.feed(d.reasoning, d.content)
                     if d.result is not None:
-                        events.finish(d.result, d.draft, d.stop_sequence)
+                        events.finish(d)
                 return
             reasoning = content = ""
             for d in job:
                 reasoning, content = reasoning + d.reasoning, content + d.content
                 if d.result is not None:
                     self._json(200, anthropic.message(mid, service.model_id, req, reasoning,
-                                                      content, d.result, d.draft,
-                                                      d.stop_sequence))
+                                                      content, d))
         finally:
             job.close()
 
     def _complete(self, req: Any) -> None:
         service = self.server.service
         reasoning = content = ""
-        result, draft = None, None
-        job = service.deltas(req, self._gone)
+        last = None
+        self.job = job = service.deltas(req, self._gone)
         try:
             for delta in job:
                 reasoning += delta.reasoning
                 content += delta.content
-                result, draft = delta.result or result, delta.draft or draft
+                last = delta if delta.result is not None else last
         finally:
             job.close()
-        assert result is not None
+        assert last is not None and last.result is not None
+        result = last.result
         doc = envelope(completion_id(req.chat), service.model_id, req.chat, chunk=False)
         if req.chat:
             message: dict[str, Any] = {"role": "assistant", "content": content}
@@ -275,12 +277,13 @@ class Handler(BaseHTTPRequestHandler):
                       "finish_reason": "tool_calls" if calls else result.finish_reason}
         else:
             choice = {"index": 0, "text": content, "finish_reason": result.finish_reason}
-        self._json(200, doc | {"choices": [choice], "usage": usage(result, draft)})
+        self._json(200, doc | {"choices": [choice],
+                               "usage": usage(result, last.draft, last.cached)})
 
     def _stream(self, req: Any) -> None:
         service = self.server.service
         cid = completion_id(req.chat)
-        job = service.deltas(req, self._gone)  # request errors surface here, before the 200
+        self.job = job = service.deltas(req, self._gone)  # request errors surface here, before the 200
         try:
             self._start_stream()
             self._chunks(req, cid, job)
@@ -320,7 +323,7 @@ class Handler(BaseHTTPRequestHandler):
                 else:
                     self._sse(chunk({}, finish))
                 self._sse(envelope(cid, service.model_id, req.chat, chunk=True)
-                          | {"choices": [], "usage": usage(d.result, d.draft)})
+                          | {"choices": [], "usage": usage(d.result, d.draft, d.cached)})
         self._sse("[DONE]")
 
 

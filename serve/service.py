@@ -35,6 +35,7 @@ class Delta:
     tokens: int = 0  # committed tokens behind this text
     draft: str | None = None  # with the result: the draft source used (None: plain decoding)
     stop_sequence: str | None = None  # with the result: the stop sequence that ended it
+    cached: bool = False  # with the result: the prompt went through the prefix cache
 
 
 def tool_calls(content: str) -> tuple[str, list[dict[str, Any]]]:
@@ -56,9 +57,10 @@ def tool_calls(content: str) -> tuple[str, list[dict[str, Any]]]:
     return TOOL_CALL.sub(take, content).strip() if "<tool_call>" in content else content, calls
 
 
-def usage(result: Result, draft: str | None = None) -> dict[str, Any]:
+def usage(result: Result, draft: str | None = None, cached: bool = False) -> dict[str, Any]:
     """OpenAI usage, plus "mtp": the decoder's statistics, the draft source (None: plain
-    decoding) and per source ("head", "lookup") its rounds and acceptance."""
+    decoding), per source ("head", "lookup") its rounds and acceptance, and the prompt tokens
+    prefilled and read from the prefix cache (None: the request went without one)."""
     s = result.stats
     prompt = s.prompt_tokens + result.cached_tokens
     return {"prompt_tokens": prompt, "completion_tokens": len(result.tokens),
@@ -68,6 +70,8 @@ def usage(result: Result, draft: str | None = None) -> dict[str, Any]:
                     "mean_accepted": s.mean_accepted, "verify_calls": s.verify_calls,
                     "decode_tps": s.decode_tps, "ttft_s": s.ttft_s,
                     "prefill_tps": s.prefill_tps, "peak_memory_bytes": s.peak_memory_bytes,
+                    "prefill_tokens": s.prompt_tokens,
+                    "cached_tokens": result.cached_tokens if cached else None,
                     "depths": {str(d): n for d, n in s.depths.items()},
                     "predicted_speedup": s.predicted_speedup, "draft": draft,
                     "sources": s.to_dict()["sources"]}}
@@ -75,10 +79,18 @@ def usage(result: Result, draft: str | None = None) -> dict[str, Any]:
 
 class Job:
     """An admitted request: iterate for its deltas (the first waits for its turn); close()
-    ends it and gives up its place, whether it started or not."""
+    ends it and gives up its place, whether it started or not. `cancelled`: its client went
+    away (seen while it waited or between rounds)."""
 
-    def __init__(self, ticket: Ticket, deltas: Iterator[Delta]) -> None:
-        self.ticket, self.deltas = ticket, deltas
+    def __init__(self, ticket: Ticket, gone: Callable[[], bool] | None) -> None:
+        self.ticket, self._gone = ticket, gone
+        self.cancelled = False
+        self.deltas: Iterator[Delta] = iter(())
+
+    def gone(self) -> bool:
+        if not self.cancelled and self._gone is not None:
+            self.cancelled = self._gone()
+        return self.cancelled
 
     def __iter__(self) -> Job:
         return self
@@ -87,7 +99,7 @@ class Job:
         return next(self.deltas)
 
     def close(self) -> None:
-        self.deltas.close()  # type: ignore[attr-defined]
+        getattr(self.deltas, "close", lambda: None)()
         self.ticket.leave()
 
 
@@ -174,24 +186,26 @@ class Service:
         ids, opened = self._prompt(req)
         depth = self.depth if req.depth is None else req.depth
         marks = self._turn_end(req, ids)
-        ticket = self.queue.enter()
-        return Job(ticket, self._generate(req, ids, opened, depth, draft, marks, ticket, gone))
+        job = Job(self.queue.enter(), gone)
+        job.deltas = self._generate(req, ids, opened, depth, draft, marks, job.ticket, job.gone)
+        return job
 
     def _generate(self, req: Request, ids: list[int], opened: bool, depth: Depth,
                   draft: str | None, marks: list[int], ticket: Ticket,
-                  gone: Callable[[], bool] | None) -> Iterator[Delta]:
+                  gone: Callable[[], bool]) -> Iterator[Delta]:
         splitter = ChannelSplitter(opened) if req.chat else None
         stops = StopScanner(req.stop) if req.stop else None
         used = self.runner.draft_source(depth, draft) if depth != 0 else None
         options = req.sampling | ({"draft": draft} if draft else {})
 
         def stop() -> bool:
-            return (stops is not None and stops.hit is not None) or (gone is not None and gone())
+            return (stops is not None and stops.hit is not None) or gone()
 
         sent = 0
         try:
             ticket.wait(gone)
-            for piece in self.runner.stream(ids, req.max_tokens, depth=depth, prefix=self.prefix,
+            prefix = self.prefix if req.prefix_cache else None
+            for piece in self.runner.stream(ids, req.max_tokens, depth=depth, prefix=prefix,
                                             stop=stop, checkpoints=marks, **options):
                 delta = Delta(content=piece.text) if splitter is None else \
                     Delta(*splitter.feed(piece.text))
@@ -205,9 +219,10 @@ class Service:
                         delta.stop_sequence = stops.hit
                 delta.result, delta.tokens = piece.result, len(piece.tokens)
                 delta.draft = used if piece.result is not None else None
+                delta.cached = piece.result is not None and prefix is not None
                 sent += delta.tokens
                 if piece.result is not None:
-                    self.metrics.generation(piece.result, self.prefix is not None)
+                    self.metrics.generation(piece.result, prefix is not None)
                     sent = 0
                 if delta.reasoning or delta.content or delta.tokens or delta.result is not None:
                     yield delta

@@ -81,6 +81,10 @@ def test_official_sdks_against_a_serve_process(trained) -> None:
         assert len(ids) - 8 < shared == second.usage.cache_read_input_tokens < len(ids)
         assert second.usage.input_tokens + second.usage.cache_read_input_tokens == len(ids2)
         assert second.content[0].text == want2.text.strip(), "a cached prefix decodes as a cold one"
+        cold2 = client.messages.create(messages=turn2, **ask, extra_body={"prefix_cache": False})
+        assert cold2.usage.cache_read_input_tokens == 0 and cold2.usage.input_tokens == len(ids2)
+        assert cold2.content[0].text == second.content[0].text
+        assert cold2.usage.mtp["cached_tokens"] == 0 and second.usage.mtp["cached_tokens"] == shared
 
         thinking = client.messages.create(messages=TURN1, **{**ask, "thinking": {
             "type": "enabled", "budget_tokens": 1024}})
@@ -121,7 +125,7 @@ def test_official_sdks_against_a_serve_process(trained) -> None:
 
         seen = _metrics(url)
     ok = seen[("mtpkit_requests_total", (("api", "messages"), ("outcome", "ok")))]
-    assert ok == 7 and seen[("mtpkit_requests_total", (("api", "messages"), ("outcome", "error")))] == 2
+    assert ok == 8 and seen[("mtpkit_requests_total", (("api", "messages"), ("outcome", "error")))] == 2
     assert seen[("mtpkit_requests_total", (("api", "completions"), ("outcome", "ok")))] == 3
     assert seen[("mtpkit_cached_prompt_tokens_total", ())] >= 3 * len(ids)
     assert seen[("mtpkit_prefix_cache_hits_total", ())] >= 3
@@ -130,7 +134,7 @@ def test_official_sdks_against_a_serve_process(trained) -> None:
     accepted = seen[("mtpkit_drafts_accepted_total", (("position", "1"), ("source", "head")))]
     assert proposed >= accepted > 0, "the trained head's first drafts are kept at times"
     assert seen[("mtpkit_verify_calls_total", ())] >= proposed
-    assert seen[("mtpkit_ttft_seconds_count", ())] == 10
+    assert seen[("mtpkit_ttft_seconds_count", ())] == 11
 
 
 @pytest.fixture(scope="module")
@@ -233,6 +237,7 @@ def test_a_tool_round_trip_renders_as_template_messages() -> None:
     ({"stream": "yes"}, "stream", "true or false"),
     ({"metadata": []}, "metadata", "object"),
     ({"mtp_depth": 17}, "mtp_depth", "0, 16"),
+    ({"prefix_cache": "off"}, "prefix_cache", "true or false"),
 ])
 def test_malformed_messages_requests_name_their_field(change: dict, param: str, words: str) -> None:
     body = {"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]} | change
@@ -250,7 +255,7 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_
                     | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
 KEYS = ["model", "max_tokens", "messages", "system", "stream", "temperature", "top_p", "top_k",
         "stop_sequences", "stop", "tools", "tool_choice", "thinking", "metadata", "prompt",
-        "mtp_depth", "mtp_draft", "seed", "n", "chat_template_kwargs", "min_p"]
+        "mtp_depth", "mtp_draft", "seed", "n", "chat_template_kwargs", "min_p", "prefix_cache"]
 BLOCK = st.fixed_dictionaries({"type": st.sampled_from(["text", "tool_use", "tool_result",
                                                         "thinking", "image", 3])},
                               optional={"text": JSON, "name": JSON, "input": JSON, "content": JSON,

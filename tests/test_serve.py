@@ -26,6 +26,7 @@ from mtpkit.decoder.runner import Piece, Result, Runner
 from mtpkit.loaders import templates
 from mtpkit.loaders.findings import UserError
 from mtpkit.schemas import validate
+from mtpkit.serve import protocol
 from mtpkit.serve.channels import ChannelSplitter
 from mtpkit.serve.server import Server
 from mtpkit.serve.service import Service, tool_calls
@@ -33,12 +34,13 @@ from mtpkit.verify.endpoint import Endpoint, EndpointError
 
 
 def serving(bundle: Path | Runner, depth: int = 2, api_key: str | None = None,
-            max_tokens: int = 512) -> Any:
+            max_tokens: int = 512, cache_bytes: int = 0) -> Any:
     """Our own server over a bundle (or a runner already loaded) on loopback (a context manager
     yielding its base URL)."""
     runner = bundle if isinstance(bundle, Runner) else mtpkit.load(bundle, dtype="float32")
     return in_thread(Server(Service(runner, "m" if isinstance(bundle, Runner) else bundle.name,
-                                    depth, max_tokens), "127.0.0.1", 0, api_key))
+                                    depth, max_tokens, cache_bytes=cache_bytes), "127.0.0.1", 0,
+                            api_key))
 
 
 @pytest.mark.parametrize(("pieces", "opened", "want"), [
@@ -378,7 +380,28 @@ def test_verify_run_passes_our_own_serve(trained) -> None:
     assert not doc["speed"]["sweep"] and doc["speed"]["loads"]["code"]["mtp"]["depths"]
     assert status["answer"] == "fail" and "reasoning" in next(
         c["summary"] for c in doc["checks"] if c["name"] == "answer")
+    assert status["prefix_cache"] == "info" and status["anthropic"] == "pass"  # no --cache-gb
     assert result.exit_code == 1
+
+
+def test_verify_run_checks_the_prefix_cache_and_the_messages_api(trained, monkeypatch) -> None:
+    """With a prefix cache: the second turn reads the first from it, answers as the same turn
+    prefilled cold ("prefix_cache": false) and sooner; the Messages API agrees with the chat
+    API. A server that ignored "prefix_cache": false would fail the check."""
+    from mtpkit.verify.endpoint import serving_checks
+
+    runner = mtpkit.load(trained["qwen3_5"][0], dtype="float32")
+    service = Service(runner, "m", 2, 512, cache_bytes=1 << 30)
+    with in_thread(Server(service, "127.0.0.1", 0, None)) as url:
+        checks = {c.name: c for c in serving_checks(Endpoint(url), lambda s: None)}
+        prefix, messages = checks["prefix_cache"], checks["anthropic"]
+        assert prefix.status == "pass", prefix
+        assert 0 < prefix.evidence["cached_tokens"] < prefix.evidence["prompt_tokens"]
+        assert prefix.evidence["ttft_ratio"] < 1 and messages.status == "pass", messages
+        assert messages.evidence["output_tokens"] == messages.evidence["chat_completion_tokens"]
+        monkeypatch.setattr(protocol, "prefix_cache", lambda body: True)  # "false" unheard
+        deafened = serving_checks(Endpoint(url), lambda s: None)[0]
+    assert deafened.status == "fail" and "was not honoured" in deafened.summary
 
 
 def test_verify_run_local_bundle_json_and_stamp(trained, tmp_path: Path) -> None:

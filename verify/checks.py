@@ -97,3 +97,57 @@ def percentiles(values: list[float]) -> dict[str, float] | None:
     ordered = sorted(values)
     p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
     return {"p50": statistics.median(ordered), "p95": p95, "n": len(ordered)}
+
+
+def prefix_cache_check(cold: Answer, warm: Answer, cached: int, cold_cached: Any) -> Check:
+    """A second turn over a cached prefix: some of its prompt read from the cache, its first
+    token sooner than the same turn prefilled cold, and the same text."""
+    ttft_warm, ttft_cold = warm.ttft_s, cold.ttft_s
+    evidence = {"cached_tokens": cached, "prompt_tokens": warm.prompt_tokens,
+                "ttft_warm_s": ttft_warm, "ttft_cold_s": ttft_cold,
+                "ttft_ratio": ttft_warm / ttft_cold if ttft_warm and ttft_cold else None}
+    if not cached:
+        return Check("prefix_cache", FAIL, "the second turn read nothing from the prefix cache",
+                     evidence)
+    if cold_cached:
+        return Check("prefix_cache", FAIL, f"the cold reference still read {cold_cached} "
+                     "cached tokens (\"prefix_cache\": false was not honoured)", evidence)
+    for channel in ("content", "reasoning"):
+        a, b = getattr(cold, channel), getattr(warm, channel)
+        if a != b:
+            at = _first_difference(a, b)
+            evidence |= {"channel": channel, "first_difference_at": at,
+                         "cold_near": a[at:at + 40], "warm_near": b[at:at + 40]}
+            return Check("prefix_cache", FAIL, f"the cached turn's {channel} differs from the "
+                         f"cold one at char {at}", evidence)
+    if ttft_warm is None or ttft_cold is None or ttft_warm >= ttft_cold:
+        return Check("prefix_cache", FAIL, "the cached turn's first token came no sooner than "
+                     "the cold one's", evidence)
+    return Check("prefix_cache", PASS, f"second turn: {cached} of {warm.prompt_tokens} prompt "
+                 f"tokens cached, TTFT {1000 * ttft_warm:.0f} ms vs {1000 * ttft_cold:.0f} ms "
+                 f"cold ({ttft_warm / ttft_cold:.2f}x), same text", evidence)
+
+
+def anthropic_check(whole: Answer, streamed: Answer, chat: Answer) -> Check:
+    """The Messages API: its stream equals its whole answer, and both equal the chat API's
+    answer to the same greedy conversation, with the same token counts in usage."""
+    evidence = {"output_tokens": whole.tokens, "stream_output_tokens": streamed.tokens,
+                "chat_completion_tokens": chat.tokens, "input_tokens": whole.prompt_tokens,
+                "chat_prompt_tokens": chat.prompt_tokens, "stream_events": len(streamed.chunks)}
+    for name, other in (("stream", streamed), ("chat API's answer", chat)):
+        for channel in ("content", "reasoning"):
+            a, b = getattr(whole, channel), getattr(other, channel)
+            if a != b:
+                at = _first_difference(a, b)
+                evidence |= {"channel": channel, "first_difference_at": at}
+                return Check("anthropic", FAIL, f"the Messages API's {channel} differs from "
+                             f"the {name} at char {at}", evidence)
+    if whole.tokens is None or not whole.tokens == streamed.tokens == chat.tokens:
+        return Check("anthropic", FAIL, "usage.output_tokens differs: "
+                     f"{whole.tokens} whole, {streamed.tokens} streamed, {chat.tokens} in the "
+                     "chat API's completion_tokens", evidence)
+    if whole.prompt_tokens != chat.prompt_tokens:
+        return Check("anthropic", FAIL, f"input tokens differ: {whole.prompt_tokens} (Messages) "
+                     f"vs {chat.prompt_tokens} (chat)", evidence)
+    return Check("anthropic", PASS, f"Messages API: stream equals the whole answer and the chat "
+                 f"API's, {whole.tokens} output tokens in every usage", evidence)
