@@ -130,7 +130,9 @@ class LeaderTrunk:
             message = mx.concatenate([mx.array(header, dtype=mx.int32), flat,
                                       mx.zeros(ROOM - n, mx.int32)])
             sent = mx.distributed.all_sum(message, group=self.group, stream=mx.cpu)
-            self.unchecked.append(sent[PRESENT])
+            present = sent[PRESENT]
+            mx.async_eval(present)  # here: the check may come from another thread (serve),
+            self.unchecked.append(present)  # which cannot run this thread's stream
             flat = sent[HEADER:HEADER + n]
             if self.eager:
                 mx.eval(flat)
