@@ -23,6 +23,8 @@ from mtpkit.serve.queue import Gone, QueueFull
 from mtpkit.serve.service import Job, Service, tool_calls, usage
 
 SOCKET_TIMEOUT_S = 120
+API_NAMES = {"/v1/chat/completions": "chat", "/v1/completions": "completions",
+             "/v1/messages": "messages"}  # the `api` label of mtpkit_requests_total
 DRAIN_BYTES = 16 * MAX_BODY_BYTES  # oversized bodies up to this are read and dropped
 
 
@@ -184,7 +186,7 @@ class Handler(BaseHTTPRequestHandler):
         path = urlsplit(self.path).path.rstrip("/")
         route = self.POST_ROUTES.get(path)
         self.api = "anthropic" if route == "_anthropic" else "openai"
-        name = path.rsplit("/", 1)[-1] if route else "unknown"
+        name = API_NAMES.get(path, "unknown")
         outcome = "error"
         try:
             raw = self._body()

@@ -126,7 +126,8 @@ def test_official_sdks_against_a_serve_process(trained) -> None:
         seen = _metrics(url)
     ok = seen[("mtpkit_requests_total", (("api", "messages"), ("outcome", "ok")))]
     assert ok == 8 and seen[("mtpkit_requests_total", (("api", "messages"), ("outcome", "error")))] == 2
-    assert seen[("mtpkit_requests_total", (("api", "completions"), ("outcome", "ok")))] == 3
+    assert seen[("mtpkit_requests_total", (("api", "chat"), ("outcome", "ok")))] == 2
+    assert seen[("mtpkit_requests_total", (("api", "completions"), ("outcome", "ok")))] == 1
     assert seen[("mtpkit_cached_prompt_tokens_total", ())] >= 3 * len(ids)
     assert seen[("mtpkit_prefix_cache_hits_total", ())] >= 3
     assert seen[("mtpkit_prefix_cache_bytes", ())] > 0 and seen[("mtpkit_queue_depth", ())] == 0
