@@ -37,6 +37,7 @@ class FairQueue:
         self.waiting: deque[Ticket] = deque()
         self.running: Ticket | None = None
         self.recent_s = 1.0  # a moving mean of turn lengths, for Retry-After
+        self.admitted = 0  # tickets handed out: each request's arrival number
 
     def enter(self) -> Ticket:
         with self.cond:
@@ -44,7 +45,8 @@ class FairQueue:
             if busy and len(self.waiting) >= self.max_waiting:
                 ahead = len(self.waiting) + 1
                 raise QueueFull(max(1, min(600, math.ceil(ahead * self.recent_s))))
-            ticket = Ticket(self)
+            self.admitted += 1
+            ticket = Ticket(self, self.admitted)
             self.waiting.append(ticket)
             return ticket
 
@@ -54,10 +56,11 @@ class FairQueue:
 
 
 class Ticket:
-    """One request's place: wait() until its turn, leave() when done (or given up)."""
+    """One request's place: wait() until its turn, leave() when done (or given up).
+    `number`: its arrival order (1 = the first request the server admitted)."""
 
-    def __init__(self, queue: FairQueue) -> None:
-        self.queue = queue
+    def __init__(self, queue: FairQueue, number: int) -> None:
+        self.queue, self.number = queue, number
         self.started: float | None = None
 
     def wait(self, gone: Callable[[], bool] | None = None) -> None:

@@ -23,6 +23,7 @@ from mtpkit.serve.queue import Gone, QueueFull
 from mtpkit.serve.service import Job, Service, tool_calls, usage
 
 SOCKET_TIMEOUT_S = 120
+ARRIVAL = "X-Mtpkit-Arrival"  # response header: the request's arrival number
 API_NAMES = {"/v1/chat/completions": "chat", "/v1/completions": "completions",
              "/v1/messages": "messages"}  # the `api` label of mtpkit_requests_total
 DRAIN_BYTES = 16 * MAX_BODY_BYTES  # oversized bodies up to this are read and dropped
@@ -150,8 +151,14 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(f"event: {name}\ndata: {json.dumps(doc)}\n\n".encode())
         self.wfile.flush()
 
+    def _arrival(self) -> dict[str, str]:
+        """The request's arrival number (its place in the first-in first-out order)."""
+        return {ARRIVAL: str(self.job.ticket.number)} if self.job is not None else {}
+
     def _start_stream(self) -> None:
         self.send_response(200)
+        for name, value in self._arrival().items():
+            self.send_header(name, value)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Connection", "close")
@@ -247,7 +254,7 @@ class Handler(BaseHTTPRequestHandler):
                 reasoning, content = reasoning + d.reasoning, content + d.content
                 if d.result is not None:
                     self._json(200, anthropic.message(mid, service.model_id, req, reasoning,
-                                                      content, d))
+                                                      content, d), headers=self._arrival())
         finally:
             job.close()
 
@@ -280,7 +287,8 @@ class Handler(BaseHTTPRequestHandler):
         else:
             choice = {"index": 0, "text": content, "finish_reason": result.finish_reason}
         self._json(200, doc | {"choices": [choice],
-                               "usage": usage(result, last.draft, last.cached)})
+                               "usage": usage(result, last.draft, last.cached)},
+                   headers=self._arrival())
 
     def _stream(self, req: Any) -> None:
         service = self.server.service

@@ -128,7 +128,9 @@ def test_requests_run_in_arrival_order_and_a_full_line_gets_503(gated: Any) -> N
         "overloaded_error"
     for _ in range(3 * 8):
         gate.release()
-    answers = [json.loads(c.getresponse().read()) for c in conns]
+    responses = [c.getresponse() for c in conns]
+    assert [r.getheader("X-Mtpkit-Arrival") for r in responses] == ["1", "2", "3"]
+    answers = [json.loads(r.read()) for r in responses]
     assert [a["choices"][0]["text"] for a in answers] == ["".join(script.pieces)] * 3
     assert script.started == [runner.encode(n) for n in ("first", "second", "third")]
     metrics = _get(url, "/metrics")[1].decode()
