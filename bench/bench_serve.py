@@ -86,14 +86,17 @@ def prefix_cache(warm: Endpoint, cold: Endpoint, doc: str, turns: int,
                      "ratio": second.ttft_s / first.ttft_s if first.ttft_s and second.ttft_s else None,
                      "identical": (second.content, second.reasoning) == (reference.content,
                                                                         reference.reasoning),
-                     "tokens_2": second.tokens})
+                     "tokens_2": second.tokens,
+                     "peak_memory_bytes": max((a.mtp or {}).get("peak_memory_bytes") or 0
+                                              for a in (first, second))})
     return {"rows": rows,
             "ttft_1_s": summary([r["ttft_1_s"] for r in rows]),
             "ttft_2_s": summary([r["ttft_2_s"] for r in rows]),
             "ttft_2_cold_s": summary([r["ttft_2_cold_s"] for r in rows]),
             "ratio": summary([r["ratio"] for r in rows]),
             "new_tokens": summary([r["prompt_tokens_2"] - r["cached_tokens_2"] for r in rows]),
-            "identical": sum(r["identical"] for r in rows), "n": len(rows)}
+            "identical": sum(r["identical"] for r in rows), "n": len(rows),
+            "peak_memory_bytes": max(r["peak_memory_bytes"] for r in rows)}
 
 
 def concurrency(url: str, clients: int, each: int, max_tokens: int) -> dict[str, Any]:
@@ -214,7 +217,8 @@ def main() -> None:
           f"{p['ttft_2_s']['median'] * 1000:.0f} ms (P95 {p['ttft_2_s']['p95'] * 1000:.0f}), "
           f"cold server {p['ttft_2_cold_s']['median'] * 1000:.0f} ms; ratio "
           f"{p['ratio']['median']:.3f} (P95 {p['ratio']['p95']:.3f}); new tokens "
-          f"{p['new_tokens']['median']:.0f}; identical {p['identical']}/{p['n']}")
+          f"{p['new_tokens']['median']:.0f}; identical {p['identical']}/{p['n']}; MLX peak "
+          f"{p['peak_memory_bytes'] / 2**20:.0f} MiB")
     print(f"concurrency: {together['answered']}/20 answered, errors {len(together['errors'])}, "
           f"arrival order kept {together['arrival_order_kept']}")
     print(f"dropped stream: freed after {drop['freed_after_drop_s'] * 1000:.0f} ms, one round "
