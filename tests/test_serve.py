@@ -460,6 +460,9 @@ def test_verify_run_passes_stock_mlx_lm_server(smollm2_bf16: Path) -> None:
         proc.terminate()
         proc.wait(30)
     assert result.exit_code == 0, doc["checks"]
+    status = {c["name"]: c for c in doc["checks"]}
+    assert status["prefix_cache"]["status"] == status["anthropic"]["status"] == "info"
+    assert "HTTP 404" in status["anthropic"]["summary"], "mlx_lm.server has no Messages API"
     counting = next(c for c in doc["checks"] if c["name"] == "counting")["evidence"]
     assert counting["tokens"] == counting["tokens_non_streaming"] <= 24
     assert whole.tokens == streamed.tokens and whole.content == streamed.content

@@ -267,7 +267,13 @@ def _message_usage(usage: Any) -> tuple[int | None, int | None, dict | None]:
     return usage.get("output_tokens"), prompt, mtp if isinstance(mtp, dict) else None
 
 
+class NoMessagesApi(EndpointError):
+    """POST /v1/messages answered, but not with an Anthropic message."""
+
+
 def _message_answer(doc: dict) -> Answer:
+    if doc.get("type") != "message":
+        raise NoMessagesApi("POST /v1/messages does not answer with a message")
     blocks = doc.get("content")
     if not isinstance(blocks, list) or not all(isinstance(b, dict) for b in blocks):
         raise EndpointError("the message has no content blocks")
@@ -355,9 +361,9 @@ def _anthropic_check(endpoint: Endpoint) -> Check:
     try:
         whole = endpoint.ask_messages(messages, max_tokens=TURN_TOKENS, stream=False)
     except EndpointError as exc:
-        if exc.status in (404, 405):
+        if isinstance(exc, NoMessagesApi) or exc.status in (404, 405):
             return Check("anthropic", INFO, "not checked: the endpoint has no Messages API "
-                         "(POST /v1/messages)")
+                         f"(POST /v1/messages: {exc})")
         raise
     streamed = endpoint.ask_messages(messages, max_tokens=TURN_TOKENS, stream=True)
     chat = endpoint.ask(messages, max_tokens=TURN_TOKENS, stream=False)
