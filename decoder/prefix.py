@@ -34,13 +34,13 @@ KINDS = ("trunk", "head")  # trie partitions: sessions drafting with the head ne
 
 
 @dataclass
-class _KV:
-    """An attention cache's first `offset` positions (views), trimmable like the cache."""
+class _Positions:
+    """Arrays over a prompt's first `offset` positions, trimmed like an attention cache. An
+    entry's parts are shared by the copies LRUPromptCache makes on fetch (MLX arrays are
+    values); only `offset` is the copy's own."""
 
-    keys: mx.array | None
-    values: mx.array | None
     offset: int
-    nbytes: int  # of the buffers the views keep alive
+    nbytes: int  # of the buffers the arrays keep alive
 
     def is_trimmable(self) -> bool:
         return True
@@ -50,14 +50,29 @@ class _KV:
         self.offset -= n
         return n
 
-    def __deepcopy__(self, memo: dict) -> _KV:  # LRUPromptCache copies on fetch: share values
+    def __deepcopy__(self, memo: dict) -> _Positions:
         return replace(self)
+
+
+@dataclass
+class _KV(_Positions):
+    """An attention cache's keys and values (views)."""
+
+    keys: mx.array | None = None
+    values: mx.array | None = None
 
     def thaw(self, cache: KVCache) -> None:
         if self.offset and self.keys is not None and self.values is not None:
             cache.keys = self.keys[..., :self.offset, :]
             cache.values = self.values[..., :self.offset, :]
             cache.offset = self.offset
+
+
+@dataclass
+class _Hidden(_Positions):
+    """The trunk hiddens of the prompt's positions, which the head's pairs start from."""
+
+    hidden: mx.array | None = None
 
 
 @dataclass
@@ -80,33 +95,13 @@ class _Arrays:
         cache.cache = list(self.arrays)
 
 
-@dataclass
-class _Hidden:
-    """The trunk hiddens of the prompt's positions, which the head's pairs start from."""
-
-    hidden: mx.array
-    length: int
-    nbytes: int
-
-    def is_trimmable(self) -> bool:
-        return True
-
-    def trim(self, n: int) -> int:
-        n = min(self.length, n)
-        self.length -= n
-        return n
-
-    def __deepcopy__(self, memo: dict) -> _Hidden:
-        return replace(self)
-
-
 def _freeze(cache: Any) -> _KV | _Arrays:
     if isinstance(cache, KVCache):
         if cache.keys is None:
-            return _KV(None, None, 0, 0)
+            return _KV(0, 0)
         off = cache.offset
-        return _KV(cache.keys[..., :off, :], cache.values[..., :off, :], off,
-                   cache.keys.nbytes + cache.values.nbytes)
+        return _KV(off, cache.keys.nbytes + cache.values.nbytes, cache.keys[..., :off, :],
+                   cache.values[..., :off, :])
     arrays = list(cache.cache)
     return _Arrays(arrays, sum(a.nbytes for a in arrays if a is not None))
 
@@ -195,7 +190,7 @@ class CachedSession(Session):
             self.lookup.extend(ids[:cached])
         if m:
             hidden = state[-1]
-            assert hidden.length == cached
+            assert hidden.offset == cached and hidden.hidden is not None
             self._done = [hidden.hidden[:, :cached - 1]]
             self.owed = (hidden.hidden[:, cached - 1:cached], mx.array([[ids[cached]]]))
 
@@ -217,7 +212,7 @@ class CachedSession(Session):
             prompt = mx.concatenate([*self._done, hidden], axis=1)  # every prompt position
             self._done = [prompt[:, :-1]]
             frozen += [_freeze(c) for c in self.mtp_cache]
-            frozen.append(_Hidden(prompt, prompt.shape[1], prompt.nbytes))
+            frozen.append(_Hidden(prompt.shape[1], prompt.nbytes, prompt))
         mx.eval([a for f in frozen for a in _arrays(f)])
         return frozen
 
@@ -227,4 +222,4 @@ def _arrays(frozen: Any) -> list[mx.array]:
         return [a for a in (frozen.keys, frozen.values) if a is not None]
     if isinstance(frozen, _Arrays):
         return [a for a in frozen.arrays if a is not None]
-    return [frozen.hidden]
+    return [frozen.hidden] if frozen.hidden is not None else []

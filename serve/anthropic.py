@@ -27,6 +27,7 @@ from mtpkit.serve.protocol import (
     number,
     prefix_cache,
     stops,
+    text,
 )
 from mtpkit.serve.service import Delta, tool_calls, usage
 
@@ -47,28 +48,18 @@ def _bad(message: str, param: str) -> RequestError:
     return RequestError(400, message, param)
 
 
-def _text(value: Any, where: str) -> str:
-    """A string, or a list of text blocks."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list) and all(isinstance(b, dict) and b.get("type") == "text"
-                                       and isinstance(b.get("text"), str) for b in value):
-        return "".join(b["text"] for b in value)
-    raise _bad("must be a string or a list of text blocks", where)
-
-
 def _turn(role: str, content: Any, where: str) -> list[dict[str, Any]]:
     """One Anthropic message as template messages."""
     if isinstance(content, str):
         return [{"role": role, "content": content}]
     if not isinstance(content, list) or not content:
         raise _bad("content must be a string or a non-empty list of blocks", where)
-    text, reasoning, calls, results = [], [], [], []
+    texts, reasoning, calls, results = [], [], [], []
     for j, block in enumerate(content):
         at = f"{where}.content[{j}]"
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text" and isinstance(block.get("text"), str):
-            text.append(block["text"])
+            texts.append(block["text"])
         elif kind == "thinking" and role == "assistant" and isinstance(block.get("thinking"), str):
             reasoning.append(block["thinking"])
         elif kind == "redacted_thinking" and role == "assistant":
@@ -81,16 +72,16 @@ def _turn(role: str, content: Any, where: str) -> list[dict[str, Any]]:
         elif kind == "tool_result" and role == "user":
             body = block.get("content", "")
             results.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")),
-                            "content": _text(body, at) if body else ""})
+                            "content": text(body, at)})
         else:
             raise _bad(f"unsupported block {kind!r} in a {role} message (text, thinking, "
                        "tool_use and tool_result blocks are)", at)
-    message: dict[str, Any] = {"role": role, "content": "".join(text)}
+    message: dict[str, Any] = {"role": role, "content": "".join(texts)}
     if reasoning:
         message["reasoning_content"] = "".join(reasoning)
     if calls:
         message["tool_calls"] = calls
-    return results + ([message] if text or reasoning or calls or not results else [])
+    return results + ([message] if texts or reasoning or calls or not results else [])
 
 
 def _tools(body: dict) -> list[dict[str, Any]] | None:
@@ -133,7 +124,7 @@ def parse(body: Any, max_tokens_limit: int) -> Request:
     if not isinstance(messages, list) or not 0 < len(messages) <= MAX_MESSAGES:
         raise _bad(f"messages must be a list of 1 to {MAX_MESSAGES} messages", "messages")
     system = body.get("system")
-    turns = [{"role": "system", "content": _text(system, "system")}] if system else []
+    turns = [{"role": "system", "content": text(system, "system")}] if system else []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
             raise _bad("role must be user or assistant", f"messages[{i}].role")
@@ -182,14 +173,14 @@ def stop_reason(result: Result, stop_sequence: str | None, calls: bool) -> str:
 
 def _tool_blocks(content: str) -> tuple[str, list[dict[str, Any]]]:
     """The text, and the tool_use blocks of the calls in it."""
-    text, calls = tool_calls(content)
+    said, calls = tool_calls(content)
     blocks = []
     for call in calls:
         arguments = json.loads(call["function"]["arguments"])
         blocks.append({"type": "tool_use", "id": "toolu_" + uuid.uuid4().hex[:24],
                        "name": call["function"]["name"],
                        "input": arguments if isinstance(arguments, dict) else {"value": arguments}})
-    return text, blocks
+    return said, blocks
 
 
 def message(mid: str, model: str, req: Request, reasoning: str, content: str,
@@ -199,9 +190,9 @@ def message(mid: str, model: str, req: Request, reasoning: str, content: str,
     blocks: list[dict[str, Any]] = []
     if reasoning:
         blocks.append({"type": "thinking", "thinking": reasoning, "signature": ""})
-    text, calls = _tool_blocks(content) if req.tools else (content, [])
-    if text:
-        blocks.append({"type": "text", "text": text})
+    said, calls = _tool_blocks(content) if req.tools else (content, [])
+    if said:
+        blocks.append({"type": "text", "text": said})
     blocks += calls
     return {"id": mid, "type": "message", "role": "assistant", "model": model, "content": blocks,
             "stop_reason": stop_reason(last.result, last.stop_sequence, bool(calls)),
@@ -255,9 +246,9 @@ class Events:
         assert last.result is not None
         calls: list[dict[str, Any]] = []
         if self.req.tools:
-            text, calls = _tool_blocks(self.held)
-            if text:
-                self._delta("text", {"type": "text_delta", "text": text})
+            said, calls = _tool_blocks(self.held)
+            if said:
+                self._delta("text", {"type": "text_delta", "text": said})
             for call in calls:
                 self._block("tool_use", {**call, "input": {}})
                 self.send("content_block_delta", {

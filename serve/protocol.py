@@ -113,8 +113,9 @@ def stops(value: Any, name: str) -> list[str] | None:
     return value or None
 
 
-def _text(content: Any, where: str) -> str:
-    """Message content: a string or a list of text parts (other part types are refused)."""
+def text(content: Any, where: str) -> str:
+    """Content as text: a string, or a list of text parts / blocks (both APIs call them
+    {"type": "text", "text": ...}; other types are refused); None is empty."""
     if isinstance(content, str):
         return content
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
@@ -122,7 +123,7 @@ def _text(content: Any, where: str) -> str:
         return "".join(p["text"] for p in content)
     if content is None:
         return ""
-    raise RequestError(400, f"{where}: content must be text", where)
+    raise RequestError(400, f"{where}: must be a string or a list of text parts", where)
 
 
 def _messages(body: dict) -> list[dict[str, Any]]:
@@ -135,7 +136,7 @@ def _messages(body: dict) -> list[dict[str, Any]]:
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise RequestError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}",
                                f"messages[{i}]")
-        message = {**m, "content": _text(m.get("content"), f"messages[{i}]")}
+        message = {**m, "content": text(m.get("content"), f"messages[{i}]")}
         out.append(message)
     return out
 

@@ -228,7 +228,7 @@ def test_a_tool_round_trip_renders_as_template_messages() -> None:
      "messages[0].content[0]", "unsupported block 'image'"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_use", "name": "x", "input": {}}]}]},
      "messages[0].content[0]", "in a user message"),
-    ({"system": 5}, "system", "text blocks"),
+    ({"system": 5}, "system", "a list of text parts"),
     ({"temperature": 1.5}, "temperature", "[0.0, 1.0]"),
     ({"top_k": -1}, "top_k", "integer"),
     ({"stop_sequences": [""]}, "stop_sequences", "1 to 256 characters"),

@@ -466,3 +466,32 @@ def test_verify_run_passes_stock_mlx_lm_server(smollm2_bf16: Path) -> None:
     counting = next(c for c in doc["checks"] if c["name"] == "counting")["evidence"]
     assert counting["tokens"] == counting["tokens_non_streaming"] <= 24
     assert whole.tokens == streamed.tokens and whole.content == streamed.content
+
+
+def test_serving_check_verdicts() -> None:
+    """prefix_cache and anthropic fail on each thing they guard, and say which."""
+    from mtpkit.verify.answer import Answer, Chunk
+    from mtpkit.verify.checks import anthropic_check, prefix_cache_check
+
+    def answer(text: str, at: float = 0.1, tokens: int = 5, prompt: int = 90) -> Answer:
+        return Answer(text, "", tokens, prompt, "stop", [Chunk(at, text)])
+
+    cold, warm = answer("same", 2.0), answer("same", 0.2)
+    verdicts = [(prefix_cache_check(cold, warm, 80, None), "pass", "80 of 90 prompt tokens"),
+                (prefix_cache_check(cold, warm, 0, None), "fail", "read nothing"),
+                (prefix_cache_check(cold, warm, 80, 80), "fail", "was not honoured"),
+                (prefix_cache_check(cold, answer("sane", 0.2), 80, None), "fail",
+                 "content differs from the cold one at char 2"),
+                (prefix_cache_check(cold, answer("same", 2.5), 80, None), "fail", "no sooner")]
+    whole = answer("three uses")
+    verdicts += [(anthropic_check(whole, whole, whole), "pass", "5 output tokens"),
+                 (anthropic_check(whole, answer("three"), whole), "fail",
+                  "differs from the stream at char 5"),
+                 (anthropic_check(whole, whole, answer("three usez")), "fail",
+                  "differs from the chat API's answer at char 9"),
+                 (anthropic_check(whole, answer("three uses", tokens=6), whole), "fail",
+                  "5 whole, 6 streamed"),
+                 (anthropic_check(whole, whole, answer("three uses", prompt=91)), "fail",
+                  "input tokens differ: 90 (Messages) vs 91 (chat)")]
+    for check, status, words in verdicts:
+        assert check.status == status and words in check.summary, check

@@ -99,6 +99,17 @@ def percentiles(values: list[float]) -> dict[str, float] | None:
     return {"p50": statistics.median(ordered), "p95": p95, "n": len(ordered)}
 
 
+def _difference(a: Answer, b: Answer) -> dict[str, Any] | None:
+    """Where two answers first differ (channel, char, the text near it); None: equal."""
+    for channel in ("content", "reasoning"):
+        x, y = getattr(a, channel), getattr(b, channel)
+        if x != y:
+            at = _first_difference(x, y)
+            return {"channel": channel, "first_difference_at": at, "a_near": x[at:at + 40],
+                    "b_near": y[at:at + 40]}
+    return None
+
+
 def prefix_cache_check(cold: Answer, warm: Answer, cached: int, cold_cached: Any) -> Check:
     """A second turn over a cached prefix: some of its prompt read from the cache, its first
     token sooner than the same turn prefilled cold, and the same text."""
@@ -112,14 +123,10 @@ def prefix_cache_check(cold: Answer, warm: Answer, cached: int, cold_cached: Any
     if cold_cached:
         return Check("prefix_cache", FAIL, f"the cold reference still read {cold_cached} "
                      "cached tokens (\"prefix_cache\": false was not honoured)", evidence)
-    for channel in ("content", "reasoning"):
-        a, b = getattr(cold, channel), getattr(warm, channel)
-        if a != b:
-            at = _first_difference(a, b)
-            evidence |= {"channel": channel, "first_difference_at": at,
-                         "cold_near": a[at:at + 40], "warm_near": b[at:at + 40]}
-            return Check("prefix_cache", FAIL, f"the cached turn's {channel} differs from the "
-                         f"cold one at char {at}", evidence)
+    if (differs := _difference(cold, warm)) is not None:
+        evidence |= differs
+        return Check("prefix_cache", FAIL, f"the cached turn's {differs['channel']} differs from "
+                     f"the cold one at char {differs['first_difference_at']}", evidence)
     if ttft_warm is None or ttft_cold is None or ttft_warm >= ttft_cold:
         return Check("prefix_cache", FAIL, "the cached turn's first token came no sooner than "
                      "the cold one's", evidence)
@@ -135,13 +142,10 @@ def anthropic_check(whole: Answer, streamed: Answer, chat: Answer) -> Check:
                 "chat_completion_tokens": chat.tokens, "input_tokens": whole.prompt_tokens,
                 "chat_prompt_tokens": chat.prompt_tokens, "stream_events": len(streamed.chunks)}
     for name, other in (("stream", streamed), ("chat API's answer", chat)):
-        for channel in ("content", "reasoning"):
-            a, b = getattr(whole, channel), getattr(other, channel)
-            if a != b:
-                at = _first_difference(a, b)
-                evidence |= {"channel": channel, "first_difference_at": at}
-                return Check("anthropic", FAIL, f"the Messages API's {channel} differs from "
-                             f"the {name} at char {at}", evidence)
+        if (differs := _difference(whole, other)) is not None:
+            evidence |= differs
+            return Check("anthropic", FAIL, f"the Messages API's {differs['channel']} differs "
+                         f"from the {name} at char {differs['first_difference_at']}", evidence)
     if whole.tokens is None or not whole.tokens == streamed.tokens == chat.tokens:
         return Check("anthropic", FAIL, "usage.output_tokens differs: "
                      f"{whole.tokens} whole, {streamed.tokens} streamed, {chat.tokens} in the "

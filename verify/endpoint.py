@@ -146,10 +146,15 @@ class Endpoint:
         body |= extra or {}
         if not stream:
             return _answer(self._json("POST", path, body))
+        return self._streamed(path, body, _read_stream)
+
+    def _streamed(self, path: str, body: dict[str, Any],
+                  read: Callable[[http.client.HTTPResponse, float], Answer]) -> Answer:
+        """A streamed answer, `read` from the response with the time the request went out."""
         start = time.perf_counter()
         conn, response = self._open("POST", path, body)
         try:
-            return _read_stream(response, start)
+            return read(response, start)
         except (OSError, http.client.HTTPException) as exc:
             raise EndpointError(f"stream: {_reason(exc)}") from None
         finally:
@@ -164,14 +169,7 @@ class Endpoint:
                 "messages": messages, "temperature": 0.0, "stream": stream}
         if not stream:
             return _message_answer(self._json("POST", "/messages", body))
-        start = time.perf_counter()
-        conn, response = self._open("POST", "/messages", body)
-        try:
-            return _read_events(response, start)
-        except (OSError, http.client.HTTPException) as exc:
-            raise EndpointError(f"stream: {_reason(exc)}") from None
-        finally:
-            conn.close()
+        return self._streamed("/messages", body, _read_events)
 
 
 def _reason(exc: BaseException) -> str:
