@@ -8,9 +8,6 @@ from __future__ import annotations
 import io
 import json
 import re
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -23,6 +20,7 @@ from click.testing import CliRunner
 from PIL import Image
 from playwright.sync_api import BrowserContext, Page, expect, sync_playwright
 
+from fixtures.serving import serve_process
 from mtpkit.cli import main
 
 CHROMIUM = "/usr/bin/chromium"
@@ -88,23 +86,9 @@ def test_report_charts_render_labelled_in_chromium(built, tmp_path: Path) -> Non
 @pytest.fixture
 def live_serve(built) -> Iterator[str]:
     """`mtpkit serve` as a subprocess on loopback with an API key; yields its base URL."""
-    proc = subprocess.Popen([sys.executable, "-m", "mtpkit.cli", "serve", str(built("deepseek_v3")),
-                             "--port", "0", "--depth", "2", "--api-key", KEY, "--dtype", "float32"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        url = None
-        assert proc.stderr is not None
-        while url is None:
-            line = proc.stderr.readline()
-            assert line or proc.poll() is None, "serve exited before it listened"
-            assert time.monotonic() < deadline, "serve did not start"
-            if m := re.search(r"on (http://127\.0\.0\.1:\d+)/v1", line):
-                url = m[1]
+    with serve_process(built("deepseek_v3"), "--depth", "2", "--api-key", KEY,
+                       "--dtype", "float32") as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 def _api(url: str, body: dict | None = None, key: str | None = KEY) -> tuple[int, dict]:
