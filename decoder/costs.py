@@ -61,11 +61,13 @@ class CostCurve:
             out.append(wider if cheaper else rows)
         return out
 
-    def round_cost(self, depth: int) -> float:
-        """Seconds for one round at `depth` (0: one plain step)."""
+    def round_cost(self, depth: int, drafted: int | None = None) -> float:
+        """Seconds for one round of `depth` drafts, `drafted` of them by the head (default:
+        all; context drafts are free) (0: one plain step)."""
         if depth == 0:
             return self.plain
-        return depth * self.draft + self.verify[self.width(depth + 1) - 1]
+        drafted = depth if drafted is None else drafted
+        return drafted * self.draft + self.verify[self.width(depth + 1) - 1]
 
     def ratios(self) -> list[float]:
         """c(T) / c(1)."""

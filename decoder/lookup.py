@@ -35,8 +35,8 @@ class ContextIndex:
         """(`width` tokens that followed the longest earlier match of the text's suffix, the
         match length); ([], 0) when no suffix of min_ngram tokens or more occurred before.
         `after`: tokens not committed yet (a head's drafts) that end the text for this lookup."""
-        after = after or []
-        size, text = len(self.tokens) + len(after), self.tokens + after if after else self.tokens
+        text = self.tokens + after if after else self.tokens
+        size = len(text)
         for n in range(min(self.max_ngram, size), min_ngram - 1, -1):
             start = self.ends[n].get(tuple(text[size - n:]))
             if start is not None:  # running past the end continues with the proposal

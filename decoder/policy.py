@@ -101,10 +101,9 @@ class DepthPolicy:
     def cost(self, depth: int, source: str = "head", drafted: int | None = None) -> float:
         """Seconds for a round of `depth` drafts, `drafted` of them by the head (default: all
         for "head", none for "lookup"): a lookup drafts on the host, for free."""
-        if depth == 0:
-            return self.curve.plain
-        drafted = (depth if source == "head" else 0) if drafted is None else drafted
-        return drafted * self.curve.draft + self.curve.verify[self.curve.width(depth + 1) - 1]
+        if drafted is None:
+            drafted = depth if source == "head" else 0
+        return self.curve.round_cost(depth, drafted)
 
     def rate(self, depth: int, acceptance: list[float] | None = None,
              source: str = "head") -> float:

@@ -211,9 +211,9 @@ class Session:
 
     def round(self, depth: int, lookup: list[int] | None = None,
               most: int | None = None, match: int = 0) -> list[int]:
-        """Draft `depth` tokens (the head's, or the given context `lookup` drafts from a
-        `match`-token match, whose q is one-hot), verify them in one trunk pass, commit and
-        roll back. The pass may be padded
+        """Draft `depth` tokens (the head's, possibly extended from the context up to `most`
+        in all, or the given context `lookup` drafts from a `match`-token match, whose q is
+        one-hot), verify them in one trunk pass, commit and roll back. The pass may be padded
         to a wider, cheaper width (the policy's cost curve); padding rows repeat the last token
         and are rolled back like rejected drafts."""
         source, drafted = ("lookup", 0) if lookup is not None else ("head", depth)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import os
 from collections import Counter
 from collections.abc import Callable
@@ -20,6 +19,7 @@ import mtpkit
 from fixtures.breaker import BREAKERS
 from fixtures.decoder_models import OracleHead, tiny_runner
 from fixtures.factory import Sidecar
+from fixtures.laws import exact_joint, pvalue
 from fixtures.numerics import RTOL, assert_close, difference
 from mtpkit.decoder import acceptance, misses
 from mtpkit.decoder.rows import FEW_ROWS, FewRowsLinear, use_few_rows_linears
@@ -261,32 +261,15 @@ def tiny() -> Runner:
     return tiny_runner(vocab=V)
 
 
-def _exact_joint(runner: Runner, params: SamplingParams, n: int = 3) -> dict[tuple, float]:
-    """P(first n tokens) by enumeration over the trunk's processed distributions."""
-    out: dict[tuple, float] = {}
-    for prefix in itertools.product(range(V), repeat=n - 1):
-        _, logits = runner.trunk(mx.array([TINY_PROMPT + list(prefix)]), runner.trunk.make_cache())
-        p = probabilities(logits[0, len(TINY_PROMPT) - 1:], params)
-        mass = float(np.prod([p[i, t] for i, t in enumerate(prefix)]))
-        for t in range(V):
-            out[(*prefix, t)] = mass * p[n - 1, t]
-    return out
-
-
 def _chi_square(runner: Runner, params: SamplingParams, depth: int, runs: int) -> float:
-    exact = _exact_joint(runner, params)
+    exact = exact_joint(runner, params, TINY_PROMPT, V)
     seen = Counter(tuple(runner.generate(TINY_PROMPT, 3, depth=depth, seed=s,
                                          temperature=params.temperature, top_p=params.top_p,
                                          top_k=params.top_k, min_p=params.min_p).tokens)
                    for s in range(runs))
     impossible = sum(c for k, c in seen.items() if exact.get(k, 0.0) == 0.0)
     assert impossible == 0, "a token the filters remove was emitted"
-    big = [k for k, p in exact.items() if p * runs >= 5]
-    small = [k for k, p in exact.items() if 0 < p * runs < 5]
-    observed = [seen[k] for k in big] + ([sum(seen[k] for k in small)] if small else [])
-    expected = [exact[k] * runs for k in big] + ([sum(exact[k] for k in small) * runs]
-                                                   if small else [])
-    return float(chisquare(observed, expected).pvalue)
+    return pvalue(seen, exact)
 
 
 def test_plain_sampling_has_the_target_distribution(tiny: Runner) -> None:

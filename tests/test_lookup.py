@@ -10,17 +10,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 import pytest
-from scipy.stats import chisquare
 
 import mtpkit
 from fixtures.decoder_models import tiny_runner
+from fixtures.laws import exact_joint, pvalue
 from mtpkit.decoder.costs import CostCurve
 from mtpkit.decoder.lookup import MAX_NGRAM, ContextIndex
 from mtpkit.decoder.policy import LONG_MATCH, DepthPolicy
 from mtpkit.decoder.runner import MAX_AUTO_DEPTH, Runner
-from mtpkit.decoder.sampling import SamplingParams, probabilities
+from mtpkit.decoder.sampling import SamplingParams
 from mtpkit.decoder.session import CHAIN_MIN_NGRAM, Session, generate_ids
 from mtpkit.schemas import validate
 
@@ -135,34 +134,12 @@ SAMPLED_PROMPT = [1, 2, 1, 2, 1, 2, 1]
 DE_BRUIJN = [0, 0, 1, 0, 2, 0, 3, 1, 1, 2, 1, 3, 2, 2, 3, 3, 0]  # every pair of tokens once
 
 
-def _fits(seen: Counter, exact: dict[tuple, float]) -> bool:
-    """Chi-square of the seen counts against the exact law (rare outcomes pooled)."""
-    n = sum(seen.values())
-    big = [k for k, p in exact.items() if p * n >= 5]
-    small = [k for k, p in exact.items() if 0 < p * n < 5]
-    observed = [seen[k] for k in big] + ([sum(seen[k] for k in small)] if small else [])
-    expected = [exact[k] * n for k in big] + ([sum(exact[k] for k in small) * n] if small else [])
-    return chisquare(observed, expected).pvalue > 1e-3
-
-
-def _exact_joint(runner: Runner, params: SamplingParams, n: int = 3,
-                 prompt: list[int] = SAMPLED_PROMPT) -> dict[tuple, float]:
-    out: dict[tuple, float] = {}
-    for prefix in itertools.product(range(V), repeat=n - 1):
-        _, logits = runner.trunk(mx.array([prompt + list(prefix)]), runner.trunk.make_cache())
-        p = probabilities(logits[0, len(prompt) - 1:], params)
-        mass = float(np.prod([p[i, t] for i, t in enumerate(prefix)]))
-        for t in range(V):
-            out[(*prefix, t)] = mass * p[n - 1, t]
-    return out
-
-
 def test_sampling_with_lookup_drafts_has_the_target_law() -> None:
     """Lookup drafts are one-hot q: kept with probability p(x), else a token from p without x.
     The joint law of the first three tokens over 1,500 seeded runs at depth 3 must be p's."""
     runner = tiny_runner(vocab=V, seed=1)
     params = SamplingParams(0.9)
-    exact = _exact_joint(runner, params)
+    exact = exact_joint(runner, params, SAMPLED_PROMPT, V)
     seen: Counter = Counter()
     lookups = 0
     for s in range(1500):
@@ -171,7 +148,7 @@ def test_sampling_with_lookup_drafts_has_the_target_law() -> None:
         seen[tuple(result.tokens)] += 1
         lookups += result.stats.sources.get("lookup", {}).get("rounds", 0)
     assert lookups > 500  # the prompt's repeats give nearly every round a context draft
-    assert _fits(seen, exact)
+    assert pvalue(seen, exact) > 1e-3
 
 
 def _chain_session(runner: Runner, params: SamplingParams, seed: int | None = None) -> Session:
@@ -290,7 +267,7 @@ def test_sampling_with_chain_rounds_has_the_target_law() -> None:
     joint law of the first three tokens over 1,500 seeded runs must be p's."""
     runner = tiny_runner(vocab=V, seed=1)
     params = SamplingParams(0.9)
-    exact = _exact_joint(runner, params, prompt=DE_BRUIJN)
+    exact = exact_joint(runner, params, DE_BRUIJN, V)
     seen: Counter = Counter()
     chains = 0
     for s in range(1500):
@@ -302,4 +279,4 @@ def test_sampling_with_chain_rounds_has_the_target_law() -> None:
             tokens += next(batches)
         seen[tuple(tokens[:3])] += 1
     assert chains > 1000, "most first rounds chain context drafts to the head's"
-    assert _fits(seen, exact)
+    assert pvalue(seen, exact) > 1e-3
