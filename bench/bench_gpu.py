@@ -170,6 +170,79 @@ def moving_verify(runner, bounded: bool, passes: int = 24) -> dict:
     return summary(times)
 
 
+def smollm2_shaped():
+    """A SmolLM2-135M-shaped mlx-lm llama with random bf16 weights (no bundle needed)."""
+    import mlx.core as mx
+    from mlx_lm.models.llama import Model, ModelArgs
+
+    args = ModelArgs(model_type="llama", hidden_size=576, num_hidden_layers=30,
+                     intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+                     rms_norm_eps=1e-5, vocab_size=49152, rope_theta=100000.0,
+                     tie_word_embeddings=True)
+    mx.random.seed(0)
+    model = Model(args)
+    model.set_dtype(mx.bfloat16)
+    mx.eval(model.parameters())
+    return model
+
+
+def breakdown(runner, label: str, rows=(1, 2, 3, 4, 8), passes: int = 16) -> dict:
+    """Where a verify pass's time goes, at a 512-token cache: host graph building (the Python
+    forward, nothing evaluated), handing it to the device (async_eval), the synchronous pass
+    (build + device + sync, what a round pays today), and the pipelined pass (each queued while
+    the last runs: the device's own time when that is the bound). Stock (MLX's ops, mlx-lm's
+    cache) and ours (kernel, bounded)."""
+    import mlx.core as mx
+
+    from mtpkit.decoder.rows import use_kernel_linears
+    from mtpkit.decoder.sampling import SamplingParams, greedy
+    from mtpkit.decoder.session import Session
+
+    vocab = runner.trunk.args.vocab_size
+    ids = [(7 * i + 3) % vocab for i in range(512)]
+    out: dict = {}
+    for arm in ("stock", "ours"):
+        if arm == "ours":
+            use_kernel_linears(runner.trunk.text)
+        session = Session(runner.trunk, None, SamplingParams(), 0, bounded=arm == "ours")
+        session.start(ids)
+        cache = session.cache
+        per: dict = {}
+        for t in rows:
+            tokens = mx.array(ids[:t])[None]
+            build, encode, sync = [], [], []
+            for i in range(passes + 2):
+                start = time.perf_counter()
+                _, logits = runner.trunk(tokens, cache)
+                y = greedy(logits[0])
+                built = time.perf_counter()
+                mx.async_eval(y)  # returns once the work is handed to the device
+                encoded = time.perf_counter()
+                mx.eval(y)
+                done = time.perf_counter()
+                for c in cache:
+                    c.trim(t)
+                if i >= 2:  # the first passes of a shape may compile
+                    build.append(1000 * (built - start))
+                    encode.append(1000 * (encoded - built))
+                    sync.append(1000 * (done - start))
+            start = time.perf_counter()
+            for _ in range(passes):
+                _, logits = runner.trunk(tokens, cache)
+                y = greedy(logits[0])
+                mx.async_eval(y)
+                for c in cache:
+                    c.trim(t)
+            mx.eval(y)
+            piped = 1000 * (time.perf_counter() - start) / passes
+            per[t] = {"build_ms": statistics.median(build),
+                      "encode_ms": statistics.median(encode),
+                      "sync_ms": statistics.median(sync), "pipelined_ms": piped}
+            print(label, arm, f"T={t}", {k: round(v, 2) for k, v in per[t].items()}, flush=True)
+        out[arm] = per
+    return out
+
+
 def oracle_decoding(runner, tokens: int, runs: int) -> dict:
     """Plain vs oracle MTP (depths 1-3 and auto) on the 4-bit trunk, with the ideal speedups."""
     import numpy as np
@@ -276,6 +349,12 @@ def main() -> None:
         out["llama8b_bf16"] = curves(runner, "8B bf16")
         del runner
         mx.clear_cache()
+    if "breakdown" in parts:
+        out["breakdown"] = {"llama8b_4bit": breakdown(Runner(Trunk(llama8b(4, args.small)), None,
+                                                             None), "8B 4-bit")}
+        mx.clear_cache()
+        out["breakdown"]["smollm2_shaped_bf16"] = breakdown(
+            Runner(Trunk(smollm2_shaped()), None, None), "SmolLM2-shaped bf16")
     if "smollm2" in parts and args.smollm2:
         out["smollm2"] = curves(mtpkit.load(args.smollm2), "SmolLM2")
     out["peak_memory_gb"] = mx.get_peak_memory() / 2**30
