@@ -4,16 +4,20 @@ A verify pass multiplies 1 + depth rows by every weight matrix. On MLX's CUDA ba
 quantized matmul re-reads the packed weights once per row for 2-7 rows (an 8B 4-bit verify of 4
 rows costs 2.4x one token), so a depth-3 round costs what three plain steps do. The kernel here
 streams each packed 16-value chunk once, dequantizes it in registers and multiplies it with every
-row, as a decode step's matrix-vector product does for one row. `verify_matmul` is the one
-dispatch point: the CUDA kernel where it applies, MLX's own op everywhere else (a Metal kernel can
-be added here once it can be tested on a Mac).
+row, as a decode step's matrix-vector product does for one row. `verify_matmul` (quantized) and
+`float_verify_matmul` are the dispatch points: the CUDA kernel where it applies, MLX's own op
+everywhere else (a Metal kernel can be added here once it can be tested on a Mac).
 
 Layouts: MLX affine quantization, 4 or 8 bits, groups of 32, 64 or 128 (what mtpkit convert
-writes); x in float16, bfloat16 or float32. Float weights keep MLX's matmul: on an H100 a kernel
-of this shape was no faster than cuBLAS for 2-16 rows (BENCHMARKS.md, "GPU").
+writes), and float16/bfloat16/float32 weights; x in float16, bfloat16 or float32. For float
+weights the kernel is no faster on the device than cuBLAS, but far cheaper for the host to hand
+off (see float_verify_matmul), and a verify pass on MLX's CUDA backend is bound by the host.
 """
 
 from __future__ import annotations
+
+from functools import cache
+from typing import Any
 
 import mlx.core as mx
 
@@ -29,7 +33,7 @@ WARPS = 4
 # values per row per step. For quantized weights the 16 values sit in one group (16 divides the
 # group size), so sum_k x_k (s q_k + b) = s * sum_k x_k q_k + b * sum_k x_k: the per-row sum of x
 # is shared by every output. Partial sums meet by warp shuffles; lane 0 writes.
-_SOURCE = r"""
+_BODY = r"""
     constexpr int LANES = 32;
     constexpr int CHUNK = 16;
     const int N = w_shape[0];
@@ -44,12 +48,50 @@ _SOURCE = r"""
     for (int m = 0; m < MB; ++m)
         #pragma unroll
         for (int r = 0; r < R; ++r) acc[m][r] = 0.0f;
-    for (int k0 = lane * CHUNK; k0 < K; k0 += LANES * CHUNK) {
+    for (int k0 = lane * CHUNK; k0 < K; k0 += LANES * CHUNK) {{
         float wv[R][CHUNK];
         float sc[R], bi[R];
         #pragma unroll
-        for (int r = 0; r < R; ++r) {
+        for (int r = 0; r < R; ++r) {{
             const int n = min(n0 + r, N - 1);
+{load}        }}
+        #pragma unroll
+        for (int m = 0; m < MB; ++m) {{
+            if (m >= M) break;
+            alignas(16) T raw[CHUNK];
+            const uint4* src = reinterpret_cast<const uint4*>(x + (size_t)m * K + k0);
+            uint4* dst = reinterpret_cast<uint4*>(raw);
+            #pragma unroll
+            for (int i = 0; i < CHUNK * sizeof(T) / 16; ++i) dst[i] = src[i];
+            float xv[CHUNK];
+            float xsum = 0.0f;
+            #pragma unroll
+            for (int j = 0; j < CHUNK; ++j) {{
+                xv[j] = static_cast<float>(raw[j]);
+                xsum += xv[j];
+            }}
+            #pragma unroll
+            for (int r = 0; r < R; ++r) {{
+                float dot = 0.0f;
+                #pragma unroll
+                for (int j = 0; j < CHUNK; ++j) dot += xv[j] * wv[r][j];
+                acc[m][r] += sc[r] * dot + bi[r] * xsum;
+            }}
+        }}
+    }}
+    #pragma unroll
+    for (int m = 0; m < MB; ++m)
+        #pragma unroll
+        for (int r = 0; r < R; ++r) {{
+            if (m >= M) break;
+            float v = acc[m][r];
+            #pragma unroll
+            for (int off = LANES / 2; off > 0; off /= 2) v += __shfl_down_sync(0xffffffff, v, off);
+            if (lane == 0 && n0 + r < N) out[(size_t)m * N + n0 + r] = static_cast<T>(v);
+        }}
+"""
+
+_QUANTIZED_LOAD = r"""
             {
                 constexpr int WORDS = CHUNK * BITS / 32;
                 constexpr int PER = 32 / BITS;
@@ -72,52 +114,36 @@ _SOURCE = r"""
                 sc[r] = static_cast<float>(scales[g]);
                 bi[r] = static_cast<float>(biases[g]);
             }
-        }
-        #pragma unroll
-        for (int m = 0; m < MB; ++m) {
-            if (m >= M) break;
-            alignas(16) T raw[CHUNK];
-            const uint4* src = reinterpret_cast<const uint4*>(x + (size_t)m * K + k0);
-            uint4* dst = reinterpret_cast<uint4*>(raw);
-            #pragma unroll
-            for (int i = 0; i < CHUNK * sizeof(T) / 16; ++i) dst[i] = src[i];
-            float xv[CHUNK];
-            float xsum = 0.0f;
-            #pragma unroll
-            for (int j = 0; j < CHUNK; ++j) {
-                xv[j] = static_cast<float>(raw[j]);
-                xsum += xv[j];
-            }
-            #pragma unroll
-            for (int r = 0; r < R; ++r) {
-                float dot = 0.0f;
-                #pragma unroll
-                for (int j = 0; j < CHUNK; ++j) dot += xv[j] * wv[r][j];
-                acc[m][r] += sc[r] * dot + bi[r] * xsum;
-            }
-        }
-    }
-    #pragma unroll
-    for (int m = 0; m < MB; ++m)
-        #pragma unroll
-        for (int r = 0; r < R; ++r) {
-            if (m >= M) break;
-            float v = acc[m][r];
-            #pragma unroll
-            for (int off = LANES / 2; off > 0; off /= 2) v += __shfl_down_sync(0xffffffff, v, off);
-            if (lane == 0 && n0 + r < N) out[(size_t)m * N + n0 + r] = static_cast<T>(v);
-        }
 """
 
-_KERNEL: list[object] = []  # built on first use (a GPU-only object)
+_FLOAT_LOAD = r"""
+            {
+                alignas(16) W raw_w[CHUNK];
+                const uint4* src_w = reinterpret_cast<const uint4*>(w + (size_t)n * K + k0);
+                uint4* dst_w = reinterpret_cast<uint4*>(raw_w);
+                #pragma unroll
+                for (int i = 0; i < CHUNK * sizeof(W) / 16; ++i) dst_w[i] = src_w[i];
+                #pragma unroll
+                for (int j = 0; j < CHUNK; ++j) wv[r][j] = static_cast<float>(raw_w[j]);
+                sc[r] = 1.0f;
+                bi[r] = 0.0f;
+            }
+"""
+
+SOURCES = {"quantized": _BODY.format(load=_QUANTIZED_LOAD),
+           "float": _BODY.format(load=_FLOAT_LOAD)}
+
+ACTIVATIONS = (mx.float16, mx.bfloat16, mx.float32)
+_INPUTS = {"quantized": ["x", "w", "scales", "biases"], "float": ["x", "w"]}
+_KERNELS: dict[str, object] = {}  # built on first use (GPU-only objects)
 
 
-def _kernel() -> object:
-    if not _KERNEL:
-        _KERNEL.append(mx.fast.cuda_kernel(name="mtpkit_verify_rows",
-                                           input_names=["x", "w", "scales", "biases"],
-                                           output_names=["out"], source=_SOURCE))
-    return _KERNEL[0]
+def _kernel(kind: str) -> object:
+    if kind not in _KERNELS:
+        _KERNELS[kind] = mx.fast.cuda_kernel(name=f"mtpkit_verify_rows_{kind}",
+                                             input_names=_INPUTS[kind], output_names=["out"],
+                                             source=SOURCES[kind])
+    return _KERNELS[kind]
 
 
 def cuda_available() -> bool:
@@ -132,14 +158,45 @@ def bucket(rows: int) -> int:
     return next(b for b in ROW_BUCKETS if rows <= b)
 
 
+def rows_of(x: mx.array) -> int:
+    return x.size // x.shape[-1] if x.ndim else 0
+
+
+def layout_supported(bits: int | None, group_size: int | None, mode: str = "affine") -> bool:
+    """Whether the kernel reads this weight layout: float (bits None) or affine 4/8-bit in
+    groups of 32/64/128."""
+    return bits is None or (mode == "affine" and bits in BITS and group_size in GROUPS)
+
+
 def supported(x: mx.array, bits: int | None, group_size: int | None,
               mode: str = "affine") -> bool:
     """Whether the kernel computes x @ W.T here: CUDA, 2..MAX_ROWS rows of float16, bfloat16 or
-    float32, affine quantization in a layout above, the reduction axis a multiple of 16."""
-    rows = x.size // x.shape[-1] if x.ndim else 0
-    return (cuda_available() and 2 <= rows <= MAX_ROWS and mode == "affine" and bits in BITS
-            and group_size in GROUPS and x.dtype in (mx.float16, mx.bfloat16, mx.float32)
-            and x.shape[-1] % 16 == 0)
+    float32, a layout above (bits None: float weights), the reduction axis a multiple of 16."""
+    return (2 <= rows_of(x) <= MAX_ROWS and x.dtype in ACTIVATIONS and x.shape[-1] % 16 == 0
+            and layout_supported(bits, group_size, mode) and cuda_available())
+
+
+@cache
+def _template(dtype: mx.Dtype, weight: mx.Dtype, rows: int, bits: int,
+              group_size: int) -> list[tuple[str, Any]]:
+    """Template arguments per call shape, built once (a verify pass makes hundreds of calls)."""
+    common = [("T", dtype), ("MB", bucket(rows)), ("R", ROWS_PER_WARP)]
+    if bits == 0:
+        return [*common, ("W", weight)]
+    return [*common, ("BITS", bits), ("GROUP", group_size)]
+
+
+def _launch(kind: str, x: mx.array, weights: list[mx.array], bits: int,
+            group_size: int) -> mx.array:
+    """The kernel on x (.., K) with the rows flattened; no checks (callers ask `supported`)."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows, n = x.size // k, weights[0].shape[0]
+    warps = -(-n // ROWS_PER_WARP)
+    (out,) = _kernel(kind)(inputs=[x.reshape(rows, k), *weights],
+                           template=_template(x.dtype, weights[0].dtype, rows, bits, group_size),
+                           grid=(warps * 32, 1, 1), threadgroup=(32 * WARPS, 1, 1),
+                           output_shapes=[(rows, n)], output_dtypes=[x.dtype])
+    return out.reshape(*lead, n)
 
 
 def verify_matmul(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array | None,
@@ -149,13 +206,14 @@ def verify_matmul(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.ar
     if biases is None or not supported(x, bits, group_size, mode):
         return mx.quantized_matmul(x, weight, scales, biases, transpose=True,
                                    group_size=group_size, bits=bits, mode=mode)
-    lead, k = x.shape[:-1], x.shape[-1]
-    rows = x.size // k
-    n = weight.shape[0]
-    template = [("T", x.dtype), ("MB", bucket(rows)), ("R", ROWS_PER_WARP), ("BITS", bits),
-                ("GROUP", group_size)]
-    warps = -(-n // ROWS_PER_WARP)
-    (out,) = _kernel()(inputs=[x.reshape(rows, k), weight, scales, biases], template=template,
-                       grid=(warps * 32, 1, 1), threadgroup=(32 * WARPS, 1, 1),
-                       output_shapes=[(rows, n)], output_dtypes=[x.dtype])
-    return out.reshape(*lead, n)
+    return _launch("quantized", x, [weight, scales, biases], bits, group_size)
+
+
+def float_verify_matmul(x: mx.array, weight: mx.array) -> mx.array:
+    """x @ W.T for float weights (N, K): the kernel where `supported` and the weight has x's
+    dtype, else MLX's matmul. On CUDA, MLX hands 2-16 rows to cuBLAS,
+    whose every call is captured into the device graph: on SmolLM2 (30 layers) that doubled the
+    host's hand-off of a verify pass (5.8 to 11 ms); a kernel node is cheap to hand off."""
+    if weight.ndim != 2 or weight.dtype != x.dtype or not supported(x, None, None):
+        return x @ weight.T
+    return _launch("float", x, [weight], 0, 0)

@@ -7,9 +7,10 @@ costs ~25% more than one row per matrix; the same product computed as (W @ x.T).
 more (BENCHMARKS.md, "Verify cost"). One row and long inputs (prefill, training) keep mlx-lm's
 own x @ W.T, so plain decoding runs exactly the stock graph.
 
-On a CUDA GPU, quantized linears take 2..FEW_ROWS rows through the kernel in
-decoder/kernels.py, which reads each weight once for all rows; one row (plain decoding) and
-long inputs go through MLX's own ops.
+On a CUDA GPU, linear layers and tied output projections (quantized or float) take 2..FEW_ROWS
+rows through the kernel in decoder/kernels.py, which reads each weight once for all rows and is
+cheap for the host to hand off; one row (plain decoding) and long inputs go through MLX's own
+ops.
 """
 
 from __future__ import annotations
@@ -54,8 +55,16 @@ def use_few_rows_linears(module: nn.Module) -> int:
     return _swap(module, nn.Linear, FewRowsLinear)
 
 
+def _few_rows(x: mx.array) -> bool:
+    """2..MAX_ROWS rows of a kernel activation dtype on CUDA: a verify pass (cheap checks
+    first: plain decoding and prefill leave at the first)."""
+    rows = kernels.rows_of(x)
+    return (2 <= rows <= kernels.MAX_ROWS and x.dtype in kernels.ACTIVATIONS
+            and kernels.cuda_available())
+
+
 class KernelQuantizedLinear(nn.QuantizedLinear):
-    """nn.QuantizedLinear (its packed weights taken as they are) whose 2..FEW_ROWS-row products
+    """nn.QuantizedLinear (its packed weights taken as they are) whose 2..MAX_ROWS-row products
     go through the verify kernel where the layout is supported."""
 
     def __init__(self, layer: nn.QuantizedLinear) -> None:
@@ -64,17 +73,71 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
         for name in ("weight", "scales", "biases", "bias"):
             if name in layer:
                 setattr(self, name, layer[name])
+        self._fits = ("biases" in self and kernels.layout_supported(self.bits, self.group_size,
+                                                                     self.mode)
+                      and self.scales.shape[-1] * self.group_size % 16 == 0)
         self.freeze()
 
     def __call__(self, x: mx.array) -> mx.array:
-        if not kernels.supported(x, self.bits, self.group_size, self.mode):
+        if not (self._fits and _few_rows(x)):
             return super().__call__(x)
-        y = kernels.verify_matmul(x, self.weight, self.scales, self.get("biases"), self.bits,
+        y = kernels.verify_matmul(x, self.weight, self.scales, self.biases, self.bits,
                                   self.group_size, self.mode)
         return y + self.bias if "bias" in self else y
 
 
+class KernelLinear(nn.Linear):
+    """nn.Linear whose 2..MAX_ROWS-row products go through the float verify kernel."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        nn.Module.__init__(self)
+        self.weight = linear.weight
+        if "bias" in linear:
+            self.bias = linear.bias
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if not _few_rows(x):
+            return super().__call__(x)
+        y = kernels.float_verify_matmul(x, self.weight)
+        return y + self.bias if "bias" in self else y
+
+
+class KernelEmbedding(nn.Embedding):
+    """nn.Embedding whose tied output projection (as_linear) of verify rows uses the kernel."""
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        nn.Module.__init__(self)
+        self.weight = embedding.weight
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return kernels.float_verify_matmul(x, self.weight) if _few_rows(x) else super().as_linear(x)
+
+
+class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
+    """nn.QuantizedEmbedding whose tied output projection of verify rows uses the kernel."""
+
+    def __init__(self, embedding: nn.QuantizedEmbedding) -> None:
+        nn.Module.__init__(self)
+        self.group_size, self.bits, self.mode = embedding.group_size, embedding.bits, embedding.mode
+        self.num_embeddings, self.dims = embedding.num_embeddings, embedding.dims
+        for name in ("weight", "scales", "biases"):
+            if name in embedding:
+                setattr(self, name, embedding[name])
+        self.freeze()
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        if not _few_rows(x) or "biases" not in self:
+            return super().as_linear(x)
+        return kernels.verify_matmul(x, self.weight, self.scales, self.biases, self.bits,
+                                     self.group_size, self.mode)
+
+
+KERNEL_TWINS: dict[type[nn.Module], type[nn.Module]] = {
+    nn.QuantizedLinear: KernelQuantizedLinear, nn.Linear: KernelLinear,
+    nn.Embedding: KernelEmbedding, nn.QuantizedEmbedding: KernelQuantizedEmbedding}
+
+
 def use_kernel_linears(module: nn.Module) -> int:
-    """Swap every nn.QuantizedLinear under `module` for its verify-kernel twin; returns how
-    many were swapped."""
-    return _swap(module, nn.QuantizedLinear, KernelQuantizedLinear)
+    """Swap every linear layer and embedding under `module` for its verify-kernel twin (same
+    weights; the twin differs only for 2..MAX_ROWS rows on CUDA); returns how many."""
+    return sum(_swap(module, kind, twin) for kind, twin in KERNEL_TWINS.items())

@@ -55,8 +55,10 @@ def test_generate_auto_reports_the_chosen_depths(built: Callable[..., Path], cac
     assert stats["predicted_speedup"] is not None and stats["predicted_speedup"] > 0
 
     text = _invoke(*args, "--depth", "auto")
-    # streamed pieces vs one decode: a tokenizer may drop the first token's leading space
-    assert text.exit_code == 0 and text.stdout.lstrip().startswith(doc["text"].lstrip())
+    # streamed pieces vs one decode: a tokenizer may drop the first token's leading space, and
+    # bytes that are no UTF-8 (a random model's) may be replaced differently piece by piece
+    valid = doc["text"].lstrip().split("\ufffd")[0]
+    assert text.exit_code == 0 and text.stdout.lstrip().startswith(valid)
     assert f"depth auto (depths {depths_text(stats['depths'])})" in text.stderr, text.stderr
     assert re.search(r"depths (plain|d\d) \d+", text.stderr)
 

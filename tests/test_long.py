@@ -112,7 +112,10 @@ def test_trunk_over_the_shard_limit_is_written_as_shards(built, tmp_path, monkey
 
     ids = mx.array([[5, 17, 42, 99, 7, 3]])
     stock = [mlx_lm.load(str(p))[0] for p in (single, out)]
-    assert mx.array_equal(stock[0](ids), stock[1](ids)).item()
+    # the bytes are compared above; the outputs on the CPU, since MLX's CUDA quantized matmul
+    # gave two identical loads of this toy (K = 64, one group per row) different garbage
+    with mx.stream(mx.cpu):
+        assert mx.array_equal(stock[0](ids), stock[1](ids)).item()
     runner = mtpkit.load(out, dtype="float32")
     plain = mtpkit.load(single, dtype="float32").generate(ids[0].tolist(), NEW, depth=0).tokens
     assert runner.generate(ids[0].tolist(), NEW, depth=0).tokens == plain
