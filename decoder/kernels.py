@@ -4,14 +4,15 @@ A verify pass multiplies 1 + depth rows by every weight matrix. On MLX's CUDA ba
 quantized matmul re-reads the packed weights once per row for 2-7 rows (an 8B 4-bit verify of 4
 rows costs 2.4x one token), so a depth-3 round costs what three plain steps do. The kernel here
 streams each packed 16-value chunk once, dequantizes it in registers and multiplies it with every
-row, as a decode step's matrix-vector product does for one row. `verify_matmul` (quantized) and
-`float_verify_matmul` are the dispatch points: the CUDA kernel where it applies, MLX's own op
-everywhere else (a Metal kernel can be added here once it can be tested on a Mac).
+row, as a decode step's matrix-vector product does for one row. `verify_matmul` is the one
+dispatch point: the CUDA kernel where it applies, MLX's own op everywhere else (a Metal kernel can
+be added here once it can be tested on a Mac).
 
 Layouts: MLX affine quantization, 4 or 8 bits, groups of 32, 64 or 128 (what mtpkit convert
-writes), and float16/bfloat16/float32 weights; x in float16, bfloat16 or float32. For float
-weights the kernel is no faster on the device than cuBLAS, but far cheaper for the host to hand
-off (see float_verify_matmul), and a verify pass on MLX's CUDA backend is bound by the host.
+writes); x in float16, bfloat16 or float32. Float weights keep MLX's matmul: on an H100 a kernel
+of this shape was no faster than cuBLAS on the device, and each call costs the host ~19 us to
+build (SmolLM2 bf16, 211 calls: a verify pass's build time went from 1.7 to 5.7 ms), more than
+cuBLAS's hand-off saved (BENCHMARKS.md, "GPU").
 """
 
 from __future__ import annotations
@@ -116,34 +117,18 @@ _QUANTIZED_LOAD = r"""
             }
 """
 
-_FLOAT_LOAD = r"""
-            {
-                alignas(16) W raw_w[CHUNK];
-                const uint4* src_w = reinterpret_cast<const uint4*>(w + (size_t)n * K + k0);
-                uint4* dst_w = reinterpret_cast<uint4*>(raw_w);
-                #pragma unroll
-                for (int i = 0; i < CHUNK * sizeof(W) / 16; ++i) dst_w[i] = src_w[i];
-                #pragma unroll
-                for (int j = 0; j < CHUNK; ++j) wv[r][j] = static_cast<float>(raw_w[j]);
-                sc[r] = 1.0f;
-                bi[r] = 0.0f;
-            }
-"""
-
-SOURCES = {"quantized": _BODY.format(load=_QUANTIZED_LOAD),
-           "float": _BODY.format(load=_FLOAT_LOAD)}
+SOURCE = _BODY.format(load=_QUANTIZED_LOAD)
 
 ACTIVATIONS = (mx.float16, mx.bfloat16, mx.float32)
-_INPUTS = {"quantized": ["x", "w", "scales", "biases"], "float": ["x", "w"]}
-_KERNELS: dict[str, object] = {}  # built on first use (GPU-only objects)
+_KERNEL: list[object] = []  # built on first use (a GPU-only object)
 
 
-def _kernel(kind: str) -> object:
-    if kind not in _KERNELS:
-        _KERNELS[kind] = mx.fast.cuda_kernel(name=f"mtpkit_verify_rows_{kind}",
-                                             input_names=_INPUTS[kind], output_names=["out"],
-                                             source=SOURCES[kind])
-    return _KERNELS[kind]
+def _kernel() -> object:
+    if not _KERNEL:
+        _KERNEL.append(mx.fast.cuda_kernel(name="mtpkit_verify_rows",
+                                           input_names=["x", "w", "scales", "biases"],
+                                           output_names=["out"], source=SOURCE))
+    return _KERNEL[0]
 
 
 def cuda_available() -> bool:
@@ -163,40 +148,23 @@ def rows_of(x: mx.array) -> int:
 
 
 def layout_supported(bits: int | None, group_size: int | None, mode: str = "affine") -> bool:
-    """Whether the kernel reads this weight layout: float (bits None) or affine 4/8-bit in
-    groups of 32/64/128."""
-    return bits is None or (mode == "affine" and bits in BITS and group_size in GROUPS)
+    """Whether the kernel reads this weight layout: affine 4/8-bit in groups of 32/64/128."""
+    return mode == "affine" and bits in BITS and group_size in GROUPS
 
 
 def supported(x: mx.array, bits: int | None, group_size: int | None,
               mode: str = "affine") -> bool:
     """Whether the kernel computes x @ W.T here: CUDA, 2..MAX_ROWS rows of float16, bfloat16 or
-    float32, a layout above (bits None: float weights), the reduction axis a multiple of 16."""
+    float32, a layout above, the reduction axis a multiple of 16."""
     return (2 <= rows_of(x) <= MAX_ROWS and x.dtype in ACTIVATIONS and x.shape[-1] % 16 == 0
             and layout_supported(bits, group_size, mode) and cuda_available())
 
 
 @cache
-def _template(dtype: mx.Dtype, weight: mx.Dtype, rows: int, bits: int,
-              group_size: int) -> list[tuple[str, Any]]:
+def _template(dtype: mx.Dtype, mb: int, bits: int, group_size: int) -> list[tuple[str, Any]]:
     """Template arguments per call shape, built once (a verify pass makes hundreds of calls)."""
-    common = [("T", dtype), ("MB", bucket(rows)), ("R", ROWS_PER_WARP)]
-    if bits == 0:
-        return [*common, ("W", weight)]
-    return [*common, ("BITS", bits), ("GROUP", group_size)]
-
-
-def _launch(kind: str, x: mx.array, weights: list[mx.array], bits: int,
-            group_size: int) -> mx.array:
-    """The kernel on x (.., K) with the rows flattened; no checks (callers ask `supported`)."""
-    lead, k = x.shape[:-1], x.shape[-1]
-    rows, n = x.size // k, weights[0].shape[0]
-    warps = -(-n // ROWS_PER_WARP)
-    (out,) = _kernel(kind)(inputs=[x.reshape(rows, k), *weights],
-                           template=_template(x.dtype, weights[0].dtype, rows, bits, group_size),
-                           grid=(warps * 32, 1, 1), threadgroup=(32 * WARPS, 1, 1),
-                           output_shapes=[(rows, n)], output_dtypes=[x.dtype])
-    return out.reshape(*lead, n)
+    return [("T", dtype), ("MB", mb), ("R", ROWS_PER_WARP), ("BITS", bits),
+            ("GROUP", group_size)]
 
 
 def verify_matmul(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array | None,
@@ -206,14 +174,11 @@ def verify_matmul(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.ar
     if biases is None or not supported(x, bits, group_size, mode):
         return mx.quantized_matmul(x, weight, scales, biases, transpose=True,
                                    group_size=group_size, bits=bits, mode=mode)
-    return _launch("quantized", x, [weight, scales, biases], bits, group_size)
-
-
-def float_verify_matmul(x: mx.array, weight: mx.array) -> mx.array:
-    """x @ W.T for float weights (N, K): the kernel where `supported` and the weight has x's
-    dtype, else MLX's matmul. On CUDA, MLX hands 2-16 rows to cuBLAS,
-    whose every call is captured into the device graph: on SmolLM2 (30 layers) that doubled the
-    host's hand-off of a verify pass (5.8 to 11 ms); a kernel node is cheap to hand off."""
-    if weight.ndim != 2 or weight.dtype != x.dtype or not supported(x, None, None):
-        return x @ weight.T
-    return _launch("float", x, [weight], 0, 0)
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows, n = x.size // k, weight.shape[0]
+    warps = -(-n // ROWS_PER_WARP)
+    (out,) = _kernel()(inputs=[x.reshape(rows, k), weight, scales, biases],
+                       template=_template(x.dtype, bucket(rows), bits, group_size),
+                       grid=(warps * 32, 1, 1), threadgroup=(32 * WARPS, 1, 1),
+                       output_shapes=[(rows, n)], output_dtypes=[x.dtype])
+    return out.reshape(*lead, n)

@@ -7,10 +7,9 @@ costs ~25% more than one row per matrix; the same product computed as (W @ x.T).
 more (BENCHMARKS.md, "Verify cost"). One row and long inputs (prefill, training) keep mlx-lm's
 own x @ W.T, so plain decoding runs exactly the stock graph.
 
-On a CUDA GPU, linear layers and tied output projections (quantized or float) take 2..FEW_ROWS
-rows through the kernel in decoder/kernels.py, which reads each weight once for all rows and is
-cheap for the host to hand off; one row (plain decoding) and long inputs go through MLX's own
-ops.
+On a CUDA GPU, quantized linears and tied quantized output projections take 2..FEW_ROWS rows
+through the kernel in decoder/kernels.py, which reads each weight once for all rows; one row
+(plain decoding) and long inputs go through MLX's own ops.
 """
 
 from __future__ import annotations
@@ -86,33 +85,6 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
         return y + self.bias if "bias" in self else y
 
 
-class KernelLinear(nn.Linear):
-    """nn.Linear whose 2..MAX_ROWS-row products go through the float verify kernel."""
-
-    def __init__(self, linear: nn.Linear) -> None:
-        nn.Module.__init__(self)
-        self.weight = linear.weight
-        if "bias" in linear:
-            self.bias = linear.bias
-
-    def __call__(self, x: mx.array) -> mx.array:
-        if not _few_rows(x):
-            return super().__call__(x)
-        y = kernels.float_verify_matmul(x, self.weight)
-        return y + self.bias if "bias" in self else y
-
-
-class KernelEmbedding(nn.Embedding):
-    """nn.Embedding whose tied output projection (as_linear) of verify rows uses the kernel."""
-
-    def __init__(self, embedding: nn.Embedding) -> None:
-        nn.Module.__init__(self)
-        self.weight = embedding.weight
-
-    def as_linear(self, x: mx.array) -> mx.array:
-        return kernels.float_verify_matmul(x, self.weight) if _few_rows(x) else super().as_linear(x)
-
-
 class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
     """nn.QuantizedEmbedding whose tied output projection of verify rows uses the kernel."""
 
@@ -133,11 +105,11 @@ class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
 
 
 KERNEL_TWINS: dict[type[nn.Module], type[nn.Module]] = {
-    nn.QuantizedLinear: KernelQuantizedLinear, nn.Linear: KernelLinear,
-    nn.Embedding: KernelEmbedding, nn.QuantizedEmbedding: KernelQuantizedEmbedding}
+    nn.QuantizedLinear: KernelQuantizedLinear, nn.QuantizedEmbedding: KernelQuantizedEmbedding}
 
 
 def use_kernel_linears(module: nn.Module) -> int:
-    """Swap every linear layer and embedding under `module` for its verify-kernel twin (same
-    weights; the twin differs only for 2..MAX_ROWS rows on CUDA); returns how many."""
+    """Swap every quantized linear layer and embedding (a tied lm_head is its as_linear) under
+    `module` for its verify-kernel twin (same packed weights; the twin differs only for
+    2..MAX_ROWS rows on CUDA); returns how many."""
     return sum(_swap(module, kind, twin) for kind, twin in KERNEL_TWINS.items())

@@ -15,8 +15,6 @@ import pytest
 
 from mtpkit.decoder import kernels
 from mtpkit.decoder.rows import (
-    KernelEmbedding,
-    KernelLinear,
     KernelQuantizedEmbedding,
     KernelQuantizedLinear,
     use_kernel_linears,
@@ -60,25 +58,6 @@ def test_activation_dtypes(dtype: mx.Dtype) -> None:
     _close(kernels.verify_matmul(x, wq, scales, biases, 4, 64), want, dtype)
 
 
-@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
-@pytest.mark.parametrize("rows", [2, 7, 16])
-def test_float_rows_match_matmul(dtype: mx.Dtype, rows: int) -> None:
-    mx.random.seed(rows)
-    n, k = 200, 640
-    w = (mx.random.normal((n, k)) * 0.05).astype(dtype)
-    x = mx.random.normal((1, rows, k)).astype(dtype)
-    got = kernels.float_verify_matmul(x, w)
-    assert kernels.supported(x, None, None) == kernels.cuda_available()
-    assert got.dtype == dtype
-    _close(got, x @ w.T, dtype)
-
-
-def test_float_kernel_leaves_mixed_dtypes_to_mlx() -> None:
-    """A float32 weight under bf16 rows: MLX's matmul and its promotion, not the kernel."""
-    w, x = mx.ones((8, 32)), mx.ones((3, 32), mx.bfloat16)
-    assert kernels.float_verify_matmul(x, w).dtype == (x @ w.T).dtype == mx.float32
-
-
 def test_one_row_and_long_inputs_use_mlx_ops() -> None:
     """Plain decoding (one row) and prefill (many rows) never go through the kernel, nor do
     layouts it does not implement."""
@@ -87,7 +66,7 @@ def test_one_row_and_long_inputs_use_mlx_ops() -> None:
     assert not kernels.supported(mx.zeros((4, 128), mx.bfloat16), 3, 64)
     assert not kernels.supported(mx.zeros((4, 128), mx.bfloat16), 4, 16)
     assert not kernels.supported(mx.zeros((4, 128), mx.bfloat16), 4, 32, "mxfp4")
-    assert not kernels.supported(mx.zeros((4, 120), mx.bfloat16), None, None)  # K % 16
+    assert not kernels.supported(mx.zeros((4, 120), mx.bfloat16), 4, 8)  # K % 16, group
 
 
 def test_row_buckets_cover_every_verify_width() -> None:
@@ -104,30 +83,28 @@ def test_kernel_linears_swap_and_compute_the_same() -> None:
     inputs = [mx.random.normal((1, r, 256)).astype(mx.bfloat16) for r in (1, 4, 40)]
     want = [model(x) for x in inputs]
     packed = model.layers[0].weight
-    assert use_kernel_linears(model) == 3
-    assert [type(m) for m in model.layers] == [KernelQuantizedLinear] * 2 + [KernelLinear]
+    assert use_kernel_linears(model) == 2
+    assert [type(m) for m in model.layers] == [KernelQuantizedLinear] * 2 + [nn.Linear]
     assert model.layers[0].weight is packed
     for x, ref in zip(inputs, want, strict=True):
         _close(model(x), ref, mx.bfloat16)
 
 
-@pytest.mark.parametrize("quantized", [False, True])
-def test_tied_output_projection_of_verify_rows(quantized: bool) -> None:
+def test_tied_quantized_output_projection_of_verify_rows() -> None:
     """A tied lm_head is the embedding's as_linear: its twin computes the same logits for one
     row, verify rows and a long input, and looks tokens up as before."""
     mx.random.seed(9)
     embedding = nn.Embedding(300, 128)
     embedding.weight = (embedding.weight * 0.05).astype(mx.bfloat16)
-    if quantized:
-        embedding = nn.QuantizedEmbedding.from_embedding(embedding, group_size=64, bits=4)
-    holder = nn.Sequential(embedding)
+    holder = nn.Sequential(nn.QuantizedEmbedding.from_embedding(embedding, group_size=64, bits=4))
+    quantized = holder.layers[0]
     inputs = [mx.random.normal((1, r, 128)).astype(mx.bfloat16) for r in (1, 5, 40)]
-    want = [embedding.as_linear(x) for x in inputs]
+    want = [quantized.as_linear(x) for x in inputs]
     ids = mx.array([[3, 299, 0]])
-    looked_up = embedding(ids)
+    looked_up = quantized(ids)
     assert use_kernel_linears(holder) == 1
     twin = holder.layers[0]
-    assert type(twin) is (KernelQuantizedEmbedding if quantized else KernelEmbedding)
+    assert type(twin) is KernelQuantizedEmbedding and twin.weight is quantized.weight
     assert mx.array_equal(twin(ids), looked_up).item()
     for x, ref in zip(inputs, want, strict=True):
         _close(twin.as_linear(x), ref, mx.bfloat16)

@@ -38,7 +38,7 @@ def local_run(built, tmp_path_factory) -> tuple[dict, str, Path]:
     """A 3-load verify-run of a tiny bundle at a forced depth (every step a verified round)."""
     out = tmp_path_factory.mktemp("report")
     page = out / "report.html"
-    result = CliRunner().invoke(main, ["verify-run", str(built("qwen3_5")), "--loads", LOADS,
+    result = CliRunner().invoke(main, ["verify-run", str(built("mimo")), "--loads", LOADS,
                                        "--runs", "2", "--max-tokens", "24", "--depth", "2",
                                        "--json", "--report", str(page)])
     assert result.exit_code in (0, 1), result.output
@@ -99,7 +99,7 @@ def test_cost_curve_is_recorded_when_measured_or_cached_and_drawn_with_the_depth
     from mtpkit.verify.local import open_local
 
     monkeypatch.setenv("MTPKIT_CACHE", str(tmp_path / "cache"))
-    target, _, _ = open_local(str(built("qwen3_5")))
+    target, _, _ = open_local(str(built("mimo")))
     assert target.costs(2) is None, "a forced depth never measures a curve for a report"
     measured = target.costs("auto")
     assert len(measured["verify"]) == 16 and measured["ratios"][0] == 1.0 and measured["measured"]
@@ -122,7 +122,7 @@ def test_positions_stop_at_the_last_drafted() -> None:
 
 def test_report_is_written_when_checks_fail(built, tmp_path: Path) -> None:
     page = tmp_path / "failed.html"
-    result = CliRunner().invoke(main, ["verify-run", str(built("qwen3_5")), "--loads", "code",
+    result = CliRunner().invoke(main, ["verify-run", str(built("mimo")), "--loads", "code",
                                        "--runs", "1", "--max-tokens", "16", "--depth", "1",
                                        "--min-speedup", "1000", "--report", str(page)])
     assert result.exit_code == 1
