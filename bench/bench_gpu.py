@@ -191,7 +191,7 @@ def breakdown(runner, label: str, rows=(1, 2, 3, 4, 8), passes: int = 16) -> dic
     forward, nothing evaluated), handing it to the device (async_eval), the synchronous pass
     (build + device + sync, what a round pays today), and the pipelined pass (each queued while
     the last runs: the device's own time when that is the bound). Stock (MLX's ops, mlx-lm's
-    cache), ours (kernel, bounded, eager hand-off) and ours without the eager hand-off."""
+    cache) and ours (kernel, bounded)."""
     import mlx.core as mx
 
     from mtpkit.decoder.rows import use_kernel_linears
@@ -201,14 +201,12 @@ def breakdown(runner, label: str, rows=(1, 2, 3, 4, 8), passes: int = 16) -> dic
     vocab = runner.trunk.args.vocab_size
     ids = [(7 * i + 3) % vocab for i in range(512)]
     out: dict = {}
-    for arm in ("stock", "ours", "ours_not_eager"):
+    for arm in ("stock", "ours"):
         if arm == "ours":
             use_kernel_linears(runner.trunk.text)
-        session = Session(runner.trunk, None, SamplingParams(), 0, bounded=arm != "stock")
+        session = Session(runner.trunk, None, SamplingParams(), 0, bounded=arm == "ours")
         session.start(ids)
         cache = session.cache
-        for c in cache if arm == "ours_not_eager" else []:
-            c.eager = False  # every pass built whole before the device sees it
         per: dict = {}
         for t in rows:
             tokens = mx.array(ids[:t])[None]

@@ -18,7 +18,6 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 STEP = 256  # mlx-lm's KV allocation step; cuDNN's own decoding path keys on it too
-EAGER_EVERY = 8  # a multi-row pass is handed to the device after every this many attention layers
 
 
 def padded(n: int) -> int:
@@ -29,7 +28,6 @@ class PaddedKVCache(KVCache):
     """A KVCache whose multi-row views have a key length that is a multiple of STEP."""
 
     step = STEP
-    eager = False  # hand the pass so far to the device once this layer's keys are written
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         rows = keys.shape[2]
@@ -50,8 +48,6 @@ class PaddedKVCache(KVCache):
         self.offset = end
         if rows == 1:
             return self.keys_and_values()
-        if self.eager:
-            mx.async_eval(self.keys, self.values)
         view = padded(end)
         return self.keys[..., :view, :], self.values[..., :view, :]
 
@@ -79,15 +75,8 @@ def bounded_by_default() -> bool:
 
 def bounded_caches(caches: list[Any]) -> list[Any]:
     """mlx-lm's caches with every plain KVCache replaced by a PaddedKVCache (rotating,
-    quantized and recurrent caches are kept: they have their own shapes). Every EAGER_EVERY-th
-    of them is `eager`: on MLX's CUDA backend a verify pass is bound by the host (building and
-    handing off the graph takes about as long as the device's work), so handing the first layers
-    to the device while Python builds the rest overlaps the two within a synchronous round."""
-    out = [PaddedKVCache() if type(c) is KVCache else c for c in caches]
-    padded_caches = [c for c in out if isinstance(c, PaddedKVCache)]
-    for c in padded_caches[EAGER_EVERY - 1:-1:EAGER_EVERY]:
-        c.eager = True
-    return out
+    quantized and recurrent caches are kept: they have their own shapes)."""
+    return [PaddedKVCache() if type(c) is KVCache else c for c in caches]
 
 
 def pieces(n: int) -> list[int]:
