@@ -34,7 +34,7 @@ WARPS = 4
 # values per row per step. For quantized weights the 16 values sit in one group (16 divides the
 # group size), so sum_k x_k (s q_k + b) = s * sum_k x_k q_k + b * sum_k x_k: the per-row sum of x
 # is shared by every output. Partial sums meet by warp shuffles; lane 0 writes.
-_BODY = r"""
+_SOURCE = r"""
     constexpr int LANES = 32;
     constexpr int CHUNK = 16;
     const int N = w_shape[0];
@@ -49,50 +49,12 @@ _BODY = r"""
     for (int m = 0; m < MB; ++m)
         #pragma unroll
         for (int r = 0; r < R; ++r) acc[m][r] = 0.0f;
-    for (int k0 = lane * CHUNK; k0 < K; k0 += LANES * CHUNK) {{
+    for (int k0 = lane * CHUNK; k0 < K; k0 += LANES * CHUNK) {
         float wv[R][CHUNK];
         float sc[R], bi[R];
         #pragma unroll
-        for (int r = 0; r < R; ++r) {{
+        for (int r = 0; r < R; ++r) {
             const int n = min(n0 + r, N - 1);
-{load}        }}
-        #pragma unroll
-        for (int m = 0; m < MB; ++m) {{
-            if (m >= M) break;
-            alignas(16) T raw[CHUNK];
-            const uint4* src = reinterpret_cast<const uint4*>(x + (size_t)m * K + k0);
-            uint4* dst = reinterpret_cast<uint4*>(raw);
-            #pragma unroll
-            for (int i = 0; i < CHUNK * sizeof(T) / 16; ++i) dst[i] = src[i];
-            float xv[CHUNK];
-            float xsum = 0.0f;
-            #pragma unroll
-            for (int j = 0; j < CHUNK; ++j) {{
-                xv[j] = static_cast<float>(raw[j]);
-                xsum += xv[j];
-            }}
-            #pragma unroll
-            for (int r = 0; r < R; ++r) {{
-                float dot = 0.0f;
-                #pragma unroll
-                for (int j = 0; j < CHUNK; ++j) dot += xv[j] * wv[r][j];
-                acc[m][r] += sc[r] * dot + bi[r] * xsum;
-            }}
-        }}
-    }}
-    #pragma unroll
-    for (int m = 0; m < MB; ++m)
-        #pragma unroll
-        for (int r = 0; r < R; ++r) {{
-            if (m >= M) break;
-            float v = acc[m][r];
-            #pragma unroll
-            for (int off = LANES / 2; off > 0; off /= 2) v += __shfl_down_sync(0xffffffff, v, off);
-            if (lane == 0 && n0 + r < N) out[(size_t)m * N + n0 + r] = static_cast<T>(v);
-        }}
-"""
-
-_QUANTIZED_LOAD = r"""
             {
                 constexpr int WORDS = CHUNK * BITS / 32;
                 constexpr int PER = 32 / BITS;
@@ -115,9 +77,42 @@ _QUANTIZED_LOAD = r"""
                 sc[r] = static_cast<float>(scales[g]);
                 bi[r] = static_cast<float>(biases[g]);
             }
+        }
+        #pragma unroll
+        for (int m = 0; m < MB; ++m) {
+            if (m >= M) break;
+            alignas(16) T raw[CHUNK];
+            const uint4* src = reinterpret_cast<const uint4*>(x + (size_t)m * K + k0);
+            uint4* dst = reinterpret_cast<uint4*>(raw);
+            #pragma unroll
+            for (int i = 0; i < CHUNK * sizeof(T) / 16; ++i) dst[i] = src[i];
+            float xv[CHUNK];
+            float xsum = 0.0f;
+            #pragma unroll
+            for (int j = 0; j < CHUNK; ++j) {
+                xv[j] = static_cast<float>(raw[j]);
+                xsum += xv[j];
+            }
+            #pragma unroll
+            for (int r = 0; r < R; ++r) {
+                float dot = 0.0f;
+                #pragma unroll
+                for (int j = 0; j < CHUNK; ++j) dot += xv[j] * wv[r][j];
+                acc[m][r] += sc[r] * dot + bi[r] * xsum;
+            }
+        }
+    }
+    #pragma unroll
+    for (int m = 0; m < MB; ++m)
+        #pragma unroll
+        for (int r = 0; r < R; ++r) {
+            if (m >= M) break;
+            float v = acc[m][r];
+            #pragma unroll
+            for (int off = LANES / 2; off > 0; off /= 2) v += __shfl_down_sync(0xffffffff, v, off);
+            if (lane == 0 && n0 + r < N) out[(size_t)m * N + n0 + r] = static_cast<T>(v);
+        }
 """
-
-SOURCE = _BODY.format(load=_QUANTIZED_LOAD)
 
 ACTIVATIONS = (mx.float16, mx.bfloat16, mx.float32)
 _KERNEL: list[object] = []  # built on first use (a GPU-only object)
@@ -127,7 +122,7 @@ def _kernel() -> object:
     if not _KERNEL:
         _KERNEL.append(mx.fast.cuda_kernel(name="mtpkit_verify_rows",
                                            input_names=["x", "w", "scales", "biases"],
-                                           output_names=["out"], source=SOURCE))
+                                           output_names=["out"], source=_SOURCE))
     return _KERNEL[0]
 
 
@@ -143,8 +138,11 @@ def bucket(rows: int) -> int:
     return next(b for b in ROW_BUCKETS if rows <= b)
 
 
-def rows_of(x: mx.array) -> int:
-    return x.size // x.shape[-1] if x.ndim else 0
+def few_rows(x: mx.array) -> bool:
+    """2..MAX_ROWS rows of a kernel activation dtype on CUDA: a verify pass (the cheap checks
+    first: plain decoding and prefill leave at the first)."""
+    rows = x.size // x.shape[-1] if x.ndim else 0
+    return 2 <= rows <= MAX_ROWS and x.dtype in ACTIVATIONS and cuda_available()
 
 
 def layout_supported(bits: int | None, group_size: int | None, mode: str = "affine") -> bool:
@@ -156,8 +154,8 @@ def supported(x: mx.array, bits: int | None, group_size: int | None,
               mode: str = "affine") -> bool:
     """Whether the kernel computes x @ W.T here: CUDA, 2..MAX_ROWS rows of float16, bfloat16 or
     float32, a layout above, the reduction axis a multiple of 16."""
-    return (2 <= rows_of(x) <= MAX_ROWS and x.dtype in ACTIVATIONS and x.shape[-1] % 16 == 0
-            and layout_supported(bits, group_size, mode) and cuda_available())
+    return (x.ndim > 0 and x.shape[-1] % 16 == 0 and layout_supported(bits, group_size, mode)
+            and few_rows(x))
 
 
 @cache
@@ -174,6 +172,13 @@ def verify_matmul(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.ar
     if biases is None or not supported(x, bits, group_size, mode):
         return mx.quantized_matmul(x, weight, scales, biases, transpose=True,
                                    group_size=group_size, bits=bits, mode=mode)
+    return rows_matmul(x, weight, scales, biases, bits, group_size)
+
+
+def rows_matmul(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array, bits: int,
+                group_size: int) -> mx.array:
+    """The kernel itself, unchecked: for callers that established `supported` already (the
+    layer twins check their layout once and the rows per call)."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows, n = x.size // k, weight.shape[0]
     warps = -(-n // ROWS_PER_WARP)

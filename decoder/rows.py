@@ -54,22 +54,15 @@ def use_few_rows_linears(module: nn.Module) -> int:
     return _swap(module, nn.Linear, FewRowsLinear)
 
 
-def _few_rows(x: mx.array) -> bool:
-    """2..MAX_ROWS rows of a kernel activation dtype on CUDA: a verify pass (cheap checks
-    first: plain decoding and prefill leave at the first)."""
-    rows = kernels.rows_of(x)
-    return (2 <= rows <= kernels.MAX_ROWS and x.dtype in kernels.ACTIVATIONS
-            and kernels.cuda_available())
+class _KernelTwin:
+    """What both quantized twins share: the packed arrays taken as they are (no fresh
+    initialisation), whether the kernel reads their layout (decided once), and the kernel's
+    product for verify rows."""
 
-
-class KernelQuantizedLinear(nn.QuantizedLinear):
-    """nn.QuantizedLinear (its packed weights taken as they are) whose 2..MAX_ROWS-row products
-    go through the verify kernel where the layout is supported."""
-
-    def __init__(self, layer: nn.QuantizedLinear) -> None:
+    def _adopt(self, layer: nn.Module, names: tuple[str, ...]) -> None:
         nn.Module.__init__(self)
         self.group_size, self.bits, self.mode = layer.group_size, layer.bits, layer.mode
-        for name in ("weight", "scales", "biases", "bias"):
+        for name in names:
             if name in layer:
                 setattr(self, name, layer[name])
         self._fits = ("biases" in self and kernels.layout_supported(self.bits, self.group_size,
@@ -77,31 +70,38 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
                       and self.scales.shape[-1] * self.group_size % 16 == 0)
         self.freeze()
 
+    def _rows(self, x: mx.array) -> mx.array | None:
+        """x @ W.T through the kernel for 2..MAX_ROWS rows on CUDA; None otherwise."""
+        if not (self._fits and kernels.few_rows(x)):
+            return None
+        return kernels.rows_matmul(x, self.weight, self.scales, self.biases, self.bits,
+                                   self.group_size)
+
+
+class KernelQuantizedLinear(_KernelTwin, nn.QuantizedLinear):
+    """nn.QuantizedLinear whose 2..MAX_ROWS-row products go through the verify kernel where
+    the layout is supported."""
+
+    def __init__(self, layer: nn.QuantizedLinear) -> None:
+        self._adopt(layer, ("weight", "scales", "biases", "bias"))
+
     def __call__(self, x: mx.array) -> mx.array:
-        if not (self._fits and _few_rows(x)):
+        y = self._rows(x)
+        if y is None:
             return super().__call__(x)
-        y = kernels.verify_matmul(x, self.weight, self.scales, self.biases, self.bits,
-                                  self.group_size, self.mode)
         return y + self.bias if "bias" in self else y
 
 
-class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
+class KernelQuantizedEmbedding(_KernelTwin, nn.QuantizedEmbedding):
     """nn.QuantizedEmbedding whose tied output projection of verify rows uses the kernel."""
 
     def __init__(self, embedding: nn.QuantizedEmbedding) -> None:
-        nn.Module.__init__(self)
-        self.group_size, self.bits, self.mode = embedding.group_size, embedding.bits, embedding.mode
+        self._adopt(embedding, ("weight", "scales", "biases"))
         self.num_embeddings, self.dims = embedding.num_embeddings, embedding.dims
-        for name in ("weight", "scales", "biases"):
-            if name in embedding:
-                setattr(self, name, embedding[name])
-        self.freeze()
 
     def as_linear(self, x: mx.array) -> mx.array:
-        if not _few_rows(x) or "biases" not in self:
-            return super().as_linear(x)
-        return kernels.verify_matmul(x, self.weight, self.scales, self.biases, self.bits,
-                                     self.group_size, self.mode)
+        y = self._rows(x)
+        return super().as_linear(x) if y is None else y
 
 
 KERNEL_TWINS: dict[type[nn.Module], type[nn.Module]] = {
