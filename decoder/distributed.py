@@ -22,7 +22,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ArraysCache
 
-from mtpkit.decoder.sharding import PEER_LOST
+from mtpkit.decoder import peerwatch
+from mtpkit.decoder.peerwatch import PEER_LOST
 from mtpkit.decoder.state import Snapshot, commit_recorded, rewind, snapshot
 from mtpkit.decoder.trunk import Trunk
 from mtpkit.loaders.findings import UserError
@@ -147,6 +148,7 @@ class LeaderTrunk:
 
     def quit(self, code: int) -> None:
         """Tell the followers to settle the last cache and exit with `code`."""
+        peerwatch.disarm()  # they close their connections once they have read it
         self._send([MAGIC, QUIT, code, 0, self._committed()])
 
 
@@ -191,6 +193,7 @@ class Follower:
                 self._settle(length)
                 self.transcripts.append(Transcript(self.fed[:length], committed(self.cache)))
             if op == QUIT:
+                peerwatch.disarm()  # rank 0 closes its connections now
                 self.code = value
                 return value
             self.cache, self.fed, self.pending = self.trunk.make_cache(bool(value)), [], None
@@ -286,8 +289,8 @@ def _lost_peers() -> Iterator[None]:
     except RuntimeError as exc:
         if not _lost(exc):
             raise
-        print(f"error [distributed.peer_lost]: {exc}\n  hint: another rank exited or its "
-              "machine is unreachable; its own output says why", file=sys.stderr, flush=True)
+        sys.stderr.flush()
+        peerwatch.report(str(exc))  # armed still: it ends this rank if the exit hangs in MLX
         raise SystemExit(PEER_LOST) from None
 
 

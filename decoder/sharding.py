@@ -18,11 +18,11 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from mtpkit.decoder import peerwatch
 from mtpkit.decoder.trunk import Trunk
 from mtpkit.loaders.findings import UserError
 
 MODES = ("tensor", "pipeline")
-PEER_LOST = 3  # exit code of a rank whose world lost a member (killed: one that never joined)
 CONNECT_TIMEOUT_S = 300.0  # MTPKIT_CONNECT_TIMEOUT overrides: seconds to wait for every rank
 # Run beside mx.distributed.init: kills the process (argv 1) unless its stdin closes in time.
 WATCHDOG = """import os, select, signal, sys
@@ -40,7 +40,8 @@ KV_REPEATING = ("qwen3_5", "qwen3_5_moe")
 def join(mode: str) -> mx.distributed.Group:
     """The world this process was launched into (mlx.launch, or MLX_RANK and MLX_HOSTFILE).
     A rank that never shows up would block forever in mx.distributed.init, which holds the
-    GIL: a watchdog process ends this one after the connect timeout, with one line."""
+    GIL: a watchdog process ends this one after the connect timeout, with one line. Once
+    joined, a peer watch (peerwatch.py) ends this rank if a peer closes its connection."""
     if mode not in MODES:
         raise ValueError(f"shard must be one of {', '.join(MODES)}")
     limit = float(os.environ.get("MTPKIT_CONNECT_TIMEOUT", CONNECT_TIMEOUT_S))
@@ -49,6 +50,7 @@ def join(mode: str) -> mx.distributed.Group:
                "or raise MTPKIT_CONNECT_TIMEOUT\n")
     watchdog = subprocess.Popen([sys.executable, "-c", WATCHDOG, str(os.getpid()), str(limit),
                                  message], stdin=subprocess.PIPE)
+    before = peerwatch.socket_fds()
     try:
         group = mx.distributed.init()
     except RuntimeError as exc:  # e.g. an unreadable hostfile
@@ -64,6 +66,7 @@ def join(mode: str) -> mx.distributed.Group:
                         "this process runs alone", "start it under mlx.launch (e.g. mlx.launch "
                         "--hostfile hosts.json --backend ring -- mtpkit generate ... --shard "
                         f"{mode})")
+    peerwatch.watch(peerwatch.connections(peerwatch.socket_fds() - before))
     return group
 
 
