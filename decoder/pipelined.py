@@ -18,6 +18,7 @@ policy and sharded trunks take the synchronous rounds).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -32,17 +33,40 @@ if TYPE_CHECKING:
     from mtpkit.decoder.session import Session
 
 PLAIN_CACHES = (KVCache, PaddedKVCache)
+# mlx-lm families whose attention selects with the mask (mx.where(mask, scores, min)) rather
+# than passing it to scaled_dot_product_attention: they need it bool.
+SELECTING_MASK = ("bailing_hybrid", "bailing_moe_v3", "deepseek_v3", "deepseek_v32", "gemma2",
+                  "glm4_moe_lite", "kimi_k3", "kimi_linear", "longcat_flash", "mistral4")
+
+
+@functools.lru_cache(maxsize=64)
+def _constant(kind: str, n: int, dtype: mx.Dtype = mx.int32) -> mx.array:
+    """Evaluated once: on MLX's CUDA backend an op with no inputs (arange, zeros) in a queued
+    graph makes `mx.async_eval` wait for the device, which would undo the pipelining."""
+    out = {"rows": lambda: mx.arange(n)[:, None],  # a pass's row offsets
+           "cols": lambda: mx.arange(n)[None],  # key positions (mask)
+           "slots": lambda: mx.arange(n).reshape(1, 1, n, 1),  # key positions (write)
+           "zero": lambda: mx.zeros((), dtype),
+           "ninf": lambda: mx.array(-mx.inf, dtype)}[kind]()
+    mx.eval(out)
+    return out
 
 
 class LiveKVCache(KVCache):
     """A KV cache whose offset is a lazy int32 scalar. Its buffer has whole STEPs, grown by the
-    host (`reserve`) to a bound it knows; every pass sees the whole buffer, with a bool mask
-    that hides each row's future (and whatever a discarded pass left past the offset)."""
+    host (`reserve`) to a bound it knows; every pass sees the whole buffer, with an additive
+    mask (bool for SELECTING_MASK families) that hides each row's future (and whatever a discarded pass left past the offset).
+    Rows are written by a gather and a select, and the mask is additive, because on MLX's CUDA
+    backend a slice update at a lazy start and a bool attention mask wait for the device when
+    queued (measured, BENCHMARKS.md)."""
 
-    def __init__(self, source: KVCache, capacity: int) -> None:
+    def __init__(self, source: KVCache, capacity: int, dtype: mx.Dtype,
+                 selecting: bool = False) -> None:
         super().__init__()
+        self.selecting = selecting  # the model selects with the mask: give it bool
         self.keys, self.values = source.keys, source.values
         self.offset = mx.array(source.offset, mx.int32)
+        self.dtype = dtype if self.keys is None else self.keys.dtype
         self.capacity = 0 if self.keys is None else self.keys.shape[2]
         self.reserve(capacity)
 
@@ -61,16 +85,22 @@ class LiveKVCache(KVCache):
             self.keys = mx.zeros((*keys.shape[:2], self.capacity, keys.shape[3]), keys.dtype)
             self.values = mx.zeros((*values.shape[:2], self.capacity, values.shape[3]),
                                    values.dtype)
-        start = self.offset.reshape(1)
-        self.keys = mx.slice_update(self.keys, keys, start, axes=(2,))
-        self.values = mx.slice_update(self.values, values, start, axes=(2,))
-        self.offset = self.offset + keys.shape[2]
+            mx.eval(self.keys, self.values)
+        rows = keys.shape[2]
+        at = _constant("slots", self.capacity) - self.offset  # row of each slot, if written
+        written = (at >= 0) & (at < rows)
+        index = mx.clip(at[0, 0, :, 0], 0, rows - 1)
+        self.keys = mx.where(written, mx.take(keys, index, axis=2), self.keys)
+        self.values = mx.where(written, mx.take(values, index, axis=2), self.values)
+        self.offset = self.offset + rows
         return self.keys, self.values
 
     def make_mask(self, n: int, return_array: bool = False,
                   window_size: int | None = None) -> mx.array:
-        rows = self.offset + mx.arange(n)[:, None]
-        return rows >= mx.arange(self.capacity)[None]
+        seen = self.offset + _constant("rows", n) >= _constant("cols", self.capacity)
+        if self.selecting:
+            return seen
+        return mx.where(seen, _constant("zero", 0, self.dtype), _constant("ninf", 0, self.dtype))
 
     def settled(self, kind: type, offset: int) -> KVCache:
         """This cache as the session's own kind again, holding `offset` positions."""
@@ -98,8 +128,11 @@ def rounds(session: Session, left: Callable[[], int]) -> Iterator[list[int]]:
     kinds = [type(c) for c in session.cache], [type(c) for c in session.mtp_cache]
     trunk_at = session.cache[0].offset  # host-known committed lengths
     head_at = [c.offset for c in session.mtp_cache]
-    trunk = [LiveKVCache(c, trunk_at + 2 * width) for c in session.cache]
-    heads = [LiveKVCache(c, head_at[0] + 2 * width + depth) for c in session.mtp_cache]
+    dtype = owed_hidden.dtype
+    selecting = getattr(session.trunk.args, "model_type", "") in SELECTING_MASK
+    trunk = [LiveKVCache(c, trunk_at + 2 * width, dtype, selecting) for c in session.cache]
+    heads = [LiveKVCache(c, head_at[0] + 2 * width + depth, dtype, selecting)
+             for c in session.mtp_cache]
     state = (mx.array([[session.last]]), owed_hidden[:, -1:], owed_tokens[:, -1:],
              mx.array(0, mx.int32))
     last, owed = session.last, (owed_hidden[:, -1:], owed_tokens[:, -1:])
