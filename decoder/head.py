@@ -148,15 +148,13 @@ class MTPHead(nn.Module):
         return self.roles[block] if len(self.roles) > 1 else self.roles[0]
 
     def layer_input(self, hidden: mx.array, tokens: mx.array, block: int = 0,
-                    at_start: bool | mx.array = True) -> mx.array:
+                    at_start: bool = True) -> mx.array:
         """What block's decoder layer reads: fc over the normed embedding of the next tokens
         and the normed trunk hidden (at_start: the first position is the sequence's first)."""
         roles = self._roles(block)
         embed = roles.embed_tokens(tokens) if "embed_tokens" in roles else self._trunk.embed(tokens)
-        if self.contract.zero_first_embedding and at_start is not False:
+        if self.contract.zero_first_embedding and at_start:
             first = mx.arange(tokens.shape[1])[None, :, None] == 0
-            if at_start is not True:  # a lazy offset's "== 0": decided on the device
-                first = first & at_start
             embed = mx.where(first, mx.zeros_like(embed), embed)
         parts = [roles.pre_fc_norm_embedding(embed), roles.pre_fc_norm_hidden(hidden)]
         if self.contract.concat_order == "hidden_first":
@@ -164,16 +162,14 @@ class MTPHead(nn.Module):
         return roles.fc(mx.concatenate(parts, axis=-1))
 
     def __call__(self, hidden: mx.array, tokens: mx.array, cache: list[KVCache] | None,
-                 step: int, full_vocab: bool = True, last_only: bool = False,
-                 at: mx.array | None = None) -> tuple[mx.array, mx.array]:
+                 step: int, full_vocab: bool = True,
+                 last_only: bool = False) -> tuple[mx.array, mx.array]:
         """hidden (1, S, H) paired with the next tokens (1, S) -> (logits, hidden to chain).
 
         Chained draft step k uses block k mod blocks, each block with its own KV cache. With a
         draft vocabulary, logits cover it only unless full_vocab (then -inf elsewhere). A draft
         needs the last position only: last_only skips the unembedding of the others (a whole
-        prompt's worth on the first round). `at` (a lazy index, with a cache whose offset is
-        lazy too: decoder/pipelined.py): the rows after it only pad a pass of fixed width, so
-        row `at` is the one returned and the cache keeps the rows up to it.
+        prompt's worth on the first round).
         """
         block = step % self.blocks
         roles = self._roles(block)
@@ -181,10 +177,7 @@ class MTPHead(nn.Module):
         x = self.layer_input(hidden, tokens, block, layer_cache is None or layer_cache.offset == 0)
         x = self.layers[block](x, create_attention_mask(x, layer_cache, return_array=True),
                                layer_cache)
-        if at is not None:
-            x = mx.take(x, at.reshape(1), axis=1)
-            layer_cache.offset = layer_cache.offset - hidden.shape[1] + 1 + at
-        elif last_only:
+        if last_only:
             x = x[:, -1:]
         post = roles.norm(x)
         logits = self.draft_logits(roles, post)

@@ -188,16 +188,14 @@ class Runner:
                depth: Depth = "auto", seed: int | None = None,
                draft: str | None = None, prefix: PrefixCache | None = None,
                stop: Callable[[], bool] | None = None,
-               checkpoints: Sequence[int] = (), pipelined: bool = True) -> Iterator[Piece]:
+               checkpoints: Sequence[int] = ()) -> Iterator[Piece]:
         """Yield text as it is committed; the last piece carries the Result. depth: "auto"
         (chosen per round from this machine's measured costs), a number (forced; 0 is plain
         decoding) or None (the head's layer count). draft: "head", "lookup" (context drafts,
         any bundle) or "both"; default: see draft_source. prefix: a prefix cache the prompt
         starts from and is kept in (decoder/prefix.py), with the states at `checkpoints` (prompt
         lengths) where recurrent states cannot be trimmed back. stop: asked after each piece;
-        true ends the generation there (a stop sequence seen, a client gone), result and all.
-        pipelined: False keeps every round synchronous (decoder/pipelined.py says when rounds
-        are queued back to back)."""
+        true ends the generation there (a stop sequence seen, a client gone), result and all."""
         draft = self.draft_source(depth, draft)
         depth, policy = self.policy(depth, draft)
         ids = self.encode(prompt)
@@ -205,9 +203,8 @@ class Runner:
             raise ValueError("empty prompt")
         params = SamplingParams(temperature, top_p, top_k, min_p)
         args = (self.trunk, self.head, params, depth, seed, self.rollback, policy)
-        session = Session(*args, draft=draft, pipelined=pipelined) if prefix is None else \
-            CachedSession(*args, draft=draft, pipelined=pipelined, prefix=prefix,
-                          checkpoints=checkpoints)
+        session = Session(*args, draft=draft) if prefix is None else \
+            CachedSession(*args, draft=draft, prefix=prefix, checkpoints=checkpoints)
         eos = set(self.tokenizer.eos_token_ids) if self.tokenizer is not None else set()
         detok = self.tokenizer.detokenizer if self.tokenizer is not None else None
         if detok is not None:

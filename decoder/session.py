@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 import mlx.core as mx
 import numpy as np
 
-from mtpkit.decoder import acceptance, pipelined
+from mtpkit.decoder import acceptance
 from mtpkit.decoder.head import MTPHead
 from mtpkit.decoder.lookup import ContextIndex
 from mtpkit.decoder.policy import DepthPolicy
@@ -44,13 +44,11 @@ class Session:
     def __init__(self, trunk: Trunk, head: MTPHead | None, params: SamplingParams, depth: int,
                  seed: int | None = None, rollback: str = "record",
                  policy: DepthPolicy | None = None, bounded: bool | None = None,
-                 draft: str = "head", pipelined: bool = True) -> None:
+                 draft: str = "head") -> None:
         """depth: the draft depth (0: plain decoding), or with a policy the deepest it may
         choose. bounded: attention shapes from a bounded set (default: where attention
         compiles per shape, see shapes.bounded_by_default). draft: where drafts come from,
-        "head", "lookup" (the context, decoder/lookup.py) or "both" (a head is optional).
-        pipelined: queue greedy rounds back to back where the session allows it
-        (decoder/pipelined.py); False keeps every round synchronous."""
+        "head", "lookup" (the context, decoder/lookup.py) or "both" (a head is optional)."""
         if draft not in DRAFTS:
             raise ValueError(f"draft must be one of {', '.join(DRAFTS)}")
         if depth > 0 and head is None and draft == "head":
@@ -72,7 +70,6 @@ class Session:
         self.stats = Stats(depth)
         if self.policy is not None:
             self.stats.plain_s = self.policy.curve.plain
-        self.pipelined = pipelined
         self.last = -1
         self.owed: tuple[mx.array, mx.array] | None = None
 
@@ -379,8 +376,6 @@ def generate_ids(session: Session, ids: list[int], max_tokens: int,
         yield [session.start(ids)]
         if session.policy is not None:
             yield from session.auto_rounds(left)
-        if session.pipelined and pipelined.eligible(session):
-            yield from pipelined.rounds(session, left)
         while True:
             yield session.next_round(min(session.depth, left() - 1))
 

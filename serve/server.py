@@ -10,6 +10,8 @@ import ipaddress
 import json
 import select
 import socket
+import threading
+import time
 import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -338,7 +340,13 @@ class Handler(BaseHTTPRequestHandler):
 
 
 class Server(ThreadingHTTPServer):
+    """Request threads are daemons (an idle keep-alive client cannot hold the exit), but
+    closing waits up to CLOSE_WAIT_S for them: a thread still ending while the interpreter
+    tears MLX down can abort the process ("terminate called without an active exception",
+    seen on Ctrl-C right after an answer)."""
+
     daemon_threads = True
+    CLOSE_WAIT_S = 5.0
 
     def __init__(self, service: Service, host: str, port: int, api_key: str | None,
                  verbose: bool = False) -> None:
@@ -346,4 +354,21 @@ class Server(ThreadingHTTPServer):
         self.service, self.api_key, self.verbose = service, api_key, verbose
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.address_family = family
+        self._requests: set[threading.Thread] = set()
+        self._requests_lock = threading.Lock()
         super().__init__((host, port), Handler)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        with self._requests_lock:
+            self._requests = {t for t in self._requests if t.is_alive()}
+            self._requests.add(threading.current_thread())
+        super().process_request_thread(request, client_address)
+
+    def server_close(self) -> None:
+        super().server_close()
+        deadline = time.monotonic() + self.CLOSE_WAIT_S
+        with self._requests_lock:
+            running = list(self._requests)
+        for thread in running:
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))

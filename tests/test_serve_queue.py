@@ -172,3 +172,22 @@ def test_a_client_gone_frees_its_turn_at_the_next_round(gated: Any) -> None:
     # the impatient client and the dropped stream; the request after them was answered
     assert 'mtpkit_requests_total{api="completions",outcome="cancelled"} 2.0' in metrics
     assert 'mtpkit_requests_total{api="completions",outcome="ok"} 1.0' in metrics
+
+
+def test_closing_waits_a_bounded_time_for_request_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """server_close (Ctrl-C) waits for request threads still ending, so none is inside MLX
+    while the interpreter tears down; one that never ends holds it CLOSE_WAIT_S at most."""
+    monkeypatch.setattr(Server, "CLOSE_WAIT_S", 1.5)
+    server = Server(object(), "127.0.0.1", 0, None)  # type: ignore[arg-type]
+    release = threading.Event()
+    ending = threading.Thread(target=time.sleep, args=(0.5,), daemon=True)
+    stuck = threading.Thread(target=release.wait, daemon=True)
+    for thread in (ending, stuck):
+        thread.start()
+        server._requests.add(thread)
+    start = time.monotonic()
+    server.server_close()
+    took = time.monotonic() - start
+    release.set()
+    assert not ending.is_alive()
+    assert 1.4 < took < 3.0
