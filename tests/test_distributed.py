@@ -28,7 +28,7 @@ from unittest import mock
 
 import pytest
 
-from mtpkit.decoder.sharding import PEER_LOST
+from mtpkit.decoder.peerwatch import PEER_LOST
 
 WORKER_TIMEOUT_S = 240
 PROMPT = [5 + (i * 37) % 200 for i in range(20)] * 2  # 40 tokens: the prefill takes 2 arrays
@@ -114,7 +114,8 @@ def world(tmp: Path, argv: list[str], ranks: int = 2) -> Iterator[list[subproces
         env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hosts),
                "MTPKIT_CONNECT_TIMEOUT": "60", "PYTHONFAULTHANDLER": "1"}
         procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, cwd=tmp))
+                                      stderr=subprocess.PIPE, text=True, cwd=tmp,
+                                      preexec_fn=_interruptible))
     try:
         yield procs
     finally:
@@ -122,6 +123,13 @@ def world(tmp: Path, argv: list[str], ranks: int = 2) -> Iterator[list[subproces
             if p.poll() is None:
                 os.kill(p.pid, signal.SIGKILL)
             p.wait()
+
+
+def _interruptible() -> None:
+    """In a rank before exec: Ctrl-C as a terminal gives it. Python keeps SIGINT ignored when
+    it starts with it ignored, as it does under a shell's background job (SigIgn 0x6): rank
+    0 of test_serve_sharded then never saw its Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def finish(procs: list[subprocess.Popen], timeout: float = WORKER_TIMEOUT_S
@@ -135,12 +143,28 @@ def finish(procs: list[subprocess.Popen], timeout: float = WORKER_TIMEOUT_S
         try:
             out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            masks = _signal_masks(p.pid)
             os.kill(p.pid, signal.SIGABRT)
             _, err = p.communicate()
-            raise AssertionError(f"rank {rank} still ran after {timeout:g} s:\n{err[-6000:]}"
-                                 ) from None
+            raise AssertionError(f"rank {rank} still ran after {timeout:g} s ({masks}):\n"
+                                 f"{err[-6000:]}") from None
         outs.append((p.returncode, out, err))
     return outs
+
+
+def _signal_masks(pid: int) -> str:
+    """Which signals each thread of `pid` blocks, and which the process ignores or has
+    pending (Linux), for a process that would not end."""
+    out = []
+    for status in sorted(Path(f"/proc/{pid}/task").glob("*/status")):
+        try:
+            fields = dict(line.split(":\t", 1) for line in status.read_text().splitlines()
+                          if ":\t" in line)
+        except OSError:
+            continue
+        out.append(f"{fields.get('Name', '?').strip()}: blk {fields.get('SigBlk', '?').strip()}"
+                   f" ign {fields.get('SigIgn', '?').strip()} pnd {fields.get('ShdPnd', '?').strip()}")
+    return "; ".join(out) or "no /proc"
 
 
 def run_world(tmp: Path, bundle: Path, mode: str, rollback: str = "record") -> list[dict]:
@@ -412,25 +436,13 @@ def test_serve_sharded(bundles: dict, tmp_path: Path) -> None:
                                              {"Content-Type": "application/json"})
             with urllib.request.urlopen(request, timeout=120) as response:
                 answers.append(json.loads(response.read()))
-        _interrupt(procs[0])
+        os.kill(procs[0].pid, signal.SIGINT)
         outs = finish(procs, 60)
     assert [code for code, _, _ in outs] == [0, 0], [err[-2000:] for _, _, err in outs]
     expected = load(bundle, dtype="float32").generate("hello", 12, depth=2)
     for answer in answers:
         assert answer["choices"][0]["text"] == expected.text
         assert answer["usage"]["completion_tokens"] == len(expected.tokens)
-
-
-def _interrupt(proc: subprocess.Popen, tries: int = 3) -> None:
-    """Ctrl-C, pressed again after 10 s as a user would: under load one SIGINT in ~60 runs
-    left rank 0 in serve_forever (every thread idle, per its stacks), the signal gone."""
-    for _ in range(tries):
-        os.kill(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(10)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def _serving_port(proc: subprocess.Popen, timeout: float) -> int:
