@@ -85,12 +85,13 @@ def report(detail: str) -> bool:
     return True
 
 
-def watch(links: list[socket.socket]) -> threading.Thread:
-    """Start the watch over `links` (armed) in a daemon thread."""
+def watch(links: list[socket.socket]) -> None:
+    """Start the watch over `links` (armed) in a daemon thread; none without links (a backend
+    that does not talk over TCP)."""
+    if not links:
+        return
     _armed.set()
-    thread = threading.Thread(target=_run, args=(links,), name="mtpkit-peerwatch", daemon=True)
-    thread.start()
-    return thread
+    threading.Thread(target=_run, args=(links,), name="mtpkit-peerwatch", daemon=True).start()
 
 
 def disarm() -> None:
