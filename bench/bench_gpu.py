@@ -6,12 +6,15 @@ per-position acceptance 73/48/32% (a published figure for a 27B model at depth 3
 nothing. It measures what the decoder's machinery delivers on this machine, not what any real
 head accepts (bench_decode.py measures a real grafted head).
 
-1. c(T), T = 1..16, for each trunk "before" (MLX's ops, mlx-lm's own KV cache) and "after"
-   (verify kernel, bounded attention shapes): decoder/costs.py's measure, medians after warm-up.
+1. c(T), T = 1..16, for each trunk "before" (MLX's ops, mlx-lm's own KV cache), "after"
+   (verify kernel, bounded attention shapes) and "traced" (also traced once per shape,
+   decoder/traced.py: a GPU's default): decoder/costs.py's measure, medians after warm-up.
 2. A T=2 verify at a new cache length every pass (what decoding does), before and after: the
    compile per round shows as the median pass time.
-3. Oracle decoding on the 4-bit trunk: plain vs depths 1-3 vs --depth auto; measured speedup
-   beside the ideal one from c(T): E[tokens per round] / (c(K + 1) / plain step).
+3. Oracle decoding on the 4-bit trunk, traced and untraced: plain vs depths 1-3 vs --depth
+   auto; measured speedup beside the ideal one from c(T): E[tokens per round] / (c(K + 1) /
+   plain step).
+4. (--parts breakdown) where a pass's time goes: host build, hand-off, device, per arm.
 
     python bench/bench_gpu.py [--smollm2 BUNDLE] [--tokens 256] [--runs 3]
 """
@@ -105,12 +108,14 @@ class Oracle:
 
 
 def curves(runner, label: str) -> dict:
-    """c(T) before (MLX's ops, mlx-lm's caches: call with the runner's stock linears) and after
-    (verify kernel swapped in, bounded shapes)."""
+    """c(T) before (MLX's ops, mlx-lm's caches: call with the runner's stock linears), with the
+    verify kernel and bounded shapes ("after"), and with the pass traced too ("traced", what a
+    GPU runs by default)."""
     from mtpkit.decoder.costs import measure
     from mtpkit.decoder.rows import use_kernel_linears
 
     text = runner.trunk.text
+    runner.trunk.use_traced(False)
     before = measure(runner, bounded=False)
     before_moving = moving_verify(runner, bounded=False)
     prefill_before = prefill_ms(runner, bounded=False)
@@ -118,13 +123,16 @@ def curves(runner, label: str) -> dict:
     unbounded = measure(runner, bounded=False)
     after = measure(runner, bounded=True)
     after_moving = moving_verify(runner, bounded=True)
-    out = {"before": before.to_dict(), "after": after.to_dict(),
+    runner.trunk.use_traced()
+    traced = measure(runner, bounded=True)
+    out = {"before": before.to_dict(), "after": after.to_dict(), "traced": traced.to_dict(),
            "kernel_unbounded": unbounded.to_dict(),
            "moving_t2_ms": {"before": before_moving, "after": after_moving,
+                            "traced": moving_verify(runner, bounded=True),
                             "kernel_unbounded": moving_verify(runner, bounded=False)},
            "prefill_2048_ms": {"before": prefill_before,
                                "after": prefill_ms(runner, bounded=True)}}
-    for name in ("before", "kernel_unbounded", "after"):
+    for name in ("before", "kernel_unbounded", "after", "traced"):
         print(label, f"c(T)/c(1) {name:16}", [round(r, 2) for r in out[name]["ratios"]],
               "c(1) ms", round(1000 * out[name]["verify"][0], 2), "plain ms",
               round(1000 * out[name]["plain"], 2), "moving T=2 ms",
@@ -201,10 +209,11 @@ def breakdown(runner, label: str, rows=(1, 2, 3, 4, 8), passes: int = 16) -> dic
     vocab = runner.trunk.args.vocab_size
     ids = [(7 * i + 3) % vocab for i in range(512)]
     out: dict = {}
-    for arm in ("stock", "ours"):
-        if arm == "ours":
+    for arm in os.environ.get("BREAKDOWN_ARMS", "stock,ours,traced").split(","):
+        if arm != "stock":
             use_kernel_linears(runner.trunk.text)
-        session = Session(runner.trunk, None, SamplingParams(), 0, bounded=arm == "ours")
+        runner.trunk.use_traced(arm == "traced")
+        session = Session(runner.trunk, None, SamplingParams(), 0, bounded=arm != "stock")
         session.start(ids)
         cache = session.cache
         per: dict = {}
@@ -306,6 +315,8 @@ def main() -> None:
     ap.add_argument("--arm", help="measure one configuration of the 4-bit trunk (kernel on) "
                     "under this name: c(T), a moving T=2 verify, prefill; oracle if in --parts")
     ap.add_argument("--bounded", choices=["0", "1"], default="1")
+    ap.add_argument("--traced", choices=["0", "1"], default="1",
+                    help="verify passes traced once per shape (decoder/traced.py)")
     args = ap.parse_args()
 
     import mlx.core as mx
@@ -318,12 +329,14 @@ def main() -> None:
     if args.arm:  # one configuration, in its own process (MLX reads its env vars once)
         runner = Runner(Trunk(llama8b(4, args.small)), None, None)
         use_kernel_linears(runner.trunk.text)
+        runner.trunk.use_traced(args.traced == "1")
         from mtpkit.decoder.costs import measure
 
         bounded = args.bounded == "1"
         curve = measure(runner, bounded=bounded, repeats=15)
         row = {"curve": curve.to_dict(), "moving_t2_ms": moving_verify(runner, bounded),
                "prefill_2048_ms": prefill_ms(runner, bounded), "bounded": bounded,
+               "traced": args.traced == "1",
                "env": {k: v for k, v in os.environ.items() if k.startswith("MLX_")}}
         print(args.arm, [round(1000 * c, 2) for c in curve.verify[:8]], "plain ms",
               round(1000 * curve.plain, 2), "moving", round(row["moving_t2_ms"]["median"], 2),
@@ -341,7 +354,11 @@ def main() -> None:
             out["llama8b_4bit"] = curves(runner, "8B 4-bit")
         use_kernel_linears(runner.trunk.text)  # (no-op after curves)
         if "oracle" in parts:
-            out["oracle_8b_4bit"] = oracle_decoding(runner, args.tokens, args.runs)
+            out["oracle_8b_4bit"] = {}
+            for arm in ("traced", "untraced"):  # traced: what a GPU runs by default
+                runner.trunk.use_traced(arm == "traced")
+                print("oracle arm", arm, flush=True)
+                out["oracle_8b_4bit"][arm] = oracle_decoding(runner, args.tokens, args.runs)
         del runner
         mx.clear_cache()
     if "bf16" in parts:
@@ -353,8 +370,9 @@ def main() -> None:
         out["breakdown"] = {"llama8b_4bit": breakdown(Runner(Trunk(llama8b(4, args.small)), None,
                                                              None), "8B 4-bit")}
         mx.clear_cache()
-        out["breakdown"]["smollm2_shaped_bf16"] = breakdown(
-            Runner(Trunk(smollm2_shaped()), None, None), "SmolLM2-shaped bf16")
+        if os.environ.get("BREAKDOWN_SMOL", "1") == "1":
+            out["breakdown"]["smollm2_shaped_bf16"] = breakdown(
+                Runner(Trunk(smollm2_shaped()), None, None), "SmolLM2-shaped bf16")
     if "smollm2" in parts and args.smollm2:
         out["smollm2"] = curves(mtpkit.load(args.smollm2), "SmolLM2")
     out["peak_memory_gb"] = mx.get_peak_memory() / 2**30

@@ -24,6 +24,7 @@ from mtpkit.decoder.prefix import CachedSession, PrefixCache
 from mtpkit.decoder.rows import use_few_rows_linears, use_kernel_linears
 from mtpkit.decoder.sampling import SamplingParams
 from mtpkit.decoder.session import DRAFTS, Session, generate_ids
+from mtpkit.decoder.shapes import bounded_by_default
 from mtpkit.decoder.stats import Stats
 from mtpkit.decoder.trunk import Trunk
 from mtpkit.loaders.arrays import mtp_arrays
@@ -298,9 +299,13 @@ def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None
         use_kernel_linears(trunk.text)
         if head is not None:
             use_kernel_linears(head)
+    traced = group is None and bounded_by_default()
+    if traced:  # where the host's graph building bounds a verify pass (a GPU)
+        trunk.use_traced()
     mx.eval(model.parameters(), head.parameters() if head is not None else [])
     tokenizer = load_tokenizer(view.root) if view.tokenizer.kind else None
-    options = {"dequantize": flat, "dtype": dtype, "contract": contract.to_dict()}
+    options = {"dequantize": flat, "dtype": dtype, "contract": contract.to_dict(),
+               "traced": traced}
     if group is not None:
         options |= {"shard": shard, "ranks": group.size()}
         sharding.barrier(group)

@@ -47,7 +47,8 @@ class Session:
                  draft: str = "head") -> None:
         """depth: the draft depth (0: plain decoding), or with a policy the deepest it may
         choose. bounded: attention shapes from a bounded set (default: where attention
-        compiles per shape, see shapes.bounded_by_default). draft: where drafts come from,
+        compiles per shape, see shapes.bounded_by_default, or where the trunk's verify passes
+        are traced, decoder/traced.py). draft: where drafts come from,
         "head", "lookup" (the context, decoder/lookup.py) or "both" (a head is optional)."""
         if draft not in DRAFTS:
             raise ValueError(f"draft must be one of {', '.join(DRAFTS)}")
@@ -60,7 +61,8 @@ class Session:
         self.trunk, self.params, self.depth = trunk, params, depth
         self.head = head if draft in ("head", "both") else None
         self.policy = policy if depth > 0 else None
-        self.bounded = bounded_by_default() if bounded is None else bounded
+        traced = getattr(trunk, "passes", None) is not None  # traced passes need bounded caches
+        self.bounded = (bounded_by_default() or traced) if bounded is None else bounded
         self.cache = trunk.make_cache(self.bounded)
         speculative = self.head is not None and depth > 0
         self.mtp_cache = self.head.make_cache(self.bounded) if speculative else []

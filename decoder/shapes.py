@@ -29,20 +29,26 @@ class PaddedKVCache(KVCache):
 
     step = STEP
 
+    def reserve(self, end: int, keys: mx.array, values: mx.array) -> None:
+        """Grow the buffers by whole steps (never slicing first: they stay STEP-aligned) so
+        positions up to `end` fit; `keys`/`values` give the shape and dtype of new rows."""
+        have = 0 if self.keys is None else self.keys.shape[2]
+        if end <= have:
+            return
+        grow = padded(end) - have
+        b, heads, _, kd = keys.shape
+        extra_k = mx.zeros((b, heads, grow, kd), keys.dtype)
+        extra_v = mx.zeros((b, heads, grow, values.shape[3]), values.dtype)
+        if self.keys is None:
+            self.keys, self.values = extra_k, extra_v
+        else:
+            self.keys = mx.concatenate([self.keys, extra_k], axis=2)
+            self.values = mx.concatenate([self.values, extra_v], axis=2)
+
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         rows = keys.shape[2]
         end = self.offset + rows
-        have = 0 if self.keys is None else self.keys.shape[2]
-        if end > have:  # grow by whole steps, never slicing first: the buffer stays STEP-aligned
-            grow = padded(end) - have
-            b, heads, _, kd = keys.shape
-            extra_k = mx.zeros((b, heads, grow, kd), keys.dtype)
-            extra_v = mx.zeros((b, heads, grow, values.shape[3]), values.dtype)
-            if self.keys is None:
-                self.keys, self.values = extra_k, extra_v
-            else:
-                self.keys = mx.concatenate([self.keys, extra_k], axis=2)
-                self.values = mx.concatenate([self.values, extra_v], axis=2)
+        self.reserve(end, keys, values)
         self.keys[..., self.offset:end, :] = keys
         self.values[..., self.offset:end, :] = values
         self.offset = end

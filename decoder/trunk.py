@@ -17,6 +17,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mtpkit.decoder.recording import install
 from mtpkit.decoder.shapes import bounded_caches
+from mtpkit.decoder.traced import TracedPasses
 
 
 class _NormTap(nn.Module):
@@ -46,6 +47,7 @@ class Trunk:
             self._tap = _NormTap(self.inner.norm)
             self.inner.norm = self._tap
         self.recorders = install(list(self.inner.layers))
+        self.passes: TracedPasses | None = None
 
     @property
     def tied(self) -> bool:
@@ -77,6 +79,11 @@ class Trunk:
         """tokens (1, S) -> (hidden fed to the MTP head (1, S, H), logits (1, S', V)) where
         logits cover the last `logits_for` positions (all when None, none when 0). With `real`,
         only the first `real` positions count (the rest pad the pass to a bounded shape)."""
+        traced = self.passes.run(tokens, cache) if (self.passes is not None
+                                                      and logits_for is None) else None
+        if traced is not None:
+            hidden, logits = traced
+            return (hidden, logits) if real is None else (hidden[:, :real], logits[:, :real])
         post = self.inner(tokens, cache=cache)
         hidden = self._tap.last_input if self._tap is not None else post
         if real is not None:
@@ -84,6 +91,15 @@ class Trunk:
         if logits_for == 0:
             return hidden, None
         return hidden, self.logits(post if logits_for is None else post[:, -logits_for:])
+
+    def forward(self, tokens: mx.array, cache: list[Any]) -> tuple[mx.array, mx.array]:
+        """(hidden fed to the head, logits) of every position: the traced pass's body."""
+        post = self.inner(tokens, cache=cache)
+        return (self._tap.last_input if self._tap is not None else post), self.logits(post)
+
+    def use_traced(self, on: bool = True) -> None:
+        """Verify passes (every row's logits) traced once per shape (decoder/traced.py)."""
+        self.passes = TracedPasses(self) if on else None
 
     def layer_factory(self, kind: str) -> Callable[[], nn.Module]:
         """A constructor for one more decoder layer of the trunk's own class and kind: the MTP

@@ -154,12 +154,15 @@ def stratified_test(law: np.ndarray, tokens: list[int],
     return stat, df
 
 
-def markov_statistic(setting: str) -> tuple[float, int]:
+def markov_statistic(setting: str, traced: bool = False) -> tuple[float, int]:
     """The stratified chi-square (statistic, df) of runs at depths 2, 3 and 4, after checking
-    the setting's filters bite and every round outcome occurs at every depth."""
+    the setting's filters bite and every round outcome occurs at every depth; `traced`: with
+    the trunk's verify passes traced (decoder/traced.py)."""
     params, draft_vocab, head_norm = SETTINGS[setting]
     runner = tiny_runner(vocab=MV, draft_vocab=draft_vocab, head_norm=head_norm, markov=True,
                          logit_scale=MARKOV_LOGITS)
+    if traced:
+        runner.trunk.use_traced()
     law = transition_law(runner, params)
     assert_filters_bite(runner, setting, lambda p: transition_law(runner, p),
                         lambda a, b: float(np.abs(a - b).sum(axis=1).max()) / 2)
