@@ -44,6 +44,7 @@ class CostCurve:
     plain: float
     draft: float
     key: dict[str, Any] = field(default_factory=dict)
+    measured: bool = False  # timed on this machine (an estimate generations correct as they go)
 
     def width(self, rows: int) -> int:
         """The verify width to run `rows` rows at: the cheapest measured width >= rows where it
@@ -126,7 +127,7 @@ def cached(key: dict[str, Any]) -> CostCurve | None:
     try:
         data = json.loads(path.read_text())
         curve = CostCurve(list(map(float, data["verify"])), float(data["plain"]),
-                          float(data["draft"]), data["key"])
+                          float(data["draft"]), data["key"], measured=True)
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return curve if curve.key == key and len(curve.verify) == MAX_ROWS else None
@@ -186,7 +187,7 @@ def measure(runner: Runner, context: int = CONTEXT, repeats: int = REPEATS,
     plain()
     step = _median_time(plain, max(3, repeats // 2)) / PLAIN_STEPS
     draft = session.draft_step_time(repeats) if runner.head is not None else 0.0
-    return CostCurve(curve, step, draft)
+    return CostCurve(curve, step, draft, measured=True)
 
 
 def costs_for(runner: Runner, refresh: bool = False) -> CostCurve:

@@ -13,6 +13,13 @@ that each extension token is kept given that all head drafts were. The depth and
 depend only on past rounds and on drafts already made, never on the verify pass, so each round is
 exact.
 
+A measured curve is an estimate taken apart from decoding, and on a host-bound GPU a round as
+decoding pays it (head drafts, bookkeeping, the host sync) can cost twice what the curve says. So
+the session reports what each round and each plain stretch really took (`observe_round`,
+`observe_plain`), and the policy scales the curve's costs by the median ratio of paid to
+predicted over the last WINDOW of each (robust to a one-off trace or a stalled host). A curve
+given by hand (`measured=False`: a what-if) is taken as it is.
+
 When plain decoding wins, the session decodes plainly (pipelined, as fast as depth 0) for a
 stretch, then probes one depth-1 round to see whether the head has become useful; a probe that
 does not switch back doubles the stretch (up to MAX_STRETCH), so a head that drafts nothing
@@ -21,6 +28,8 @@ useful costs a fraction of a percent.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 from mtpkit.decoder.costs import CostCurve
@@ -31,6 +40,7 @@ PRIOR = 0.5  # a_1 before anything is measured; a_i = PRIOR ** i
 MIN_STRETCH = 16
 MAX_STRETCH = 512
 MARGIN = 1.02  # speculation must beat plain by this much to be chosen
+WINDOW = 15  # paid/predicted cost ratios the policy takes the median of, per source and plain
 LONG_MATCH = 4  # lookups are tracked apart by match length 1, 2, 3, 4+: a rejected one-token
 # match says little about an eight-token one, and one tracker let it starve the long ones
 
@@ -76,6 +86,25 @@ class Tracker:
 
 
 @dataclass
+class PaidCosts:
+    """Ratios of what rounds (per source) and plain steps cost as decoding paid them to what the
+    curve predicted: the median of the last WINDOW of each (1.0 before any)."""
+
+    ratios: dict[str, deque] = field(default_factory=dict)
+
+    def add(self, kind: str, paid: float, predicted: float) -> None:
+        if predicted > 0 and paid > 0:
+            self.ratios.setdefault(kind, deque(maxlen=WINDOW)).append(paid / predicted)
+
+    def scale(self, kind: str) -> float:
+        """The kind's median ratio; a source not yet seen takes the median of every round's."""
+        seen = list(self.ratios.get(kind, ()))
+        if not seen and kind != "plain":
+            seen = [r for k, q in self.ratios.items() if k != "plain" for r in q]
+        return statistics.median(seen) if seen else 1.0
+
+
+@dataclass
 class DepthPolicy:
     """Per round: which source drafts ("head", "lookup") and how deep, or plain decoding; and
     how far a head round's drafts are extended from the context (`extension`)."""
@@ -87,6 +116,7 @@ class DepthPolicy:
     trackers: dict[str, Tracker] = field(default_factory=dict)
     stretch: int = MIN_STRETCH
     chosen: dict[int, int] = field(default_factory=dict)  # depth -> rounds (0: plain steps)
+    paid: PaidCosts = field(default_factory=PaidCosts)
 
     def __post_init__(self) -> None:
         keys = [tracker_key(s, n) for s in self.sources
@@ -109,9 +139,9 @@ class DepthPolicy:
              source: str = "head") -> float:
         """Expected tokens per second at `depth` from `source` (0: plain decoding)."""
         if depth == 0:
-            return 1.0 / self.curve.plain
+            return 1.0 / (self.curve.plain * self.paid.scale("plain"))
         a = self.acceptance(source) if acceptance is None else acceptance
-        return (1.0 + sum(a[:depth])) / self.cost(depth, source)
+        return (1.0 + sum(a[:depth])) / (self.cost(depth, source) * self.paid.scale(source))
 
     def choose(self, lookup_width: int = 0, sources: tuple[str, ...] | None = None,
                match: int = 0) -> tuple[str, int]:
@@ -166,6 +196,17 @@ class DepthPolicy:
         else:
             self.trackers[tracker_key(source, match)].record(depth, accepted)
         self.chosen[depth] = self.chosen.get(depth, 0) + 1
+
+    def observe_round(self, seconds: float, depth: int, source: str = "head",
+                      drafted: int | None = None) -> None:
+        """What a round of `depth` drafts really took (a measured curve only)."""
+        if self.curve.measured:
+            self.paid.add(source, seconds, self.cost(depth, source, drafted))
+
+    def observe_plain(self, seconds: float, tokens: int) -> None:
+        """What `tokens` plain steps really took (a measured curve only)."""
+        if self.curve.measured and tokens > 0:
+            self.paid.add("plain", seconds / tokens, self.curve.plain)
 
     def plain_stretch(self) -> int:
         """Tokens to decode plainly before the next probe; each call doubles the next one.

@@ -74,6 +74,7 @@ class Session:
             self.stats.plain_s = self.policy.curve.plain
         self.last = -1
         self.owed: tuple[mx.array, mx.array] | None = None
+        self.plain_paid = (0.0, 0)  # (seconds, tokens) of the last plain stretch, as paid
 
     # -- shared -----------------------------------------------------------------------------
 
@@ -128,6 +129,7 @@ class Session:
             return
         owe = bool(self.mtp_cache)
         hiddens, tokens = [], []
+        begin, busy = time.perf_counter(), 0.0  # time spent here, not in the consumer
         with mx.stream(STREAM):
             hidden, logits = self.trunk(mx.array([[self.last]]), self.cache, logits_for=1)
             y = self._sample(logits[:, -1])
@@ -147,7 +149,9 @@ class Session:
             if self.lookup is not None:
                 self.lookup.extend([token])
             self.last = token
+            busy += time.perf_counter() - begin
             yield token
+            begin = time.perf_counter()
             n += 1
             if stop is not None and n + 1 < count and stop():
                 count = n + 1  # the queued step is the last
@@ -155,6 +159,7 @@ class Session:
                 y, hidden = nxt, nxt_hidden
         if owe and tokens:
             self._owe(mx.concatenate(hiddens, axis=1), tokens)
+        self.plain_paid = (busy + time.perf_counter() - begin, n)
 
     def plain(self, ids: list[int], max_tokens: int) -> Iterator[int]:
         """Plain decoding: the prompt's next token, then pipelined steps."""
@@ -218,6 +223,7 @@ class Session:
         one-hot), verify them in one trunk pass, commit and roll back. The pass may be padded
         to a wider, cheaper width (the policy's cost curve); padding rows repeat the last token
         and are rolled back like rejected drafts."""
+        start = time.perf_counter()
         source, drafted = ("lookup", 0) if lookup is not None else ("head", depth)
         if lookup is not None:
             depth = len(lookup)
@@ -273,6 +279,7 @@ class Session:
             self.stats.count_round(SOURCE_NAMES[source], depth, kept, verdict.bonus(depth))
             if self.policy is not None:
                 self.policy.record(depth, kept, source, drafted, match)
+                self.policy.observe_round(time.perf_counter() - start, depth, source, drafted)
                 self.stats.predicted_s += self.policy.cost(depth, source, drafted)
         return committed
 
@@ -333,6 +340,7 @@ class Session:
                 policy.chosen[0] = policy.chosen.get(0, 0) + 1
                 self.stats.predicted_s += policy.curve.plain
                 yield [token]
+            policy.observe_plain(*self.plain_paid)
             if left() <= 1 or (cut and cut[-1]):  # a context match pays: the loop takes it
                 continue
             if self.head is not None:

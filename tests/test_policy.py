@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -15,8 +16,10 @@ import mtpkit
 from fixtures.decoder_models import OracleHead
 from mtpkit.decoder import costs
 from mtpkit.decoder.costs import CostCurve
-from mtpkit.decoder.policy import MAX_STRETCH, MIN_STRETCH, DepthPolicy
+from mtpkit.decoder.policy import MAX_STRETCH, MIN_STRETCH, WINDOW, DepthPolicy
 from mtpkit.decoder.runner import Runner
+from mtpkit.decoder.sampling import SamplingParams
+from mtpkit.decoder.session import Session, generate_ids
 
 PROMPT = [5, 17, 42, 99, 7, 3]
 
@@ -89,6 +92,49 @@ def test_plain_stretches_double_up_to_the_cap() -> None:
     assert all(b == min(2 * a, MAX_STRETCH) for a, b in zip(stretches, stretches[1:], strict=False))
     policy.reset_stretch()
     assert policy.plain_stretch() == MIN_STRETCH
+
+
+def test_rounds_dearer_than_measured_turn_the_policy_plain() -> None:
+    """A measured curve says depth 3 pays (1.5x at 70%); rounds that really cost three times
+    what it predicts make plain decoding the choice, and rounds paid as predicted bring the
+    speculation back. Odd one-off rounds (a trace, a stalled host) do not move the median. A
+    curve given by hand is a what-if: observations leave it alone."""
+    measured = replace(gpu_like(), measured=True)
+    policy = trained(measured, [0.7, 0.5, 0.35, 0.25])
+    deep = policy.best()
+    assert deep >= 2
+    for _ in range(WINDOW):
+        policy.observe_round(3 * policy.cost(deep), deep)
+        policy.observe_plain(1.0 * 16, 16)
+    assert policy.paid.scale("head") == pytest.approx(3.0) and policy.best() == 0
+    for _ in range(WINDOW // 2 + 1):
+        policy.observe_round(policy.cost(deep), deep)
+    policy.observe_round(100 * policy.cost(deep), deep)  # one outlier
+    assert policy.paid.scale("head") == pytest.approx(1.0) and policy.best() == deep
+    assert policy.paid.scale("lookup") == policy.paid.scale("head")  # unseen: all rounds'
+    for _ in range(WINDOW):  # plain steps dearer than measured favour speculation further
+        policy.observe_plain(2.0 * 16, 16)
+    assert policy.rate(0) == pytest.approx(0.5)
+    given = trained(gpu_like(), [0.7, 0.5, 0.35, 0.25])
+    for _ in range(WINDOW):
+        given.observe_round(3 * given.cost(deep), deep)
+    assert given.paid.scale("head") == 1.0 and given.best() == deep
+
+
+def test_auto_reports_what_rounds_and_plain_stretches_paid(qwen: Runner) -> None:
+    """With a measured curve each verified round and each plain stretch is timed into the
+    policy (the window keeps the last WINDOW); the ratios are real times over the curve's."""
+    oracle, plain = _oracle(qwen, 3, 120)
+    oracle._costs = replace(cpu_like(), measured=True)  # seconds: real rounds take ~ms
+    session = Session(oracle.trunk, oracle.head, SamplingParams(), 8,
+                      policy=oracle.policy("auto", "head")[1])
+    tokens = [t for b in generate_ids(session, PROMPT, 120, set()) for t in b]
+    assert tokens == plain
+    paid = session.policy.paid.ratios
+    rounds = sum(n for d, n in session.policy.chosen.items() if d > 0)
+    assert len(paid.get("head", ())) == min(rounds, WINDOW) > 0
+    assert all(0 < r < 0.5 for q in paid.values() for r in q)  # ms over seconds
+    assert ("plain" in paid) == (session.policy.chosen.get(0, 0) > 0)
 
 
 def _oracle(runner: Runner, wrong_every: int, n: int) -> tuple[Runner, list[int]]:
