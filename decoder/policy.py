@@ -17,8 +17,10 @@ A measured curve is an estimate taken apart from decoding, and on a host-bound G
 decoding pays it (head drafts, bookkeeping, the host sync) can cost twice what the curve says. So
 the session reports what each round and each plain stretch really took (`observe_round`,
 `observe_plain`), and the policy scales the curve's costs by the median ratio of paid to
-predicted over the last WINDOW of each (robust to a one-off trace or a stalled host). A curve
-given by hand (`measured=False`: a what-if) is taken as it is.
+predicted over the last WINDOW of each (robust to a one-off trace or a stalled host), once
+MIN_OBSERVED are in. The first round after a plain stretch is not counted: it also pays for the
+switch (the head catching up on the stretch). A curve given by hand (`measured=False`: a
+what-if) is taken as it is.
 
 When plain decoding wins, the session decodes plainly (pipelined, as fast as depth 0) for a
 stretch, then probes one depth-1 round to see whether the head has become useful; a probe that
@@ -41,6 +43,7 @@ MIN_STRETCH = 16
 MAX_STRETCH = 512
 MARGIN = 1.02  # speculation must beat plain by this much to be chosen
 WINDOW = 15  # paid/predicted cost ratios the policy takes the median of, per source and plain
+MIN_OBSERVED = 3  # ratios needed before they count (one odd round says little)
 LONG_MATCH = 4  # lookups are tracked apart by match length 1, 2, 3, 4+: a rejected one-token
 # match says little about an eight-token one, and one tracker let it starve the long ones
 
@@ -97,11 +100,16 @@ class PaidCosts:
             self.ratios.setdefault(kind, deque(maxlen=WINDOW)).append(paid / predicted)
 
     def scale(self, kind: str) -> float:
-        """The kind's median ratio; a source not yet seen takes the median of every round's."""
+        """The kind's median ratio; a source not yet seen takes the median of every round's;
+        1.0 until MIN_OBSERVED ratios are in."""
         seen = list(self.ratios.get(kind, ()))
-        if not seen and kind != "plain":
+        if len(seen) < MIN_OBSERVED and kind != "plain":
             seen = [r for k, q in self.ratios.items() if k != "plain" for r in q]
-        return statistics.median(seen) if seen else 1.0
+        return statistics.median(seen) if len(seen) >= MIN_OBSERVED else 1.0
+
+    def summary(self) -> dict[str, float]:
+        """kind -> the scale in use (for the generation's statistics)."""
+        return {kind: self.scale(kind) for kind in self.ratios}
 
 
 @dataclass

@@ -75,6 +75,7 @@ class Session:
         self.last = -1
         self.owed: tuple[mx.array, mx.array] | None = None
         self.plain_paid = (0.0, 0)  # (seconds, tokens) of the last plain stretch, as paid
+        self.switched = True  # no round since the prefill or a plain stretch
 
     # -- shared -----------------------------------------------------------------------------
 
@@ -160,6 +161,7 @@ class Session:
         if owe and tokens:
             self._owe(mx.concatenate(hiddens, axis=1), tokens)
         self.plain_paid = (busy + time.perf_counter() - begin, n)
+        self.switched = True
 
     def plain(self, ids: list[int], max_tokens: int) -> Iterator[int]:
         """Plain decoding: the prompt's next token, then pipelined steps."""
@@ -279,8 +281,11 @@ class Session:
             self.stats.count_round(SOURCE_NAMES[source], depth, kept, verdict.bonus(depth))
             if self.policy is not None:
                 self.policy.record(depth, kept, source, drafted, match)
-                self.policy.observe_round(time.perf_counter() - start, depth, source, drafted)
+                if not self.switched:  # a round right after a plain stretch also pays the switch
+                    self.policy.observe_round(time.perf_counter() - start, depth, source,
+                                              drafted)
                 self.stats.predicted_s += self.policy.cost(depth, source, drafted)
+        self.switched = False
         return committed
 
     def _extension(self, tokens: mx.array, depth: int, most: int) -> list[int]:
@@ -403,6 +408,7 @@ def generate_ids(session: Session, ids: list[int], max_tokens: int,
             yield batch
         if session.policy is not None:
             stats.depths = dict(sorted(session.policy.chosen.items()))
+            stats.cost_scale = session.policy.paid.summary()
         if stop is not None or stats.generated_tokens >= max_tokens:
             return
 

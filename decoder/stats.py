@@ -35,6 +35,9 @@ class Stats:
     sources: dict[str, dict[str, Any]] = field(default_factory=dict)
     predicted_s: float = 0.0
     plain_s: float = 0.0
+    # --depth auto on a measured curve: paid / predicted cost per source and "plain"
+    # (decoder/policy.py's correction)
+    cost_scale: dict[str, float] = field(default_factory=dict)
     # per verified round: (perf_counter at its verdict, tokens committed before it, depth, kept),
     # so acceptance and tok/s can be drawn over the rounds of a generation
     timeline: list[tuple[float, int, int, int]] = field(default_factory=list)
@@ -104,5 +107,5 @@ class Stats:
             "depths": {str(d): n for d, n in self.depths.items()},
             "sources": {s: {**v, "acceptance_by_depth": shares(v["accepted"], v["proposed"])}
                         for s, v in self.sources.items()},
-            "predicted_speedup": self.predicted_speedup,
+            "predicted_speedup": self.predicted_speedup, "cost_scale": self.cost_scale,
         }

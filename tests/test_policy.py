@@ -103,6 +103,8 @@ def test_rounds_dearer_than_measured_turn_the_policy_plain() -> None:
     policy = trained(measured, [0.7, 0.5, 0.35, 0.25])
     deep = policy.best()
     assert deep >= 2
+    policy.observe_round(3 * policy.cost(deep), deep)
+    assert policy.paid.scale("head") == 1.0  # one round is not enough to go on
     for _ in range(WINDOW):
         policy.observe_round(3 * policy.cost(deep), deep)
         policy.observe_plain(1.0 * 16, 16)
@@ -123,18 +125,21 @@ def test_rounds_dearer_than_measured_turn_the_policy_plain() -> None:
 
 def test_auto_reports_what_rounds_and_plain_stretches_paid(qwen: Runner) -> None:
     """With a measured curve each verified round and each plain stretch is timed into the
-    policy (the window keeps the last WINDOW); the ratios are real times over the curve's."""
+    policy (the window keeps the last WINDOW; the first round after the prefill or a stretch
+    also pays the switch and is left out); the ratios are real times over the curve's, and
+    the generation's statistics report the scales in use."""
     oracle, plain = _oracle(qwen, 3, 120)
-    oracle._costs = replace(cpu_like(), measured=True)  # seconds: real rounds take ~ms
+    oracle._costs = replace(gpu_like(), measured=True)  # seconds: real rounds take ~ms
     session = Session(oracle.trunk, oracle.head, SamplingParams(), 8,
                       policy=oracle.policy("auto", "head")[1])
     tokens = [t for b in generate_ids(session, PROMPT, 120, set()) for t in b]
     assert tokens == plain
     paid = session.policy.paid.ratios
     rounds = sum(n for d, n in session.policy.chosen.items() if d > 0)
-    assert len(paid.get("head", ())) == min(rounds, WINDOW) > 0
+    assert 0 < len(paid.get("head", ())) <= min(rounds - 1, WINDOW)  # not the first round
     assert all(0 < r < 0.5 for q in paid.values() for r in q)  # ms over seconds
     assert ("plain" in paid) == (session.policy.chosen.get(0, 0) > 0)
+    assert set(session.stats.cost_scale) == set(paid)
 
 
 def _oracle(runner: Runner, wrong_every: int, n: int) -> tuple[Runner, list[int]]:
