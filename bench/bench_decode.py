@@ -146,6 +146,7 @@ def main() -> None:
                 accept[depth].append(result.stats.acceptance_by_depth)
                 chosen[depth].append({"depths": result.stats.depths,
                                       "predicted_speedup": result.stats.predicted_speedup,
+                                      "cost_scale": result.stats.cost_scale,
                                       "sources": result.stats.to_dict()["sources"]})
                 same &= tokens == plain_tokens
         row = {k: summary(v) for k, v in samples.items()}

@@ -271,7 +271,7 @@ def oracle_decoding(runner, tokens: int, runs: int) -> dict:
     rows: dict = {"curve": curve.to_dict()}
     for depth in (0, 1, 2, 3, "auto"):
         mtp.generate(prompt, tokens, depth=depth)  # warm-up: every cache shape of a run
-        tps, same, accept, chosen, predicted = [], True, [], {}, []
+        tps, same, accept, chosen, predicted, scales = [], True, [], {}, [], []
         for run in range(runs):
             oracle.rng = np.random.default_rng(run)
             result = mtp.generate(prompt, tokens, depth=depth)
@@ -280,6 +280,7 @@ def oracle_decoding(runner, tokens: int, runs: int) -> dict:
             accept.append(result.stats.acceptance_by_depth)
             chosen = result.stats.depths or chosen
             predicted.append(result.stats.predicted_speedup)
+            scales.append(result.stats.cost_scale)
         row = {"decode_tps": summary(tps), "greedy_tokens_identical": same}
         if depth not in (0, "auto"):
             a = [statistics.mean(col) for col in zip(*accept, strict=True)]
@@ -288,7 +289,8 @@ def oracle_decoding(runner, tokens: int, runs: int) -> dict:
             row["ideal_speedup"] = (1 + sum(RATES[:depth])) / (fixed / plain_s)
             row["ideal_speedup_measured_acceptance"] = (1 + sum(a)) / (fixed / plain_s)
         if depth == "auto":
-            row["depths"] = chosen
+            row["depths"] = chosen  # of the last run
+            row["cost_scale"] = scales  # per run: paid / predicted (decoder/policy.py)
             row["predicted_speedup"] = statistics.median(p for p in predicted if p is not None)
             row["ideal_best"] = max((1 + sum(RATES[:d])) / (curve.round_cost(d) / plain_s)
                                     for d in range(1, 4))
@@ -300,7 +302,8 @@ def oracle_decoding(runner, tokens: int, runs: int) -> dict:
             ideal = row.get("ideal_speedup") or row.get("ideal_best")
             row["measured_over_ideal"] = row["speedup"] / ideal if ideal else None
             print("oracle depth", key, f"{row['speedup']:.2f}x (ideal {ideal:.2f}x)",
-                  row.get("acceptance_by_depth") or row.get("depths"), flush=True)
+                  row.get("acceptance_by_depth") or row.get("depths"), row.get("cost_scale", ""),
+                  flush=True)
     return rows
 
 
