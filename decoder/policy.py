@@ -17,10 +17,12 @@ A measured curve is an estimate taken apart from decoding, and on a host-bound G
 decoding pays it (head drafts, bookkeeping, the host sync) can cost twice what the curve says. So
 the session reports what each round and each plain stretch really took (`observe_round`,
 `observe_plain`), and the policy scales the curve's costs by the median ratio of paid to
-predicted over the last WINDOW of each (robust to a one-off trace or a stalled host), once
-MIN_OBSERVED are in. The first round after a plain stretch is not counted: it also pays for the
-switch (the head catching up on the stretch). A curve given by hand (`measured=False`: a
-what-if) is taken as it is.
+predicted over the last WINDOW of each (robust to a one-off trace or a stalled host), rounds
+once MIN_OBSERVED are in. The first round after a plain stretch is not counted: it also pays for
+the switch (the head catching up on the stretch). Until plain decoding has been timed, a
+generation starts with a short calibrating plain stretch. These ratios are the machine's, not
+the text's: the runner keeps them across its generations (acceptance starts afresh each
+time). A curve given by hand (`measured=False`: a what-if) is taken as it is.
 
 When plain decoding wins, the session decodes plainly (pipelined, as fast as depth 0) for a
 stretch, then probes one depth-1 round to see whether the head has become useful; a probe that
@@ -43,7 +45,9 @@ MIN_STRETCH = 16
 MAX_STRETCH = 512
 MARGIN = 1.02  # speculation must beat plain by this much to be chosen
 WINDOW = 15  # paid/predicted cost ratios the policy takes the median of, per source and plain
-MIN_OBSERVED = 3  # ratios needed before they count (one odd round says little)
+MIN_OBSERVED = 3  # round ratios needed before they count (one odd round says little; one
+# plain stretch averages its steps)
+CALIBRATE = 8  # plain tokens decoded first while plain decoding has not been timed as paid
 LONG_MATCH = 4  # lookups are tracked apart by match length 1, 2, 3, 4+: a rejected one-token
 # match says little about an eight-token one, and one tracker let it starve the long ones
 
@@ -103,9 +107,14 @@ class PaidCosts:
         """The kind's median ratio; a source not yet seen takes the median of every round's;
         1.0 until MIN_OBSERVED ratios are in."""
         seen = list(self.ratios.get(kind, ()))
-        if len(seen) < MIN_OBSERVED and kind != "plain":
+        if kind == "plain":
+            return statistics.median(seen) if seen else 1.0
+        if len(seen) < MIN_OBSERVED:
             seen = [r for k, q in self.ratios.items() if k != "plain" for r in q]
         return statistics.median(seen) if len(seen) >= MIN_OBSERVED else 1.0
+
+    def timed(self, kind: str) -> bool:
+        return bool(self.ratios.get(kind))
 
     def summary(self) -> dict[str, float]:
         """kind -> the scale in use (for the generation's statistics)."""
@@ -215,6 +224,12 @@ class DepthPolicy:
         """What `tokens` plain steps really took (a measured curve only)."""
         if self.curve.measured and tokens > 0:
             self.paid.add("plain", seconds / tokens, self.curve.plain)
+
+    def calibration(self) -> int:
+        """Plain tokens to decode before the first choice: CALIBRATE while plain decoding has
+        not been timed as paid (a measured plain step is as much an estimate as a round, and
+        a policy that never goes plain would never learn it), else none."""
+        return CALIBRATE if self.curve.measured and not self.paid.timed("plain") else 0
 
     def plain_stretch(self) -> int:
         """Tokens to decode plainly before the next probe; each call doubles the next one.

@@ -19,7 +19,7 @@ from mlx_lm.utils import dequantize_model, load_model
 from mtpkit.decoder import distributed, kernels, sharding
 from mtpkit.decoder.costs import CostCurve, costs_for
 from mtpkit.decoder.head import Contract, MTPHead
-from mtpkit.decoder.policy import DepthPolicy
+from mtpkit.decoder.policy import DepthPolicy, PaidCosts
 from mtpkit.decoder.prefix import CachedSession, PrefixCache
 from mtpkit.decoder.rows import use_few_rows_linears, use_kernel_linears
 from mtpkit.decoder.sampling import SamplingParams
@@ -128,11 +128,13 @@ class Runner:
         self.rollback = rollback
         self.root, self.load_options = root, load_options or {}
         self._costs: CostCurve | None = None
+        self.paid = PaidCosts()  # what rounds and plain steps really cost here (policy.py)
 
     def costs(self, refresh: bool = False) -> CostCurve:
         """This machine's cost curve for this runner (measured once, cached per bundle)."""
         if self._costs is None or refresh:
             self._costs = costs_for(self, refresh)
+            self.paid = PaidCosts()
         return self._costs
 
     def draft_source(self, depth: Depth, draft: str | None) -> str:
@@ -157,7 +159,9 @@ class Runner:
                                             ("lookup", draft != "head")) if ok)
             if not sources:
                 return 0, None
-            return MAX_AUTO_DEPTH, DepthPolicy(self.costs(), MAX_AUTO_DEPTH, sources=sources)
+            curve = self.costs()
+            return MAX_AUTO_DEPTH, DepthPolicy(curve, MAX_AUTO_DEPTH, sources=sources,
+                                               paid=self.paid)
         if depth is None:
             return (self.head.blocks if self.head is not None else 0), None
         if not isinstance(depth, int) or depth < 0:

@@ -321,9 +321,11 @@ class Session:
     def auto_rounds(self, left: Callable[[], int]) -> Iterator[list[int]]:
         """Rounds at the source and depth the policy chooses; where plain decoding wins, a
         pipelined plain stretch (cut short when a context match would pay) and then a depth-1
-        probe. `left()`: tokens still wanted."""
+        probe. First, while the runner has not timed plain decoding yet, a short calibrating
+        stretch (decoder/policy.py). `left()`: tokens still wanted."""
         policy = self.policy
         assert policy is not None
+        yield from self._stretch(min(policy.calibration(), left() - 1))
         while True:
             source, depth, drafts, match = self._choice(left() - 1)
             if depth > 0 or left() <= 1:
@@ -340,12 +342,8 @@ class Session:
                 cut.append(self._choice(left() - 1)[0] == "lookup")
                 return cut[-1]
 
-            for token in self.plain_steps(min(policy.plain_stretch(), left()),
-                                          pays if self.lookup is not None else None):
-                policy.chosen[0] = policy.chosen.get(0, 0) + 1
-                self.stats.predicted_s += policy.curve.plain
-                yield [token]
-            policy.observe_plain(*self.plain_paid)
+            yield from self._stretch(min(policy.plain_stretch(), left()),
+                                     pays if self.lookup is not None else None)
             if left() <= 1 or (cut and cut[-1]):  # a context match pays: the loop takes it
                 continue
             if self.head is not None:
@@ -354,6 +352,19 @@ class Session:
                 drafts, match = self.lookup.propose(1)
                 if drafts:
                     yield self.round(1, drafts, match=match)
+
+    def _stretch(self, count: int, stop: Callable[[], bool] | None = None
+                 ) -> Iterator[list[int]]:
+        """A plain stretch chosen by the policy (counted and timed for it)."""
+        policy = self.policy
+        assert policy is not None
+        if count <= 0:
+            return
+        for token in self.plain_steps(count, stop):
+            policy.chosen[0] = policy.chosen.get(0, 0) + 1
+            self.stats.predicted_s += policy.curve.plain
+            yield [token]
+        policy.observe_plain(*self.plain_paid)
 
     def draft_step_time(self, repeats: int) -> float:
         """Median seconds of one chained head draft step (after a started session)."""

@@ -59,8 +59,11 @@ def test_generate_auto_reports_the_chosen_depths(built: Callable[..., Path], cac
     # bytes that are no UTF-8 (a random model's) may be replaced differently piece by piece
     valid = doc["text"].lstrip().split("\ufffd")[0]
     assert text.exit_code == 0 and text.stdout.lstrip().startswith(valid)
-    assert f"depth auto (depths {depths_text(stats['depths'])})" in text.stderr, text.stderr
-    assert re.search(r"depths (plain|d\d) \d+", text.stderr)
+    # the depths of this second run: --depth auto corrects its costs by what rounds really
+    # took here, so two runs may choose differently (their tokens are the same)
+    listed = r"(?:plain|d\d+) \d+(?: / (?:plain|d\d+) \d+)*"
+    assert re.search(rf"depth auto \(depths {listed}\)", text.stderr), text.stderr
+    assert re.fullmatch(listed, depths_text(stats["depths"]))  # the same form as the JSON's
 
     plain = json.loads(_invoke(*args, "--depth", "0", "--json").stdout)
     assert plain["tokens"] == doc["tokens"], "greedy auto decodes exactly like plain"

@@ -16,7 +16,14 @@ import mtpkit
 from fixtures.decoder_models import OracleHead
 from mtpkit.decoder import costs
 from mtpkit.decoder.costs import CostCurve
-from mtpkit.decoder.policy import MAX_STRETCH, MIN_STRETCH, WINDOW, DepthPolicy
+from mtpkit.decoder.policy import (
+    CALIBRATE,
+    MAX_STRETCH,
+    MIN_OBSERVED,
+    MIN_STRETCH,
+    WINDOW,
+    DepthPolicy,
+)
 from mtpkit.decoder.runner import Runner
 from mtpkit.decoder.sampling import SamplingParams
 from mtpkit.decoder.session import Session, generate_ids
@@ -126,20 +133,41 @@ def test_rounds_dearer_than_measured_turn_the_policy_plain() -> None:
 def test_auto_reports_what_rounds_and_plain_stretches_paid(qwen: Runner) -> None:
     """With a measured curve each verified round and each plain stretch is timed into the
     policy (the window keeps the last WINDOW; the first round after the prefill or a stretch
-    also pays the switch and is left out); the ratios are real times over the curve's, and
-    the generation's statistics report the scales in use."""
+    also pays the switch and is left out), and the generation's statistics report the scales
+    in use. Here the curve claims rounds are nearly free: once three rounds have shown what
+    they really cost, the policy turns plain."""
     oracle, plain = _oracle(qwen, 3, 120)
-    oracle._costs = replace(gpu_like(), measured=True)  # seconds: real rounds take ~ms
+    oracle._costs = CostCurve([1e-6] * 16, plain=1e-3, draft=0.0, measured=True)
     session = Session(oracle.trunk, oracle.head, SamplingParams(), 8,
                       policy=oracle.policy("auto", "head")[1])
     tokens = [t for b in generate_ids(session, PROMPT, 120, set()) for t in b]
     assert tokens == plain
-    paid = session.policy.paid.ratios
-    rounds = sum(n for d, n in session.policy.chosen.items() if d > 0)
-    assert 0 < len(paid.get("head", ())) <= min(rounds - 1, WINDOW)  # not the first round
-    assert all(0 < r < 0.5 for q in paid.values() for r in q)  # ms over seconds
-    assert ("plain" in paid) == (session.policy.chosen.get(0, 0) > 0)
+    paid, chosen = session.policy.paid.ratios, session.policy.chosen
+    rounds = sum(n for d, n in chosen.items() if d > 0)
+    assert MIN_OBSERVED <= len(paid["head"]) <= min(rounds - 1, WINDOW)
+    assert min(paid["head"]) > 100  # real rounds take milliseconds, not the curve's 1 us
+    assert "plain" in paid and chosen[0] > 60  # calibrated, then mostly plain
     assert set(session.stats.cost_scale) == set(paid)
+
+
+def test_plain_decoding_is_timed_once_per_runner(qwen: Runner) -> None:
+    """On a measured curve the runner's first auto generation starts with CALIBRATE plain
+    steps (plain decoding timed as paid); the runner keeps what it paid, so the next
+    generation's policy starts from it and does not calibrate again. A hand-given curve never
+    calibrates."""
+    oracle, plain = _oracle(qwen, 9, 40)
+    oracle._costs = replace(gpu_like(), measured=True)
+    pieces = list(oracle.stream(PROMPT, 40, depth="auto", draft="head"))
+    result = pieces[-1].result
+    assert result is not None and result.tokens == plain
+    assert [len(p.tokens) for p in pieces[1:1 + CALIBRATE]] == [1] * CALIBRATE
+    assert result.stats.depths.get(0, 0) >= CALIBRATE and "plain" in result.stats.cost_scale
+    assert oracle.paid.timed("plain")
+    assert oracle.policy("auto", "head")[1].calibration() == 0
+    assert oracle.generate(PROMPT, 40, depth="auto", draft="head").tokens == plain
+    given = Runner(oracle.trunk, oracle.head, None)
+    given._costs = gpu_like()
+    assert given.policy("auto", "head")[1].calibration() == 0
 
 
 def _oracle(runner: Runner, wrong_every: int, n: int) -> tuple[Runner, list[int]]:

@@ -56,7 +56,7 @@ def test_bounded_caches_replace_only_plain_kv_caches() -> None:
     assert type(out[0]) is PaddedKVCache and out[1] is other
 
 
-def _passes(trunk, cache: list) -> list[np.ndarray]:
+def verify_passes(trunk, cache: list) -> list[np.ndarray]:
     """Prefill, verify passes of several widths with rollbacks, one-row steps: every logits."""
     out = []
     _, logits = trunk(mx.array([PROMPT]), cache)
@@ -76,8 +76,8 @@ def test_padded_attention_computes_what_mlx_lm_computes(built: Callable[..., Pat
     reordered softmax sums (the logits here spread over units, a wrong mask moves them by
     tenths)."""
     runner = mtpkit.load(built("llama"), dtype="float32")
-    ref = _passes(runner.trunk, runner.trunk.make_cache())
-    got = _passes(runner.trunk, runner.trunk.make_cache(bounded=True))
+    ref = verify_passes(runner.trunk, runner.trunk.make_cache())
+    got = verify_passes(runner.trunk, runner.trunk.make_cache(bounded=True))
     for want, have in zip(ref, got, strict=True):
         np.testing.assert_allclose(have, want, rtol=1e-4, atol=1e-4)
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from scipy.stats import chi2
 from test_exactness import ALPHA, markov_statistic
-from test_shapes import PROMPT
+from test_shapes import PROMPT, verify_passes
 
 import mtpkit
 from mtpkit.decoder.runner import Runner
@@ -38,31 +38,15 @@ def _traced(trunk: Trunk) -> list[tuple[int, ...]]:
     return calls
 
 
-def _passes(trunk: Trunk, cache: list) -> list[np.ndarray]:
-    """Prefill, then verify passes of several widths with rollbacks and one-row verifies
-    between them: every logits row."""
-    out = []
-    _, logits = trunk(mx.array([PROMPT]), cache)
-    out.append(np.array(logits[0, -1]))
-    for width, keep in ((3, 1), (5, 5), (2, 0), (4, 2)):
-        _, logits = trunk(mx.array([[9, 4, 11, 2, 8][:width]]), cache)
-        out.append(np.array(logits[0]))
-        for c in cache:
-            c.trim(width - keep)
-        _, logits = trunk(mx.array([[6]]), cache)
-        out.append(np.array(logits[0]))
-    return out
-
-
 @pytest.mark.parametrize("family", TRACEABLE)
 def test_traced_passes_compute_what_stock_passes_compute(built: Callable[..., Path],
                                                          family: str) -> None:
     """float32, after rollbacks that leave stale rows past the offset: a traced pass that wrote
     at the wrong position, or attended to a stale or future row, moves logits by tenths."""
     runner = mtpkit.load(built(family), dtype="float32")
-    want = _passes(runner.trunk, runner.trunk.make_cache(bounded=True))
+    want = verify_passes(runner.trunk, runner.trunk.make_cache(bounded=True))
     calls = _traced(runner.trunk)
-    got = _passes(runner.trunk, runner.trunk.make_cache(bounded=True))
+    got = verify_passes(runner.trunk, runner.trunk.make_cache(bounded=True))
     assert calls == [(1, 3), (1, 1), (1, 5), (1, 1), (1, 2), (1, 1), (1, 4), (1, 1)]
     for a, b in zip(want, got, strict=True):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4)
@@ -115,7 +99,7 @@ def test_an_untraceable_forward_falls_back_for_good(built: Callable[..., Path],
     first pass falls back to the stock pass (same logits, caches untouched by the attempt) and
     later passes do not try again."""
     runner = mtpkit.load(built("llama"), dtype="float32")
-    want = _passes(runner.trunk, runner.trunk.make_cache(bounded=True))
+    want = verify_passes(runner.trunk, runner.trunk.make_cache(bounded=True))
     calls = _traced(runner.trunk)
     forward = runner.trunk.forward
 
@@ -125,7 +109,7 @@ def test_an_untraceable_forward_falls_back_for_good(built: Callable[..., Path],
         return forward(tokens, cache)
 
     monkeypatch.setattr(runner.trunk, "forward", reads_offset)
-    got = _passes(runner.trunk, runner.trunk.make_cache(bounded=True))
+    got = verify_passes(runner.trunk, runner.trunk.make_cache(bounded=True))
     assert runner.trunk.passes is not None and runner.trunk.passes.broken
     assert calls == [(1, 3)]  # tried once
     for a, b in zip(want, got, strict=True):
