@@ -10,10 +10,10 @@ A trace must not bake the cache position in, so inside it each PaddedKVCache is 
 a `_TracedCache` whose offset is an int32 array: rope takes it as an array, rows are written by
 `mx.slice_update` at it into the STEP-aligned buffer, and the mask (additive, or bool for
 families that select with it) hides each row's future and whatever a discarded pass left past
-the end. The real caches keep their Python offsets; a pass hands them the new buffers. Only trunks whose
-caches are all PaddedKVCache take this path (recurrent, rotating and quantized caches keep the
-stock pass), and a trunk whose forward cannot be traced (a family that reads the offset as a
-Python number) falls back for good the first time.
+the end. The real caches keep their Python offsets; a pass hands them the new buffers. Only
+trunks whose caches are all PaddedKVCache take this path (recurrent, rotating and quantized
+caches keep the stock pass), and a trunk whose forward cannot be traced (a family that reads the
+offset as a Python number) falls back for good the first time.
 """
 
 from __future__ import annotations
