@@ -194,7 +194,7 @@ def smollm2_shaped():
     return model
 
 
-def breakdown(runner, label: str, rows=(1, 2, 3, 4, 8), passes: int = 16) -> dict:
+def breakdown(runner, label: str, arms: list[str], rows=(1, 2, 3, 4, 8), passes: int = 16) -> dict:
     """Where a verify pass's time goes, at a 512-token cache: host graph building (the Python
     forward, nothing evaluated), handing it to the device (async_eval), the synchronous pass
     (build + device + sync, what a round pays today), and the pipelined pass (each queued while
@@ -209,7 +209,7 @@ def breakdown(runner, label: str, rows=(1, 2, 3, 4, 8), passes: int = 16) -> dic
     vocab = runner.trunk.args.vocab_size
     ids = [(7 * i + 3) % vocab for i in range(512)]
     out: dict = {}
-    for arm in os.environ.get("BREAKDOWN_ARMS", "stock,ours,traced").split(","):
+    for arm in arms:
         if arm != "stock":
             use_kernel_linears(runner.trunk.text)
         runner.trunk.use_traced(arm == "traced")
@@ -318,6 +318,8 @@ def main() -> None:
     ap.add_argument("--arm", help="measure one configuration of the 4-bit trunk (kernel on) "
                     "under this name: c(T), a moving T=2 verify, prefill; oracle if in --parts")
     ap.add_argument("--bounded", choices=["0", "1"], default="1")
+    ap.add_argument("--arms", default="stock,ours,traced",
+                    help="breakdown arms: stock (MLX's ops), ours (kernel, bounded), traced")
     ap.add_argument("--traced", choices=["0", "1"], default="1",
                     help="verify passes traced once per shape (decoder/traced.py)")
     args = ap.parse_args()
@@ -370,12 +372,12 @@ def main() -> None:
         del runner
         mx.clear_cache()
     if "breakdown" in parts:
+        arms = args.arms.split(",")
         out["breakdown"] = {"llama8b_4bit": breakdown(Runner(Trunk(llama8b(4, args.small)), None,
-                                                             None), "8B 4-bit")}
+                                                             None), "8B 4-bit", arms)}
         mx.clear_cache()
-        if os.environ.get("BREAKDOWN_SMOL", "1") == "1":
-            out["breakdown"]["smollm2_shaped_bf16"] = breakdown(
-                Runner(Trunk(smollm2_shaped()), None, None), "SmolLM2-shaped bf16")
+        out["breakdown"]["smollm2_shaped_bf16"] = breakdown(
+            Runner(Trunk(smollm2_shaped()), None, None), "SmolLM2-shaped bf16", arms)
     if "smollm2" in parts and args.smollm2:
         out["smollm2"] = curves(mtpkit.load(args.smollm2), "SmolLM2")
     out["peak_memory_gb"] = mx.get_peak_memory() / 2**30

@@ -44,7 +44,8 @@ class CostCurve:
     plain: float
     draft: float
     key: dict[str, Any] = field(default_factory=dict)
-    measured: bool = False  # timed on this machine (an estimate generations correct as they go)
+    estimate: bool = False  # timed on this machine: an estimate generations correct as they go
+    # (decoder/policy.py); False: given by hand, a what-if taken as it is
 
     def width(self, rows: int) -> int:
         """The verify width to run `rows` rows at: the cheapest measured width >= rows where it
@@ -75,7 +76,9 @@ class CostCurve:
         return [c / self.verify[0] for c in self.verify]
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "ratios": self.ratios(),
+        data = {k: v for k, v in asdict(self).items() if k != "estimate"}  # how it is used,
+        # not what was measured
+        return {**data, "ratios": self.ratios(),
                 "widths": [self.width(t) for t in range(1, len(self.verify) + 1)]}
 
 
@@ -127,7 +130,7 @@ def cached(key: dict[str, Any]) -> CostCurve | None:
     try:
         data = json.loads(path.read_text())
         curve = CostCurve(list(map(float, data["verify"])), float(data["plain"]),
-                          float(data["draft"]), data["key"], measured=True)
+                          float(data["draft"]), data["key"], estimate=True)
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return curve if curve.key == key and len(curve.verify) == MAX_ROWS else None
@@ -187,7 +190,7 @@ def measure(runner: Runner, context: int = CONTEXT, repeats: int = REPEATS,
     plain()
     step = _median_time(plain, max(3, repeats // 2)) / PLAIN_STEPS
     draft = session.draft_step_time(repeats) if runner.head is not None else 0.0
-    return CostCurve(curve, step, draft, measured=True)
+    return CostCurve(curve, step, draft, estimate=True)
 
 
 def costs_for(runner: Runner, refresh: bool = False) -> CostCurve:

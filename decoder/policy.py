@@ -22,7 +22,7 @@ once MIN_OBSERVED are in. The first round after a plain stretch is not counted: 
 the switch (the head catching up on the stretch). Until plain decoding has been timed, a
 generation starts with a short calibrating plain stretch. These ratios are the machine's, not
 the text's: the runner keeps them across its generations (acceptance starts afresh each
-time). A curve given by hand (`measured=False`: a what-if) is taken as it is.
+time). A curve given by hand (`estimate=False`: a what-if) is taken as it is.
 
 When plain decoding wins, the session decodes plainly (pipelined, as fast as depth 0) for a
 stretch, then probes one depth-1 round to see whether the head has become useful; a probe that
@@ -98,14 +98,21 @@ class PaidCosts:
     curve predicted: the median of the last WINDOW of each (1.0 before any)."""
 
     ratios: dict[str, deque] = field(default_factory=dict)
+    _scales: dict[str, float] = field(default_factory=dict)  # asked per depth option: kept
 
     def add(self, kind: str, paid: float, predicted: float) -> None:
         if predicted > 0 and paid > 0:
             self.ratios.setdefault(kind, deque(maxlen=WINDOW)).append(paid / predicted)
+            self._scales.clear()
 
     def scale(self, kind: str) -> float:
         """The kind's median ratio; a source not yet seen takes the median of every round's;
         1.0 until MIN_OBSERVED ratios are in."""
+        if kind not in self._scales:
+            self._scales[kind] = self._median(kind)
+        return self._scales[kind]
+
+    def _median(self, kind: str) -> float:
         seen = list(self.ratios.get(kind, ()))
         if kind == "plain":
             return statistics.median(seen) if seen else 1.0
@@ -217,19 +224,19 @@ class DepthPolicy:
     def observe_round(self, seconds: float, depth: int, source: str = "head",
                       drafted: int | None = None) -> None:
         """What a round of `depth` drafts really took (a measured curve only)."""
-        if self.curve.measured:
+        if self.curve.estimate:
             self.paid.add(source, seconds, self.cost(depth, source, drafted))
 
     def observe_plain(self, seconds: float, tokens: int) -> None:
         """What `tokens` plain steps really took (a measured curve only)."""
-        if self.curve.measured and tokens > 0:
+        if self.curve.estimate and tokens > 0:
             self.paid.add("plain", seconds / tokens, self.curve.plain)
 
     def calibration(self) -> int:
         """Plain tokens to decode before the first choice: CALIBRATE while plain decoding has
         not been timed as paid (a measured plain step is as much an estimate as a round, and
         a policy that never goes plain would never learn it), else none."""
-        return CALIBRATE if self.curve.measured and not self.paid.timed("plain") else 0
+        return CALIBRATE if self.curve.estimate and not self.paid.timed("plain") else 0
 
     def plain_stretch(self) -> int:
         """Tokens to decode plainly before the next probe; each call doubles the next one.

@@ -106,8 +106,8 @@ def test_rounds_dearer_than_measured_turn_the_policy_plain() -> None:
     what it predicts make plain decoding the choice, and rounds paid as predicted bring the
     speculation back. Odd one-off rounds (a trace, a stalled host) do not move the median. A
     curve given by hand is a what-if: observations leave it alone."""
-    measured = replace(gpu_like(), measured=True)
-    policy = trained(measured, [0.7, 0.5, 0.35, 0.25])
+    timed = replace(gpu_like(), estimate=True)
+    policy = trained(timed, [0.7, 0.5, 0.35, 0.25])
     deep = policy.best()
     assert deep >= 2
     policy.observe_round(3 * policy.cost(deep), deep)
@@ -137,7 +137,7 @@ def test_auto_reports_what_rounds_and_plain_stretches_paid(qwen: Runner) -> None
     in use. Here the curve claims rounds are nearly free: once three rounds have shown what
     they really cost, the policy turns plain."""
     oracle, plain = _oracle(qwen, 3, 120)
-    oracle._costs = CostCurve([1e-6] * 16, plain=1e-3, draft=0.0, measured=True)
+    oracle._costs = CostCurve([1e-6] * 16, plain=1e-3, draft=0.0, estimate=True)
     session = Session(oracle.trunk, oracle.head, SamplingParams(), 8,
                       policy=oracle.policy("auto", "head")[1])
     tokens = [t for b in generate_ids(session, PROMPT, 120, set()) for t in b]
@@ -156,7 +156,7 @@ def test_plain_decoding_is_timed_once_per_runner(qwen: Runner) -> None:
     generation's policy starts from it and does not calibrate again. A hand-given curve never
     calibrates."""
     oracle, plain = _oracle(qwen, 9, 40)
-    oracle._costs = replace(gpu_like(), measured=True)
+    oracle._costs = replace(gpu_like(), estimate=True)
     pieces = list(oracle.stream(PROMPT, 40, depth="auto", draft="head"))
     result = pieces[-1].result
     assert result is not None and result.tokens == plain

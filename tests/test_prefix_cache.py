@@ -35,7 +35,7 @@ def test_cached_prompts_decode_exactly_as_cold_ones(built: Callable[..., Path], 
     assert supported(runner.trunk.make_cache())
     # --depth auto decides by the curve as given, uncorrected by timings, so cold and warm
     # runs choose alike and their drafts can be compared
-    runner._costs = replace(runner.costs(), measured=False)
+    runner._costs = replace(runner.costs(), estimate=False)
     for mode in _modes(runner.head is not None):
         cold = {n: runner.generate(p, 40, **mode) for n, p in
                 (("turn1", TURN1), ("turn2", TURN2), ("branch", BRANCH))}
