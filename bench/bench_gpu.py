@@ -269,19 +269,23 @@ def oracle_decoding(runner, tokens: int, runs: int) -> dict:
     mtp._costs = curve
     plain_s = curve.plain
     rows: dict = {"curve": curve.to_dict()}
-    for depth in (0, 1, 2, 3, "auto"):
+    depths = (0, 1, 2, 3, "auto")
+    for depth in depths:
         mtp.generate(prompt, tokens, depth=depth)  # warm-up: every cache shape of a run
-        tps, same, accept, chosen, predicted, scales = [], True, [], {}, [], []
-        for run in range(runs):
+    runs_of: dict = {depth: [] for depth in depths}
+    for run in range(runs):  # arms interleaved: the machine's drift hits each alike
+        for depth in depths:
             oracle.rng = np.random.default_rng(run)
-            result = mtp.generate(prompt, tokens, depth=depth)
-            tps.append(result.stats.decode_tps)
-            same &= result.tokens == plain.tokens
-            accept.append(result.stats.acceptance_by_depth)
-            chosen = result.stats.depths or chosen
-            predicted.append(result.stats.predicted_speedup)
-            scales.append(result.stats.cost_scale)
-        row = {"decode_tps": summary(tps), "greedy_tokens_identical": same}
+            runs_of[depth].append(mtp.generate(prompt, tokens, depth=depth))
+    for depth in depths:
+        results = runs_of[depth]
+        tps = [r.stats.decode_tps for r in results]
+        accept = [r.stats.acceptance_by_depth for r in results]
+        row = {"decode_tps": summary(tps),
+               "greedy_tokens_identical": all(r.tokens == plain.tokens for r in results)}
+        if depth != 0:  # per run, over the plain run just before it
+            row["speedup_paired"] = statistics.median(
+                t / r0.stats.decode_tps for t, r0 in zip(tps, runs_of[0], strict=True))
         if depth not in (0, "auto"):
             a = [statistics.mean(col) for col in zip(*accept, strict=True)]
             row["acceptance_by_depth"] = a
@@ -289,9 +293,11 @@ def oracle_decoding(runner, tokens: int, runs: int) -> dict:
             row["ideal_speedup"] = (1 + sum(RATES[:depth])) / (fixed / plain_s)
             row["ideal_speedup_measured_acceptance"] = (1 + sum(a)) / (fixed / plain_s)
         if depth == "auto":
-            row["depths"] = chosen  # of the last run
-            row["cost_scale"] = scales  # per run: paid / predicted (decoder/policy.py)
-            row["predicted_speedup"] = statistics.median(p for p in predicted if p is not None)
+            row["depths"] = results[-1].stats.depths  # of the last run
+            row["cost_scale"] = [r.stats.cost_scale for r in results]  # paid / predicted
+            row["predicted_speedup"] = statistics.median(
+                r.stats.predicted_speedup for r in results
+                if r.stats.predicted_speedup is not None)
             row["ideal_best"] = max((1 + sum(RATES[:d])) / (curve.round_cost(d) / plain_s)
                                     for d in range(1, 4))
         rows[str(depth)] = row
@@ -301,7 +307,8 @@ def oracle_decoding(runner, tokens: int, runs: int) -> dict:
             row["speedup"] = row["decode_tps"]["median"] / base
             ideal = row.get("ideal_speedup") or row.get("ideal_best")
             row["measured_over_ideal"] = row["speedup"] / ideal if ideal else None
-            print("oracle depth", key, f"{row['speedup']:.2f}x (ideal {ideal:.2f}x)",
+            print("oracle depth", key, f"{row['speedup']:.2f}x, paired "
+                  f"{row['speedup_paired']:.2f}x (ideal {ideal:.2f}x)",
                   row.get("acceptance_by_depth") or row.get("depths"), row.get("cost_scale", ""),
                   flush=True)
     return rows

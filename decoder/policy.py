@@ -18,22 +18,28 @@ decoding pays it (head drafts, bookkeeping, the host sync) can cost twice what t
 the session reports what each round and each plain stretch really took (`observe_round`,
 `observe_plain`), and the policy scales the curve's costs by the median ratio of paid to
 predicted over the last WINDOW of each (robust to a one-off trace or a stalled host), rounds
-once MIN_OBSERVED are in. The first round after a plain stretch is not counted: it also pays for
-the switch (the head catching up on the stretch). Until plain decoding has been timed, a
+once MIN_OBSERVED are in. The first round of each shape a runner runs is not counted (on a GPU
+it may have paid a compile), nor is the first round after a plain stretch: it also pays for the
+switch (the head catching up on the stretch). Until plain decoding has been timed, a
 generation starts with a short calibrating plain stretch. These ratios are the machine's, not
 the text's: the runner keeps them across its generations (acceptance starts afresh each
 time). A curve given by hand (`estimate=False`: a what-if) is taken as it is.
 
 When plain decoding wins, the session decodes plainly (pipelined, as fast as depth 0) for a
 stretch, then probes one depth-1 round to see whether the head has become useful; a probe that
-does not switch back doubles the stretch (up to MAX_STRETCH), so a head that drafts nothing
-useful costs a fraction of a percent.
+does not switch back doubles the stretch (up to MAX_STRETCH). What a probe pays beyond the
+plain steps its tokens would have cost (`observe_probe`) is timed too, and a stretch is at least
+long enough for that to be PROBE_SHARE of it: where a round costs three plain steps (a small
+trunk on a host-bound GPU), probes come every few hundred tokens, not every 16. So a head that
+drafts nothing useful costs about a percent.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from mtpkit.decoder.costs import CostCurve
@@ -43,6 +49,7 @@ PRIOR_WEIGHT = 2.0  # rounds' worth of belief in the prior
 PRIOR = 0.5  # a_1 before anything is measured; a_i = PRIOR ** i
 MIN_STRETCH = 16
 MAX_STRETCH = 512
+PROBE_SHARE = 0.01  # a probe's cost beyond plain decoding, as a share of the stretch before it
 MARGIN = 1.02  # speculation must beat plain by this much to be chosen
 WINDOW = 15  # paid/predicted cost ratios the policy takes the median of, per source and plain
 MIN_OBSERVED = 3  # round ratios needed before they count (one odd round says little; one
@@ -98,7 +105,19 @@ class PaidCosts:
     curve predicted: the median of the last WINDOW of each (1.0 before any)."""
 
     ratios: dict[str, deque] = field(default_factory=dict)
+    probes: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # plain steps' worth
+    shapes: set[Hashable] = field(default_factory=set)  # of the rounds run here
     _scales: dict[str, float] = field(default_factory=dict)  # asked per depth option: kept
+
+    def first_of(self, shape: Hashable) -> bool:
+        """Whether this is the first round of its shape here (and remember it)."""
+        new = shape not in self.shapes
+        self.shapes.add(shape)
+        return new
+
+    def probe_stretch(self) -> int:
+        """The shortest plain stretch that the median probe's extra cost is PROBE_SHARE of."""
+        return math.ceil(statistics.median(self.probes) / PROBE_SHARE) if self.probes else 0
 
     def add(self, kind: str, paid: float, predicted: float) -> None:
         if predicted > 0 and paid > 0:
@@ -222,10 +241,19 @@ class DepthPolicy:
         self.chosen[depth] = self.chosen.get(depth, 0) + 1
 
     def observe_round(self, seconds: float, depth: int, source: str = "head",
-                      drafted: int | None = None) -> None:
-        """What a round of `depth` drafts really took (a measured curve only)."""
-        if self.curve.estimate:
+                      drafted: int | None = None, shape: Hashable | None = None) -> None:
+        """What a round of `depth` drafts really took (a measured curve only), unless it is
+        the first of its `shape` (the verify width and the cache buffers): that one may have
+        compiled."""
+        if self.curve.estimate and (shape is None or not self.paid.first_of(shape)):
             self.paid.add(source, seconds, self.cost(depth, source, drafted))
+
+    def observe_probe(self, seconds: float, tokens: int) -> None:
+        """What a probe after a plain stretch took, committing `tokens` (a measured curve
+        only): its cost beyond that many plain steps sets the shortest stretch."""
+        if self.curve.estimate:
+            step = self.curve.plain * self.paid.scale("plain")
+            self.paid.probes.append(max(seconds / step - tokens, 0.0))
 
     def observe_plain(self, seconds: float, tokens: int) -> None:
         """What `tokens` plain steps really took (a measured curve only)."""
@@ -239,10 +267,11 @@ class DepthPolicy:
         return CALIBRATE if self.curve.estimate and not self.paid.timed("plain") else 0
 
     def plain_stretch(self) -> int:
-        """Tokens to decode plainly before the next probe; each call doubles the next one.
-        Called only when `best` chose plain; `reset_stretch` after speculation wins again."""
+        """Tokens to decode plainly before the next probe; each call doubles the next one, and
+        none is shorter than what probes have cost allows (up to MAX_STRETCH). Called only
+        when `best` chose plain; `reset_stretch` after speculation wins again."""
         n, self.stretch = self.stretch, min(2 * self.stretch, MAX_STRETCH)
-        return n
+        return max(n, min(self.paid.probe_stretch(), MAX_STRETCH))
 
     def reset_stretch(self) -> None:
         self.stretch = MIN_STRETCH

@@ -24,7 +24,7 @@ from mtpkit.decoder.head import MTPHead
 from mtpkit.decoder.lookup import ContextIndex
 from mtpkit.decoder.policy import DepthPolicy
 from mtpkit.decoder.sampling import SamplingParams, draw, greedy, probabilities, tempered
-from mtpkit.decoder.shapes import bounded_by_default, padded, pieces
+from mtpkit.decoder.shapes import bounded_by_default, extent, padded, pieces
 from mtpkit.decoder.state import commit_recorded, rewind, snapshot, trim, trimmable
 from mtpkit.decoder.stats import Stats
 from mtpkit.decoder.trunk import Trunk
@@ -226,6 +226,7 @@ class Session:
         to a wider, cheaper width (the policy's cost curve); padding rows repeat the last token
         and are rolled back like rejected drafts."""
         start = time.perf_counter()
+        owed = self.owed[1].shape[1] if self.owed is not None else 0
         source, drafted = ("lookup", 0) if lookup is not None else ("head", depth)
         if lookup is not None:
             depth = len(lookup)
@@ -282,8 +283,9 @@ class Session:
             if self.policy is not None:
                 self.policy.record(depth, kept, source, drafted, match)
                 if not self.switched:  # a round right after a plain stretch also pays the switch
+                    shape = (source, width, owed, extent(self.cache), extent(self.mtp_cache))
                     self.policy.observe_round(time.perf_counter() - start, depth, source,
-                                              drafted)
+                                              drafted, shape)
                 self.stats.predicted_s += self.policy.cost(depth, source, drafted)
         self.switched = False
         return committed
@@ -346,12 +348,12 @@ class Session:
                                      pays if self.lookup is not None else None)
             if left() <= 1 or (cut and cut[-1]):  # a context match pays: the loop takes it
                 continue
-            if self.head is not None:
-                yield self.round(1)  # the probe
-            elif self.lookup is not None:
-                drafts, match = self.lookup.propose(1)
-                if drafts:
-                    yield self.round(1, drafts, match=match)
+            drafts, match = self.lookup.propose(1) if self.head is None and self.lookup else ([], 0)
+            if self.head is not None or drafts:  # the probe, timed
+                start = time.perf_counter()
+                committed = self.round(1, drafts or None, match=match)
+                policy.observe_probe(time.perf_counter() - start, len(committed))
+                yield committed
 
     def _stretch(self, count: int, stop: Callable[[], bool] | None = None
                  ) -> Iterator[list[int]]:

@@ -21,6 +21,7 @@ from mtpkit.decoder.policy import (
     MAX_STRETCH,
     MIN_OBSERVED,
     MIN_STRETCH,
+    PROBE_SHARE,
     WINDOW,
     DepthPolicy,
 )
@@ -101,6 +102,44 @@ def test_plain_stretches_double_up_to_the_cap() -> None:
     assert policy.plain_stretch() == MIN_STRETCH
 
 
+def test_dear_probes_stretch_the_plain_stretches() -> None:
+    """A probe costing three plain steps beyond its one token makes every stretch long enough
+    for that to be PROBE_SHARE of it (capped at MAX_STRETCH); cheap probes leave the doubling
+    from MIN_STRETCH alone; one outlier among them does not move it; a hand-given curve keeps
+    its stretches."""
+    timed = replace(cpu_like(), estimate=True)
+    cheap = DepthPolicy(timed, 4)
+    for _ in range(2):
+        cheap.observe_probe(1.05 * timed.plain, 1)
+    cheap.observe_probe(1e6 * timed.plain, 1)  # one outlier
+    assert cheap.plain_stretch() == MIN_STRETCH
+    dear = DepthPolicy(timed, 4)
+    dear.observe_probe(4.0 * timed.plain, 1)
+    want = round(3.0 / PROBE_SHARE)
+    assert MIN_STRETCH < want < MAX_STRETCH
+    # 16, 32, ..., 256 are raised to `want`; the doubling goes on above it
+    assert [dear.plain_stretch() for _ in range(6)] == [want] * 5 + [MAX_STRETCH]
+    dear.observe_probe(100.0 * timed.plain, 1)
+    dear.observe_probe(100.0 * timed.plain, 1)
+    dear.reset_stretch()
+    assert dear.plain_stretch() == MAX_STRETCH
+    given = DepthPolicy(cpu_like(), 4)
+    given.observe_probe(100.0, 1)
+    assert given.plain_stretch() == MIN_STRETCH
+
+
+def test_first_round_of_a_shape_is_not_counted() -> None:
+    """The first round of each shape a runner runs may have compiled (a GPU traces each new
+    verify width and key buffer once): it is left out of the paid costs; the next is counted."""
+    timed = replace(gpu_like(), estimate=True)
+    policy = DepthPolicy(timed, 4)
+    for shape in [("head", 2, 1, 256, 256), ("head", 3, 2, 256, 256), ("head", 2, 1, 512, 256)]:
+        policy.observe_round(50 * policy.cost(1), 1, shape=shape)
+    assert "head" not in policy.paid.ratios
+    policy.observe_round(2 * policy.cost(1), 1, shape=("head", 2, 1, 256, 256))
+    assert list(policy.paid.ratios["head"]) == [pytest.approx(2.0)]
+
+
 def test_rounds_dearer_than_measured_turn_the_policy_plain() -> None:
     """A measured curve says depth 3 pays (1.5x at 70%); rounds that really cost three times
     what it predicts make plain decoding the choice, and rounds paid as predicted bring the
@@ -144,10 +183,27 @@ def test_auto_reports_what_rounds_and_plain_stretches_paid(qwen: Runner) -> None
     assert tokens == plain
     paid, chosen = session.policy.paid.ratios, session.policy.chosen
     rounds = sum(n for d, n in chosen.items() if d > 0)
-    assert MIN_OBSERVED <= len(paid["head"]) <= min(rounds - 1, WINDOW)
+    shapes = session.policy.paid.shapes  # the first round of each is left out too
+    assert shapes and MIN_OBSERVED <= len(paid["head"]) <= min(rounds - 1 - len(shapes), WINDOW)
     assert min(paid["head"]) > 100  # real rounds take milliseconds, not the curve's 1 us
     assert "plain" in paid and chosen[0] > 60  # calibrated, then mostly plain
     assert set(session.stats.cost_scale) == set(paid)
+
+
+def test_probes_are_timed_and_kept_per_runner(qwen: Runner) -> None:
+    """With a head that drafts nothing useful, each probe after a plain stretch is timed into
+    the runner's paid costs, and the next generation's first stretch is as long as they ask."""
+    oracle, plain = _oracle(qwen, 1, 200)
+    oracle._costs = replace(cpu_like(), estimate=True)
+    first = oracle.generate(PROMPT, 200, depth="auto")
+    assert first.tokens == plain
+    probes = len(oracle.paid.probes)
+    assert 1 <= probes <= sum(n for d, n in first.stats.depths.items() if d > 0)
+    policy = oracle.policy("auto", "head")[1]
+    assert policy.plain_stretch() == max(MIN_STRETCH,
+                                         min(oracle.paid.probe_stretch(), MAX_STRETCH))
+    assert oracle.generate(PROMPT, 200, depth="auto").tokens == plain
+    assert len(oracle.paid.probes) > probes
 
 
 def test_plain_decoding_is_timed_once_per_runner(qwen: Runner) -> None:
