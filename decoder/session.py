@@ -75,6 +75,7 @@ class Session:
         self.last = -1
         self.owed: tuple[mx.array, mx.array] | None = None
         self.plain_paid = (0.0, 0)  # (seconds, tokens) of the last plain stretch, as paid
+        self.round_paid = 0.0  # seconds the last round took
         self.switched = True  # no round since the prefill or a plain stretch
 
     # -- shared -----------------------------------------------------------------------------
@@ -278,14 +279,14 @@ class Session:
         if self.lookup is not None:
             self.lookup.extend(committed)
         self.last = verdict.token
+        self.round_paid = time.perf_counter() - start
         if depth > 0:
             self.stats.count_round(SOURCE_NAMES[source], depth, kept, verdict.bonus(depth))
             if self.policy is not None:
                 self.policy.record(depth, kept, source, drafted, match)
                 if not self.switched:  # a round right after a plain stretch also pays the switch
                     shape = (source, width, owed, extent(self.cache), extent(self.mtp_cache))
-                    self.policy.observe_round(time.perf_counter() - start, depth, source,
-                                              drafted, shape)
+                    self.policy.observe_round(self.round_paid, depth, source, drafted, shape)
                 self.stats.predicted_s += self.policy.cost(depth, source, drafted)
         self.switched = False
         return committed
@@ -350,9 +351,8 @@ class Session:
                 continue
             drafts, match = self.lookup.propose(1) if self.head is None and self.lookup else ([], 0)
             if self.head is not None or drafts:  # the probe, timed
-                start = time.perf_counter()
                 committed = self.round(1, drafts or None, match=match)
-                policy.observe_probe(time.perf_counter() - start, len(committed))
+                policy.observe_probe(self.round_paid, len(committed))
                 yield committed
 
     def _stretch(self, count: int, stop: Callable[[], bool] | None = None
