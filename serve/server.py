@@ -1,7 +1,8 @@
 """The HTTP layer of `mtpkit serve`, on the standard library's ThreadingHTTPServer (as
 mlx-lm's own server): routes, API-key check, bounded bodies, SSE streaming, JSON errors in each
 API's shape, 503 with Retry-After when the queue is full, a client gone noticed each round.
-GET routes run beside a generation (one thread per connection)."""
+GET routes run beside a generation (one thread per connection); generations run on the thread
+that serves (serve/worker.py)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from mtpkit.serve import anthropic, page
 from mtpkit.serve.metrics import CONTENT_TYPE
 from mtpkit.serve.protocol import MAX_BODY_BYTES, RequestError, completion_id, envelope, parse
 from mtpkit.serve.queue import Gone, QueueFull
-from mtpkit.serve.service import Job, Service, tool_calls, usage
+from mtpkit.serve.service import Service, tool_calls, usage
+from mtpkit.serve.worker import Handoff, Worker
 
 SOCKET_TIMEOUT_S = 120
 ARRIVAL = "X-Mtpkit-Arrival"  # response header: the request's arrival number
@@ -60,7 +62,7 @@ class Handler(BaseHTTPRequestHandler):
 
     streaming = False  # the SSE headers are out: an error can no longer change the status
     api = "openai"  # whose error shape this request gets
-    job: Job | None = None  # the request's generation, once admitted
+    job: Handoff | None = None  # the request's generation, once admitted
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (stdlib signature)
         if self.server.verbose:
@@ -142,6 +144,12 @@ class Handler(BaseHTTPRequestHandler):
                     length -= len(self.rfile.read(min(length, 1 << 16)) or b"x" * length)
             raise RequestError(413, f"request body over {MAX_BODY_BYTES} bytes")
         return self.rfile.read(length)
+
+    def _admit(self, req: Any) -> Handoff:
+        """Admit `req` to the queue; request errors and a full queue surface here, before any
+        status is sent. Its generation runs on the server's worker (serve/worker.py)."""
+        self.job = self.server.worker.submit(self.server.service.deltas(req, self._gone))
+        return self.job
 
     def _sse(self, doc: dict[str, Any] | str) -> None:
         data = doc if isinstance(doc, str) else json.dumps(doc)
@@ -241,7 +249,7 @@ class Handler(BaseHTTPRequestHandler):
         service = self.server.service
         req = anthropic.parse(body, service.max_tokens)
         mid = anthropic.message_id()
-        self.job = job = service.deltas(req, self._gone)
+        job = self._admit(req)
         try:
             if req.stream:
                 self._start_stream()
@@ -264,7 +272,7 @@ class Handler(BaseHTTPRequestHandler):
         service = self.server.service
         reasoning = content = ""
         last = None
-        self.job = job = service.deltas(req, self._gone)
+        job = self._admit(req)
         try:
             for delta in job:
                 reasoning += delta.reasoning
@@ -293,9 +301,8 @@ class Handler(BaseHTTPRequestHandler):
                    headers=self._arrival())
 
     def _stream(self, req: Any) -> None:
-        service = self.server.service
         cid = completion_id(req.chat)
-        self.job = job = service.deltas(req, self._gone)  # request errors surface here, before the 200
+        job = self._admit(req)
         try:
             self._start_stream()
             self._chunks(req, cid, job)
@@ -340,10 +347,11 @@ class Handler(BaseHTTPRequestHandler):
 
 
 class Server(ThreadingHTTPServer):
-    """Request threads are daemons (an idle keep-alive client cannot hold the exit), but
-    closing waits up to CLOSE_WAIT_S for them: a thread still ending while the interpreter
-    tears MLX down can abort the process ("terminate called without an active exception",
-    seen on Ctrl-C right after an answer)."""
+    """serve_forever answers HTTP on a helper thread and runs every generation on its own
+    thread (serve/worker.py), until shutdown() or Ctrl-C (on the main thread: the worker's
+    stop, so the running generation ends between rounds). Request threads are daemons (an idle
+    keep-alive client cannot hold the exit), but closing waits up to CLOSE_WAIT_S for them, so
+    that the answers they hold (a 503 for a turn that will not come) are written."""
 
     daemon_threads = True
     CLOSE_WAIT_S = 5.0
@@ -352,11 +360,30 @@ class Server(ThreadingHTTPServer):
                  verbose: bool = False) -> None:
         check_bind(host, api_key)
         self.service, self.api_key, self.verbose = service, api_key, verbose
+        self.worker = Worker(service.queue)
+        self._served = threading.Event()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.address_family = family
         self._requests: set[threading.Thread] = set()
         self._requests_lock = threading.Lock()
         super().__init__((host, port), Handler)
+
+    def serve_forever(self, poll_interval: float = 0.5) -> None:
+        http = threading.Thread(target=super().serve_forever, args=(poll_interval,),
+                                name="mtpkit-http", daemon=True)
+        http.start()
+        try:
+            with self.worker.stopped_by_ctrl_c():
+                self.worker.run()
+        finally:
+            super().shutdown()
+            self._served.set()
+
+    def shutdown(self) -> None:
+        """From another thread: the running generation ends at its next round, waiting turns
+        get 503, and serve_forever returns; this waits for it."""
+        self.worker.stop()
+        self._served.wait()
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         with self._requests_lock:

@@ -28,6 +28,7 @@ from unittest import mock
 
 import pytest
 
+from fixtures.serving import interruptible
 from mtpkit.decoder.peerwatch import PEER_LOST
 
 WORKER_TIMEOUT_S = 240
@@ -115,7 +116,7 @@ def world(tmp: Path, argv: list[str], ranks: int = 2) -> Iterator[list[subproces
                "MTPKIT_CONNECT_TIMEOUT": "60", "PYTHONFAULTHANDLER": "1"}
         procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True, cwd=tmp,
-                                      preexec_fn=_interruptible))
+                                      preexec_fn=interruptible))
     try:
         yield procs
     finally:
@@ -123,13 +124,6 @@ def world(tmp: Path, argv: list[str], ranks: int = 2) -> Iterator[list[subproces
             if p.poll() is None:
                 os.kill(p.pid, signal.SIGKILL)
             p.wait()
-
-
-def _interruptible() -> None:
-    """In a rank before exec: Ctrl-C as a terminal gives it. Python keeps SIGINT ignored when
-    it starts with it ignored, as it does under a shell's background job (SigIgn 0x6): rank
-    0 of test_serve_sharded then never saw its Ctrl-C."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def finish(procs: list[subprocess.Popen], timeout: float = WORKER_TIMEOUT_S
