@@ -15,6 +15,7 @@ head accepts (bench_decode.py measures a real grafted head).
    auto; measured speedup beside the ideal one from c(T): E[tokens per round] / (c(K + 1) /
    plain step).
 4. (--parts breakdown) where a pass's time goes: host build, hand-off, device, per arm.
+5. (--parts threads) a generation on a thread of its own against one on the thread that traced.
 
     python bench/bench_gpu.py [--smollm2 BUNDLE] [--tokens 256] [--runs 3]
 """
@@ -252,21 +253,26 @@ def breakdown(runner, label: str, arms: list[str], rows=(1, 2, 3, 4, 8), passes:
     return out
 
 
-def oracle_decoding(runner, tokens: int, runs: int) -> dict:
-    """Plain vs oracle MTP (depths 1-3 and auto) on the 4-bit trunk, with the ideal speedups."""
-    import numpy as np
-
+def with_oracle(runner, tokens: int):
+    """(a runner drafting with the Oracle, its prompt, the plain result, its cost curve)."""
     from mtpkit.decoder.costs import measure
     from mtpkit.decoder.runner import Runner
 
     vocab = runner.trunk.args.vocab_size
     prompt = [(13 * i + 7) % vocab for i in range(128)]
     plain = runner.generate(prompt, tokens, depth=0)
-    ref = prompt + plain.tokens
-    oracle = Oracle(ref, vocab, RATES, seed=0)
+    oracle = Oracle(prompt + plain.tokens, vocab, RATES, seed=0)
     mtp = Runner(runner.trunk, oracle, None)
-    curve = measure(mtp)
-    mtp._costs = curve
+    mtp._costs = measure(mtp)
+    return mtp, prompt, plain, mtp._costs
+
+
+def oracle_decoding(runner, tokens: int, runs: int) -> dict:
+    """Plain vs oracle MTP (depths 1-3 and auto) on the 4-bit trunk, with the ideal speedups."""
+    import numpy as np
+
+    mtp, prompt, plain, curve = with_oracle(runner, tokens)
+    oracle = mtp.head
     plain_s = curve.plain
     rows: dict = {"curve": curve.to_dict()}
     depths = (0, 1, 2, 3, "auto")
@@ -311,6 +317,47 @@ def oracle_decoding(runner, tokens: int, runs: int) -> dict:
                   f"{row['speedup_paired']:.2f}x (ideal {ideal:.2f}x)",
                   row.get("acceptance_by_depth") or row.get("depths"), row.get("cost_scale", ""),
                   flush=True)
+    return rows
+
+
+def fresh_threads(runner, tokens: int, runs: int) -> dict:
+    """A generation on the thread that traced its passes against one on a thread of its own,
+    as `mtpkit serve` ran each request (on its connection's thread) before the worker
+    (serve/worker.py): MLX keeps compiled functions per thread. Wall time and decode tok/s,
+    plain and oracle depth 3, arms interleaved."""
+    import threading
+
+    mtp, prompt, _, _ = with_oracle(runner, tokens)
+
+    def timed(depth: int) -> tuple[float, float]:
+        start = time.perf_counter()
+        result = mtp.generate(prompt, tokens, depth=depth)
+        return time.perf_counter() - start, result.stats.decode_tps
+
+    def on_a_new_thread(depth: int) -> tuple[float, float]:
+        box: list[tuple[float, float]] = []
+        thread = threading.Thread(target=lambda: box.append(timed(depth)))
+        thread.start()
+        thread.join()
+        return box[0]
+
+    rows: dict = {}
+    for depth in (0, 3):
+        timed(depth)  # warm-up: this thread traces every shape of a run
+        same, fresh = [], []
+        for _ in range(runs):
+            same.append(timed(depth))
+            fresh.append(on_a_new_thread(depth))
+        rows[str(depth)] = {
+            "same_thread_s": summary([s for s, _ in same]),
+            "new_thread_s": summary([s for s, _ in fresh]),
+            "same_thread_tps": summary([t for _, t in same]),
+            "new_thread_tps": summary([t for _, t in fresh]),
+            "new_over_same_time": statistics.median(f / s for (f, _), (s, _) in
+                                                    zip(fresh, same, strict=True))}
+        print("threads depth", depth, {k: v for k, v in rows[str(depth)].items()
+                                       if k.endswith("_s") or k == "new_over_same_time"},
+              flush=True)
     return rows
 
 
@@ -360,7 +407,7 @@ def main() -> None:
     parts = set(args.parts.split(","))
     out: dict = {"rates": RATES, "tokens": args.tokens, "runs": args.runs,
                  "device": mx.device_info() if hasattr(mx, "device_info") else {}}
-    if parts & {"q4", "oracle"}:
+    if parts & {"q4", "oracle", "threads"}:
         runner = Runner(Trunk(llama8b(4, args.small)), None, None)
         if "q4" in parts:
             out["llama8b_4bit"] = curves(runner, "8B 4-bit")
@@ -371,6 +418,9 @@ def main() -> None:
                 runner.trunk.use_traced(arm == "traced")
                 print("oracle arm", arm, flush=True)
                 out["oracle_8b_4bit"][arm] = oracle_decoding(runner, args.tokens, args.runs)
+        if "threads" in parts:
+            runner.trunk.use_traced()
+            out["threads_8b_4bit"] = fresh_threads(runner, args.tokens, args.runs)
         del runner
         mx.clear_cache()
     if "bf16" in parts:
