@@ -6,6 +6,7 @@ import functools
 import json
 import shlex
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -333,6 +334,7 @@ def generate(bundle: str, prompt: str, raw: bool, max_tokens: int, depth: str | 
     from mtpkit.decoder.blas import note
     from mtpkit.decoder.compare import Comparison, baseline
     from mtpkit.decoder.distributed import lead
+    from mtpkit.decoder.interrupt import first_ctrl_c
     from mtpkit.decoder.runner import load
     from mtpkit.verify.run import depths_text
 
@@ -349,11 +351,17 @@ def generate(bundle: str, prompt: str, raw: bool, max_tokens: int, depth: str | 
         deepest = runner.policy(depth, runner.draft_source(depth, draft))[0]
         plain = baseline(runner, message, max_tokens, deepest, **sampling) if compare else None
         result = None
-        for piece in runner.stream(message, max_tokens, depth=depth, draft=draft, **sampling):
-            if not as_json:
-                click.echo(piece.text, nl=False)
-            result = piece.result or result
+        interrupted = threading.Event()
+        with first_ctrl_c(interrupted.set):  # ends between rounds: sharded ranks stay in step
+            for piece in runner.stream(message, max_tokens, depth=depth, draft=draft,
+                                       stop=interrupted.is_set, **sampling):
+                if not as_json:
+                    click.echo(piece.text, nl=False)
+                result = piece.result or result
     assert result is not None
+    if interrupted.is_set():
+        click.echo(f"\ninterrupted after {len(result.tokens)} tokens", err=True)
+        raise SystemExit(1)
     stats = result.stats.to_dict()
     comparison = Comparison(plain, result, temperature == 0.0) if plain is not None else None
     if as_json:

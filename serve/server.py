@@ -18,6 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
+from mtpkit.decoder.interrupt import first_ctrl_c
 from mtpkit.loaders.findings import UserError
 from mtpkit.serve import anthropic, page
 from mtpkit.serve.metrics import CONTENT_TYPE
@@ -373,7 +374,7 @@ class Server(ThreadingHTTPServer):
                                 name="mtpkit-http", daemon=True)
         http.start()
         try:
-            with self.worker.stopped_by_ctrl_c():
+            with first_ctrl_c(self.worker.stop):
                 self.worker.run()
         finally:
             super().shutdown()

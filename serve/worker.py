@@ -12,10 +12,7 @@ process aborted ("terminate called without an active exception").
 from __future__ import annotations
 
 import queue
-import signal
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 from mtpkit.serve.protocol import RequestError
 from mtpkit.serve.queue import POLL_S, FairQueue, Gone
@@ -118,25 +115,6 @@ class Worker:
                 self.running.job.cancelled = True
                 self.cut = self.running
             self.fair.cond.notify_all()
-
-    @contextmanager
-    def stopped_by_ctrl_c(self) -> Iterator[None]:
-        """On the main thread (unless SIGINT is ignored), the first Ctrl-C is stop(); a second
-        interrupts as usual."""
-        if threading.current_thread() is not threading.main_thread() or \
-                signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-            yield
-            return
-
-        def first(_signum: int, _frame: object) -> None:
-            signal.signal(signal.SIGINT, previous)
-            self.stop()
-
-        previous = signal.signal(signal.SIGINT, first)
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGINT, previous)
 
     def _next(self) -> Handoff | None:
         fair = self.fair

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import signal
 import socket
@@ -403,6 +404,24 @@ def test_a_rank_that_dies_ends_the_other(victim: int, bundles: dict, tmp_path: P
         assert time.monotonic() - start < 30
     assert rc == PEER_LOST, err
     assert "error [distributed.peer_lost]" in err and "Traceback" not in err
+
+
+def test_ctrl_c_stops_a_sharded_generation_between_rounds(bundles: dict, tmp_path: Path
+                                                          ) -> None:
+    """Ctrl-C on rank 0 mid-generation: the round in flight ends, the followers are told, and
+    every rank exits 1 in step (a pass cut in the middle left the followers in collectives
+    rank 0 never joined: both reported a lost peer)."""
+    argv = cli("generate", str(bundles["tensor", "qwen3_5"]), "hello", "--raw", "--depth", "2",
+               "--max-tokens", str(1 << 20), "--dtype", "float32", "--shard", "tensor")
+    with world(tmp_path, argv) as procs:
+        _wait_for_output(procs[0], 120)
+        os.kill(procs[0].pid, signal.SIGINT)
+        outs = finish(procs, 60)
+    assert [code for code, _, _ in outs] == [1, 1], [err[-2000:] for _, _, err in outs]
+    leader_err = outs[0][2]
+    assert re.search(r"interrupted after \d+ tokens", leader_err), leader_err
+    for _, _, err in outs:
+        assert "peer_lost" not in err and "Traceback" not in err and "Aborted" not in err, err
 
 
 def _wait_for_output(proc: subprocess.Popen, timeout: float) -> None:
