@@ -28,12 +28,12 @@ def stopping() -> RequestError:
 class Handoff:
     """A Job seen from its request thread: iterate for the deltas the worker makes. close()
     gives up a turn not yet started, or cancels a running generation (it ends at the next
-    round). `started`: the worker took it; from then on only the worker ends it."""
+    round). Once the worker took it (it left `Worker.handed`), only the worker ends it."""
 
     def __init__(self, job: Job, worker: Worker) -> None:
         self.job, self.ticket, self.worker = job, job.ticket, worker
         self.channel: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self.started = self.finished = False
+        self.finished = False
 
     @property
     def cancelled(self) -> bool:
@@ -47,7 +47,7 @@ class Handoff:
             try:
                 item = self.channel.get(timeout=POLL_S)
             except queue.Empty:
-                if not self.started and self.job.gone() and self.worker.withdraw(self):
+                if self.job.gone() and self.worker.withdraw(self):
                     raise Gone() from None  # gone while waiting: it left the line
                 continue
             if item is END:
@@ -99,11 +99,11 @@ class Worker:
                 self._generate(handoff)
         finally:
             with self.fair.cond:
-                self.stopped.set()
-                refused, self.handed = list(self.handed.values()), {}
-            for handoff in refused:
-                handoff.job.close()
-                handoff.channel.put(stopping())
+                self.stopped.set()  # submit() takes no more
+                waiting = list(self.handed.values())
+            for handoff in waiting:
+                if self.withdraw(handoff):
+                    handoff.channel.put(stopping())
 
     def stop(self) -> None:
         """run() returns after the running generation, which is cancelled: it ends at its
@@ -123,7 +123,6 @@ class Worker:
                 head = fair.waiting[0].number if fair.waiting and fair.running is None else None
                 if head in self.handed:
                     self.running = self.handed.pop(head)
-                    self.running.started = True
                     return self.running
                 fair.cond.wait(POLL_S)
         return None

@@ -17,17 +17,10 @@ import pytest
 
 import mtpkit
 from fixtures.fake_servers import in_thread
-from fixtures.serving import Script
+from fixtures.serving import Script, until
 from mtpkit.serve.queue import FairQueue, Gone, QueueFull
 from mtpkit.serve.server import Server
 from mtpkit.serve.service import Service
-
-
-def _until(check: Any, what: str, seconds: float = 10.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not check():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
 
 
 def test_tickets_take_turns_in_the_order_they_entered() -> None:
@@ -113,7 +106,7 @@ def test_requests_run_in_arrival_order_and_a_full_line_gets_503(gated: Any) -> N
     conns = []
     for i, name in enumerate(["first", "second", "third"]):
         conns.append(_send(url, "/v1/completions", _prompt(name)))
-        _until(lambda i=i: len(script.started) == 1 and service.queue.depth == i,
+        until(lambda i=i: len(script.started) == 1 and service.queue.depth == i,
                f"request {name} was not admitted")
     status, body, took = _get(url, "/v1/completions")
     assert status == 404
@@ -144,7 +137,7 @@ def test_requests_run_in_arrival_order_and_a_full_line_gets_503(gated: Any) -> N
 def _counted(url: str, lines: list[str]) -> None:
     """/metrics comes to show every line: a request is counted just after its answer is
     written (whether the client took it decides the outcome)."""
-    _until(lambda: all(line in _get(url, "/metrics")[1].decode() for line in lines),
+    until(lambda: all(line in _get(url, "/metrics")[1].decode() for line in lines),
            f"/metrics never showed {lines}: {_get(url, '/metrics')[1].decode()}")
 
 
@@ -159,19 +152,19 @@ def test_a_client_gone_frees_its_turn_at_the_next_round(gated: Any) -> None:
     runner = service.runner
     streaming = _send(url, "/v1/completions", _prompt("dropped") | {"stream": True})
     stream_sock = streaming.sock  # the response takes it over
-    _until(lambda: len(script.started) == 1, "the stream did not start")
+    until(lambda: len(script.started) == 1, "the stream did not start")
     waiting = _send(url, "/v1/completions", _prompt("impatient"))
-    _until(lambda: service.queue.depth == 1, "the second request did not queue")
+    until(lambda: service.queue.depth == 1, "the second request did not queue")
     gate.release()
     response = streaming.getresponse()
     assert response.status == 200 and b"w0" in response.fp.readline()
     _drop(waiting.sock)  # gone while waiting: leaves the line
-    _until(lambda: service.queue.depth == 0, "the impatient client stayed in line", 5)
+    until(lambda: service.queue.depth == 0, "the impatient client stayed in line", 5)
     after = _send(url, "/v1/completions", _prompt("after"))
-    _until(lambda: service.queue.depth == 1, "the next request did not queue")
+    until(lambda: service.queue.depth == 1, "the next request did not queue")
     _drop(stream_sock)
     gate.release()  # one more round: the dropped stream ends there
-    _until(lambda: len(script.started) == 2, "the server was not freed within one round", 5)
+    until(lambda: len(script.started) == 2, "the server was not freed within one round", 5)
     assert script.started == [runner.encode("dropped"), runner.encode("after")]
     assert script.stopped == [runner.encode("dropped")]
     for _ in range(8):

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,7 +22,7 @@ from urllib.parse import urlsplit
 import mlx.core as mx
 
 import mtpkit
-from fixtures.serving import Script, interruptible
+from fixtures.serving import Script, interruptible, until
 from mtpkit.serve.server import Server
 from mtpkit.serve.service import Service
 
@@ -119,15 +118,15 @@ def test_shutdown_cancels_the_running_and_refuses_the_waiting(built: Any) -> Non
     url = f"http://127.0.0.1:{server.server_address[1]}/v1"
     running = _post(url, "/completions", {"prompt": "running", "max_tokens": 32,
                                           "stream": True})
-    _until(lambda: len(script.started) == 1)
+    until(lambda: len(script.started) == 1, "the generation did not start")
     waiting = _post(url, "/completions", {"prompt": "waiting", "max_tokens": 32})
-    _until(lambda: service.queue.depth == 1)
+    until(lambda: service.queue.depth == 1, "the second request did not queue")
     gate.release()  # one piece out
     cut = running.getresponse()
     assert json.loads(cut.fp.readline()[6:])["choices"][0]["text"] == "w0 "
     stopper = threading.Thread(target=server.shutdown)
     stopper.start()
-    _until(lambda: server.worker.stopped.is_set())
+    until(lambda: server.worker.stopped.is_set(), "shutdown did not stop the worker")
     for _ in range(8):  # the generation sees the cancel after its next piece at the latest
         gate.release()
     stopper.join(10)
@@ -143,13 +142,6 @@ def test_shutdown_cancels_the_running_and_refuses_the_waiting(built: Any) -> Non
     assert events[-1]["error"]["message"] == "the server is shutting down"  # not a finish
     assert script.started == [runner.encode("running")]  # the waiting one never ran
     assert script.stopped == [runner.encode("running")]
-
-
-def _until(check: Any, seconds: float = 10.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not check():
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
 
 
 @contextmanager
