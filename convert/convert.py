@@ -18,8 +18,8 @@ from mtpkit.convert.manifest import build_manifest
 from mtpkit.convert.sidecar import SidecarOptions, build_sidecar
 from mtpkit.convert.trunk import QuantOptions, build_trunk
 from mtpkit.convert.writer import (
-    OutputExists,
     Tensor,
+    claim_output,
     scratch,
     staged_output,
     write_safetensors,
@@ -162,8 +162,7 @@ def _convert_gguf(src: Path, out: Path, options: ConvertOptions,
     """Dequantize the GGUF into a temporary Hugging Face folder beside OUT, then convert that."""
     from mtpkit.convert.gguf_import import GGUFError, gguf_to_hf
 
-    if out.exists() and not options.force:
-        raise OutputExists(f"{out.resolve()} already exists")
+    claim_output(out, src, options.force)
     with scratch(out) as tmp:
         try:
             hf = gguf_to_hf(src, tmp / "hf", dtype=options.quant.dtype or "bfloat16")
@@ -182,7 +181,7 @@ def _convert(src: str, out: Path, options: ConvertOptions, progress: Callable[[i
     source = source or _source_record(view, src)
     quant = options.quant
     sidecar_opts = options.sidecar or SidecarOptions(policy="layers" if quant.quantize else "keep")
-    with staged_output(out, force=options.force) as stage:
+    with staged_output(out, view.root, force=options.force) as stage:
         model, trunk, config = build_trunk(view, quant)
         mtp_record = None
         sidecar: dict[str, Tensor] = {}

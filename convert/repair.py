@@ -170,7 +170,7 @@ def repair(src: str | Path, out: Path, template_from: Path | None = None, force:
     check_source(view)
     codes = _codes(view)
     result = RepairResult(out)
-    with staged_output(out, force=force) as stage:
+    with staged_output(out, view.root, force=force) as stage:
         _trunk(view, stage, codes, result, progress)
         _sidecar(view, stage, codes, result, progress)
         _other_files(view, stage)

@@ -28,6 +28,9 @@ from typing import BinaryIO
 import mlx.core as mx
 import numpy as np
 
+from mtpkit.loaders.findings import UserError
+from mtpkit.loaders.paths import trusted_base
+
 ST_DTYPES = {mx.bool_: "BOOL", mx.uint8: "U8", mx.int8: "I8", mx.uint16: "U16", mx.int16: "I16",
              mx.uint32: "U32", mx.int32: "I32", mx.uint64: "U64", mx.int64: "I64",
              mx.float16: "F16", mx.bfloat16: "BF16", mx.float32: "F32"}
@@ -41,6 +44,21 @@ Release = Callable[[str], None]
 
 class OutputExists(Exception):
     pass
+
+
+def claim_output(out: Path, source: Path, force: bool) -> None:
+    """Refuse, before any work, an output that is its source, lies inside it or holds it (links
+    resolved; for a Hugging Face cache snapshot, the cached repo its links point into):
+    replacing OUT would delete the source, writing inside it would change it. Then refuse an
+    existing OUT unless `force`."""
+    target, origin = out.resolve(), source.resolve()
+    area = trusted_base(origin) if origin.is_dir() else origin
+    if target == origin or origin.is_relative_to(target) or target.is_relative_to(area):
+        raise UserError("output.overlaps_source", f"{out} is {source} or overlaps it ({target} vs "
+                        f"{origin}); the source is never modified",
+                        "write the output to a folder outside the source, e.g. a sibling")
+    if target.exists() and not force:
+        raise OutputExists(f"{target} already exists")
 
 
 class Rows:
@@ -301,15 +319,17 @@ def _swap(stage: Path, out: Path, force: bool) -> None:
 
 
 @contextmanager
-def staged_output(out: Path, force: bool = False) -> Iterator[Path]:
-    """Yield a staging folder beside `out`; when the block succeeds, fsync it and swap it into
-    place (replacing `out` only with force=True); on failure remove it. `out` is at every step
+def staged_output(out: Path, source: Path, force: bool = False) -> Iterator[Path]:
+    """Yield a staging folder beside `out` (refused where it overlaps `source`: claim_output);
+    when the block succeeds, fsync it and swap it into place (replacing `out` only with
+    force=True); on failure remove it. `out` is at every step
     the previous output, whole, or the new one, whole (absent, where the OS has no atomic
     exchange, only while this process sits between its two renames: if it dies there, the
     next run writing `out` puts the previous one back)."""
+    claim_output(out, source, force)
     out = out.resolve()
     _recover(out)
-    if out.exists() and not force:
+    if out.exists() and not force:  # put back by _recover
         raise OutputExists(f"{out} already exists")
     out.parent.mkdir(parents=True, exist_ok=True)
     stage = _leftover(out, STAGE, str(uuid.uuid4().int % 10**12))

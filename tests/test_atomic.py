@@ -264,7 +264,7 @@ def test_killed_mid_write_leaves_the_previous_output(built, bundle_copy, tmp_pat
     else:
         assert tree_hash(out) == before
     # the next run writing OUT (without --force) finds it as it was, and nothing beside it
-    with pytest.raises(OutputExists), writer.staged_output(out):
+    with pytest.raises(OutputExists), writer.staged_output(out, Path(src)):
         pass
     assert tree_hash(out) == before
     assert [p.name for p in out.parent.iterdir()] == ["out"]
