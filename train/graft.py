@@ -29,7 +29,7 @@ from mlx_lm.utils import load_model
 
 from mtpkit.convert.convert import ConvertError, finish_bundle, write_config
 from mtpkit.convert.sidecar import SidecarOptions, encode_sidecar
-from mtpkit.convert.writer import OutputExists, staged_output, write_safetensors
+from mtpkit.convert.writer import claim_output, staged_output, write_safetensors
 from mtpkit.decoder.blas import fix, in_use, loaded_blas
 from mtpkit.decoder.head import Contract, MTPHead, canonical_name
 from mtpkit.decoder.rows import use_few_rows_linears
@@ -319,9 +319,8 @@ def graft(bundle: str, out: Path, options: GraftOptions,
     """Graft a head onto `bundle`'s trunk and write `out`. `on_plan` hears, before training,
     how the budget splits (what scoring and writing will take, from costs measured here)."""
     start = time.perf_counter()
-    if out.exists() and not options.force:  # before the budget is spent, not after
-        raise OutputExists(f"{out.resolve()} already exists")
     view = open_bundle(bundle)
+    claim_output(out, view.root, options.force)  # before the budget is spent, not after
     _check(view)
     model, _ = load_model(view.root, lazy=True)
     dequantize_for_cpu(model)
@@ -423,7 +422,7 @@ def _write(view: BundleView, out: Path, head: MTPHead, record: dict[str, Any],
     arrays = {canonical_name(k): v for k, v in tree_flatten(head.parameters())}
     sidecar, mtp_record = encode_sidecar(arrays, options.sidecar)
     skip = {SIDECAR_FILE, MANIFEST_FILE, "config.json", "README.md"}
-    with staged_output(out, force=options.force) as stage:
+    with staged_output(out, view.root, force=options.force) as stage:
         for path in sorted(view.root.rglob("*")):
             rel = path.relative_to(view.root)
             if path.is_file() and rel.as_posix() not in skip and not rel.name.startswith("."):
