@@ -7,10 +7,12 @@ from pathlib import Path
 from typing import Any
 
 from mtpkit.loaders.config import ModelConfig, read_config
+from mtpkit.loaders.config_weights import check_config_weights
 from mtpkit.loaders.families import Family, family_for
 from mtpkit.loaders.findings import SEVERITY_ORDER, Finding
 from mtpkit.loaders.manifest import ManifestReport, check_manifest
 from mtpkit.loaders.mtp import MTPLayout, check, collect
+from mtpkit.loaders.paths import audit
 from mtpkit.loaders.quant import ModuleQuant, group_modules, summarize
 from mtpkit.loaders.quant_check import check_sidecar, check_trunk
 from mtpkit.loaders.source import NotABundle, looks_like_model, resolve
@@ -74,6 +76,7 @@ def open_bundle(path: str | Path) -> BundleView:
     if not looks_like_model(root):
         raise NotABundle(f"{path}: no config.json and no .safetensors files",
                          "pass the folder that holds the model")
+    files = audit(root)  # before any read: every file a loader may open, by stat alone
     config = read_config(root)
     family = family_for(config.model_type)
     weights = read_weights(root, config)
@@ -88,8 +91,12 @@ def open_bundle(path: str | Path) -> BundleView:
     template = check_template(root, tokenizer.config, tokenizer.special_tokens(),
                               tokenizer.chat_markers)
     manifest = check_manifest(root)
-    findings = [*config.findings, *weights.findings, *mtp.findings, *trunk_q, *sidecar_q,
-                *tokenizer.findings, *template.findings, *manifest.findings]
+    dims = check_config_weights(config, family, weights, mtp.source_names.values(),
+                                quantization)
+    # The audit and each reader vet the same files the same way: keep one of each finding.
+    findings = list(dict.fromkeys([
+        *files, *config.findings, *weights.findings, *dims, *mtp.findings, *trunk_q,
+        *sidecar_q, *tokenizer.findings, *template.findings, *manifest.findings]))
     findings.sort(key=lambda f: (SEVERITY_ORDER[f.severity], f.code, f.location))
     return BundleView(root, str(path), kind, family, config, weights, mtp, quantization,
                       mtp_quantization, template, tokenizer, manifest, findings)

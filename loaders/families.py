@@ -14,6 +14,23 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class ShapeRule:
+    """A config value that a tensor's shape pins, for checking the config against the weights.
+
+    pattern matches a trunk tensor name with its model prefixes stripped
+    (`layers.3.self_attn.k_proj.weight`); axis is the dimension that holds the value (the last
+    one is read through quantized packing); says names the config values that set it (the
+    first name in it is the key findings point at), expected computes it from the flat config (None:
+    the config does not say).
+    """
+
+    pattern: str
+    axis: int
+    says: str
+    expected: Callable[[dict[str, Any]], int | None]
+
+
+@dataclass(frozen=True)
 class Family:
     """How one family stores its MTP head.
 
@@ -44,7 +61,109 @@ class Family:
     mtp_layer_kind: str = "full_attention"
     # MiMo zeroes the token embedding of the MTP input at sequence position 0.
     zero_first_embedding: bool = False
+    # The config value that counts the trunk's decoder layers (`layers.0` .. `layers.N-1`).
+    layers_key: str = "num_hidden_layers"
+    # Shapes this family's tensors pin beyond UNIVERSAL_SHAPE_RULES (head counts, MLP widths).
+    shape_rules: tuple[ShapeRule, ...] = ()
 
+
+def _int(c: dict[str, Any], key: str) -> int | None:
+    value = c.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _key(key: str) -> Callable[[dict[str, Any]], int | None]:
+    return lambda c: _int(c, key)
+
+
+def _head_dim(c: dict[str, Any]) -> int | None:
+    """head_dim, else hidden_size / num_attention_heads (how mlx-lm's classes default it)."""
+    hidden, heads = _int(c, "hidden_size"), _int(c, "num_attention_heads")
+    return _int(c, "head_dim") or (hidden // heads if hidden and heads else None)
+
+
+def _q_head_dim(c: dict[str, Any]) -> int | None:
+    """A query head's width: DeepSeek's MLA splits it into a no-rope and a rope part."""
+    nope, rope = _int(c, "qk_nope_head_dim"), _int(c, "qk_rope_head_dim")
+    return nope + rope if nope and rope else _head_dim(c)
+
+
+def _times(*parts: Callable[[dict[str, Any]], int | None], factor: int = 1
+             ) -> Callable[[dict[str, Any]], int | None]:
+    def get(c: dict[str, Any]) -> int | None:
+        out = factor
+        for part in parts:
+            value = part(c)
+            if value is None:
+                return None
+            out *= value
+        return out
+    return get
+
+
+def _experts(c: dict[str, Any]) -> int | None:
+    return _int(c, "num_experts") or _int(c, "n_routed_experts")
+
+
+def _kv_a(c: dict[str, Any]) -> int | None:
+    rank, rope = _int(c, "kv_lora_rank"), _int(c, "qk_rope_head_dim")
+    return rank + rope if rank and rope else None
+
+
+# Prefixes before a trunk tensor's own path: `model.`, mlx-lm's `language_model.model.`, HF's
+# `model.language_model.`. Vision towers (`model.visual.blocks.N`) and MTP heads keep theirs.
+TRUNK_PREFIX = r"^(?:(?:model|language_model)\.)*"
+TRUNK_LAYER = r"^layers\.(?P<layer>\d+)\."
+_LAYER = r"^layers\.\d+\."
+_HIDDEN = "hidden_size"
+# What every family's tensors say about the config (shapes any decoder-only LM in mlx-lm has):
+# the embedding is [vocab, hidden], norms are [hidden], attention and MLP outputs are hidden wide.
+UNIVERSAL_SHAPE_RULES: tuple[ShapeRule, ...] = (
+    ShapeRule(r"^embed_tokens\.weight$", 0, "vocab_size", _key("vocab_size")),
+    ShapeRule(r"^lm_head\.weight$", 0, "vocab_size", _key("vocab_size")),
+    ShapeRule(r"^embed_tokens\.weight$", -1, _HIDDEN, _key("hidden_size")),
+    ShapeRule(r"^norm\.weight$", -1, _HIDDEN, _key("hidden_size")),
+    ShapeRule(_LAYER + r"input_layernorm\.weight$", -1, _HIDDEN, _key("hidden_size")),
+    ShapeRule(_LAYER + r"self_attn\.o_proj\.weight$", -2, _HIDDEN, _key("hidden_size")),
+    ShapeRule(_LAYER + r"mlp\.(?:\w+\.)*down_proj\.weight$", -2, _HIDDEN, _key("hidden_size")),
+)
+_KV = ShapeRule(_LAYER + r"self_attn\.k_proj\.weight$", -2, "num_key_value_heads x head_dim",
+                _times(_key("num_key_value_heads"), _head_dim))
+_Q_KEYS = "num_attention_heads x head_dim"
+_Q = ShapeRule(_LAYER + r"self_attn\.q_proj\.weight$", -2, _Q_KEYS,
+               _times(_key("num_attention_heads"), _q_head_dim))
+# Qwen3-Next / Qwen3.5 attention gates its output: q_proj also carries one gate per query value.
+_GATED_Q = ShapeRule(_LAYER + r"self_attn\.q_proj\.weight$", -2, "2 x " + _Q_KEYS,
+                     _times(_key("num_attention_heads"), _head_dim, factor=2))
+_MOE_KEYS = "moe_intermediate_size"
+_EXPERT_KEYS = "num_experts (or n_routed_experts)"
+# Head counts and MLP widths, for the families whose attention and MLP layouts are known here.
+_ATTENTION_AND_MLP: tuple[ShapeRule, ...] = (
+    _KV,
+    ShapeRule(_LAYER + r"self_attn\.q_b_proj\.weight$", -2, _Q_KEYS,
+              _times(_key("num_attention_heads"), _q_head_dim)),
+    ShapeRule(_LAYER + r"self_attn\.kv_a_proj_with_mqa\.weight$", -2,
+              "kv_lora_rank + qk_rope_head_dim", _kv_a),
+    ShapeRule(_LAYER + r"mlp\.gate_proj\.weight$", -2, "intermediate_size",
+              _key("intermediate_size")),
+    ShapeRule(_LAYER + r"mlp\.gate\.weight$", -2, _EXPERT_KEYS, _experts),
+    ShapeRule(_LAYER + r"mlp\.switch_mlp\.(?:gate|up|down)_proj\.weight$", 0, _EXPERT_KEYS,
+              _experts),
+    ShapeRule(_LAYER + r"mlp\.switch_mlp\.(?:gate|up)_proj\.weight$", -2, _MOE_KEYS,
+              _key("moe_intermediate_size")),
+    ShapeRule(_LAYER + r"mlp\.experts\.\d+\.(?:gate|up)_proj\.weight$", -2, _MOE_KEYS,
+              _key("moe_intermediate_size")),
+    ShapeRule(_LAYER + r"mlp\.experts\.gate_up_proj$", 0, _EXPERT_KEYS, _experts),
+    ShapeRule(_LAYER + r"mlp\.experts\.gate_up_proj$", -2, "2 x moe_intermediate_size",
+              _times(_key("moe_intermediate_size"), factor=2)),
+    ShapeRule(_LAYER + r"mlp\.shared_expert\.gate_proj\.weight$", -2,
+              "shared_expert_intermediate_size", _key("shared_expert_intermediate_size")),
+    ShapeRule(_LAYER + r"mlp\.shared_experts\.gate_proj\.weight$", -2,
+              "moe_intermediate_size x n_shared_experts",
+              _times(_key("moe_intermediate_size"), _key("n_shared_experts"))),
+)
+PLAIN_ATTENTION_RULES = (_Q, *_ATTENTION_AND_MLP)
+GATED_ATTENTION_RULES = (_GATED_Q, *_ATTENTION_AND_MLP)
 
 # Canonical MTP names are Qwen's: mtp.fc, mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden,
 # mtp.norm, mtp.layers.K.<decoder layer>; extra heads of multi-block families: mtp.heads.K.<role>.
@@ -54,21 +173,24 @@ HEAD_ROLES = ("fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")
 FAMILIES: tuple[Family, ...] = (
     Family("qwen3_5", ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_6",
                        "qwen3_6_moe"),
-           CANONICAL_PATTERN, zero_centred_norms=True),
-    Family("qwen3_next", ("qwen3_next",), CANONICAL_PATTERN, zero_centred_norms=True),
+           CANONICAL_PATTERN, zero_centred_norms=True, shape_rules=GATED_ATTENTION_RULES),
+    Family("qwen3_next", ("qwen3_next",), CANONICAL_PATTERN, zero_centred_norms=True,
+           shape_rules=GATED_ATTENTION_RULES),
     Family("deepseek", ("deepseek_v3", "deepseek_v32", "kimi_k2", "glm4_moe", "glm4_moe_lite"),
            r"^model\.layers\.(?P<block>\d+)\.(?P<rest>.+)$", block_offset_key="num_hidden_layers",
            head_roles={"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden",
                        "eh_proj": "fc", "shared_head.norm": "norm",
                        "shared_head.head": "shared_head", "embed_tokens": "embed_tokens"},
            experts_key="n_routed_experts", sanitize_mtp_layer=True,
-           next_hidden="pre_mtp_norm", mtp_layer_kind="after_trunk"),
+           next_hidden="pre_mtp_norm", mtp_layer_kind="after_trunk",
+           shape_rules=PLAIN_ATTENTION_RULES),
     Family("mimo", ("mimo",), r"^model\.mtp_layers\.(?P<block>\d+)\.(?P<rest>.+)$",
            head_roles={"token_layernorm": "pre_fc_norm_embedding",
                        "hidden_layernorm": "pre_fc_norm_hidden", "input_proj": "fc",
                        "final_layernorm": "norm"},
-           concat_order="hidden_first", zero_first_embedding=True),
-    Family("llama", ("llama", "mistral", "smollm3")),
+           concat_order="hidden_first", zero_first_embedding=True,
+           shape_rules=PLAIN_ATTENTION_RULES),
+    Family("llama", ("llama", "mistral", "smollm3"), shape_rules=PLAIN_ATTENTION_RULES),
 )
 GENERIC = Family("generic", (), CANONICAL_PATTERN)
 

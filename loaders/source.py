@@ -3,6 +3,7 @@ directory. Offline only: nothing is ever downloaded here."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -39,4 +40,6 @@ def resolve(source: str | Path) -> Path:
 
 
 def looks_like_model(root: Path) -> bool:
-    return (root / "config.json").is_file() or any(root.glob("*.safetensors"))
+    """A config.json or a .safetensors entry of any type: a FIFO or a link leading outside is
+    still a model folder, for doctor to report (it is never opened here)."""
+    return os.path.lexists(root / "config.json") or any(root.glob("*.safetensors"))

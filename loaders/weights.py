@@ -8,15 +8,18 @@ the bundle's own files is trusted to stay inside the bundle.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 from mtpkit.loaders.config import ModelConfig, read_json
 from mtpkit.loaders.findings import Finding, finding
-from mtpkit.loaders.paths import inside
+from mtpkit.loaders.paths import bundle_file, plain, vet
 from mtpkit.loaders.safetensors_header import SafetensorsHeader, TensorInfo, read_header
 
 INDEX_FILE = "model.safetensors.index.json"
+TRUNK_GLOB = "model*.safetensors"  # mlx-lm's load_model: glob.glob(model_path / TRUNK_GLOB)
 SIDECAR_FILE = "mtp.safetensors"  # what mtpkit writes; the first name MTP runtimes look for
 SIDECAR_NAMES = (SIDECAR_FILE, "mtp/weights.safetensors", "model-mtp.safetensors")
 
@@ -33,8 +36,8 @@ class Weights:
 
 
 def _read_index(root: Path, out: Weights) -> None:
-    path = root / INDEX_FILE
-    if not path.is_file():
+    path = bundle_file(root, INDEX_FILE, out.findings)
+    if path is None:
         return
     try:
         data = read_json(path)
@@ -54,23 +57,34 @@ def _read_index(root: Path, out: Weights) -> None:
 def _shard_names(root: Path, out: Weights) -> list[str]:
     """Shards named by the index (validated) plus every file mlx-lm's glob picks up."""
     names: list[str] = []
+    refused: set[str] = set()
     for shard in sorted(set((out.index or {}).values())):
-        target = inside(root, shard)
-        if target is None:
+        if not plain(shard):
             out.findings.append(finding("index.path_escape",
                                         f"shard path {shard!r} leaves the bundle", INDEX_FILE))
-        elif not target.is_file():
+            continue
+        target, problem = vet(root, shard)
+        if problem is not None:
+            out.findings.append(problem)
+            refused.add(shard)
+        elif target is None:
             out.findings.append(finding("index.missing_shard", f"shard {shard!r} is not present",
                                         INDEX_FILE))
         else:
             names.append(shard)
-    globbed = sorted(p.name for p in root.glob("model*.safetensors") if p.is_file())
+    # Every entry the glob matches, whatever its type: mlx-lm opens them all (a FIFO blocks it).
+    try:
+        globbed = sorted(n for n in os.listdir(root) if fnmatchcase(n, TRUNK_GLOB))
+    except OSError:
+        globbed = []
     for name in globbed:
-        if name in names:
+        if name in names or name in refused:
             continue
-        if inside(root, name) is None:
-            out.findings.append(finding("index.path_escape",
-                                        f"{name} links outside the bundle; not read", name))
+        target, problem = vet(root, name)
+        if problem is not None:
+            out.findings.append(problem)
+            continue
+        if target is None:
             continue
         if out.index is not None and name not in SIDECAR_NAMES:
             out.findings.append(finding(
@@ -85,19 +99,26 @@ def _sidecar_name(root: Path, config: ModelConfig, out: Weights) -> str | None:
     extra = config.raw.get("mlx_lm_extra_tensors")
     declared = extra.get("mtp_file") if isinstance(extra, dict) else None
     if isinstance(declared, str):
-        target = inside(root, declared)
-        if target is None:
+        if not plain(declared):
             out.findings.append(finding("index.path_escape",
                                         f"mlx_lm_extra_tensors.mtp_file {declared!r} leaves the "
                                         "bundle", "config.json"))
             return None
-        if target.is_file():
+        target, problem = vet(root, declared)
+        if problem is not None:
+            out.findings.append(problem)
+            return None
+        if target is not None:
             return declared
         out.findings.append(finding("mtp.missing", f"config names sidecar {declared!r} but it "
                                     "is not present", "config.json"))
     for name in SIDECAR_NAMES:
-        target = inside(root, name)
-        if target is not None and target.is_file():
+        # The first name present is the one MTP runtimes open, so a bad one ends the lookup.
+        target, problem = vet(root, name)
+        if problem is not None:
+            out.findings.append(problem)
+            return None
+        if target is not None:
             return name
     return None
 
@@ -134,7 +155,8 @@ def read_weights(root: Path, config: ModelConfig) -> Weights:
                                             f"stored twice: in {target[tname].file} and {name}",
                                             tname))
             target[tname] = info
-    if not out.trunk_files and not any(f.code.startswith("index.") for f in out.findings):
+    if not out.trunk_files and not any(f.code.startswith(("index.", "files."))
+                                       for f in out.findings):
         out.findings.append(finding("files.missing_weights", "no model*.safetensors files",
                                     str(root.name)))
     _check_index(out)
