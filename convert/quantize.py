@@ -17,8 +17,44 @@ from functools import cache
 import mlx.core as mx
 
 from mtpkit.convert.writer import Rows
+from mtpkit.loaders.findings import UserError
 
 MAX_STREAMS = 8
+# mlx-lm's (group size, bits) when an option leaves them out, per mode (quantize_model).
+MODE_DEFAULTS = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}
+
+
+@cache
+def supported(bits: int, group_size: int, mode: str) -> bool:
+    """Whether this MLX quantizes at (bits, group size, mode): asked of mx.quantize itself on
+    one tiny row, so the answer is the installed release's, not a table that ages."""
+    try:
+        mx.eval(mx.quantize(mx.zeros((1, 4 * max(group_size, 32))), group_size=group_size,
+                            bits=bits, mode=mode))
+    except (ValueError, RuntimeError):
+        return False
+    return True
+
+
+def check_quantization(bits: int | None, group_size: int | None, mode: str, what: str) -> None:
+    """Refuse, before any work, a quantization MLX cannot do (a raw mx.quantize error deep
+    inside a conversion otherwise), naming what it can do in that mode."""
+    if mode not in MODE_DEFAULTS:
+        raise UserError("quant.unsupported", f"{what}: unknown mode {mode!r}",
+                        f"choose one of {', '.join(MODE_DEFAULTS)}")
+    default_group, default_bits = MODE_DEFAULTS[mode]
+    bits, group_size = bits or default_bits, group_size or default_group
+    if supported(bits, group_size, mode):
+        return
+    by_groups: dict[tuple[int, ...], list[str]] = {}
+    for b in range(1, 9):
+        groups = tuple(g for g in (16, 32, 64, 128) if supported(b, g, mode))
+        if groups:
+            by_groups.setdefault(groups, []).append(str(b))
+    fits = "; ".join(f"{'/'.join(b)} bits at group size {'/'.join(map(str, g))}"
+                     for g, b in by_groups.items())
+    raise UserError("quant.unsupported", f"{what}: MLX cannot quantize {bits}-bit with group size "
+                    f"{group_size} in mode {mode}", f"{mode} takes {fits}")
 
 
 @cache

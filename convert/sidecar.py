@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mtpkit.convert.experts import stack_experts
-from mtpkit.convert.quantize import quantize_rows
+from mtpkit.convert.quantize import check_quantization, quantize_rows
 from mtpkit.convert.writer import Tensor
 from mtpkit.loaders.arrays import mtp_arrays
 from mtpkit.loaders.bundle import BundleView
@@ -31,6 +31,10 @@ class SidecarOptions:
     group_size: int = 64
     mode: str = "affine"
     dtype: mx.Dtype | None = mx.bfloat16
+
+    def __post_init__(self) -> None:
+        if self.policy != "keep":
+            check_quantization(self.bits, self.group_size, self.mode, "MTP sidecar")
 
 
 def _sanitize_layers(arrays: dict[str, mx.array], model: nn.Module) -> dict[str, mx.array]:

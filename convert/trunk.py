@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
 
-from mtpkit.convert.quantize import quantize_rows
+from mtpkit.convert.quantize import check_quantization, quantize_rows
 from mtpkit.convert.writer import Tensor
 from mtpkit.loaders.bundle import BundleView
 
@@ -35,6 +35,22 @@ class QuantOptions:
     recipe: str | None = None
     overrides: list[tuple[str, dict[str, Any] | bool]] = field(default_factory=list)
     dtype: str | None = None
+    implied: bool = field(default=False, init=False)  # quantize was implied by another option
+
+    def __post_init__(self) -> None:
+        """Quantization options without -q would silently write a float copy: they imply it
+        (`implied` says so, for the caller to tell the user). Every combination MLX cannot
+        quantize is refused here, before any work (mlx-lm's overrides quantize affine)."""
+        asked = (self.bits or self.group_size or self.mode != "affine"
+                 or any(isinstance(p, dict) for _, p in self.overrides))
+        if asked and not self.quantize:
+            self.quantize = self.implied = True
+        if self.quantize:
+            check_quantization(self.bits, self.group_size, self.mode, "trunk")
+        for pattern, params in self.overrides:
+            if isinstance(params, dict):
+                check_quantization(params["bits"], params["group_size"], "affine",
+                                   f"--quant-override {pattern}")
 
 
 def parse_override(text: str) -> tuple[str, dict[str, Any] | bool]:
