@@ -15,7 +15,10 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from mtpkit.convert.convert import ConvertError
 from mtpkit.convert.writer import write_text
+from mtpkit.loaders.findings import UserError
+from mtpkit.loaders.gguf_header import HINT, GGUFInvalid, check_gguf
 
 # GGUF tensor names -> Hugging Face names, per architecture (gguf-py's tensor_mapping, reversed).
 GGUF_TO_HF: dict[str, dict[str, str]] = {
@@ -148,14 +151,35 @@ def _tokenizer(reader: Any, arch: str, out: Path) -> None:
 
 def gguf_to_hf(path: Path, out: Path, dtype: str = "bfloat16",
                progress: Callable[[int], None] = lambda n: None) -> Path:
-    """Write a Hugging Face checkpoint folder for the GGUF file `path` into `out`."""
+    """Write a Hugging Face checkpoint folder for the GGUF file `path` into `out`.
+
+    The file is untrusted: its header is validated first (loaders/gguf_header.py), so gguf-py
+    never loops over a forged count, and whatever still fails on its contents (a metadata value
+    of the wrong type, a tensor missing) is ConvertError gguf.invalid, not a traceback."""
+    try:
+        check_gguf(path)
+    except GGUFInvalid as exc:
+        raise ConvertError(exc.code, str(exc), exc.hint) from None
+    try:
+        return _gguf_to_hf(path, out, dtype, progress)
+    except (GGUFError, UserError):
+        raise
+    except NotImplementedError as exc:  # a tensor type gguf-py cannot dequantize
+        raise GGUFError(f"{path.name}: {exc}") from None
+    except Exception as exc:
+        message = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise ConvertError("gguf.invalid", f"{path.name}: {type(exc).__name__}: {message}",
+                           HINT) from None
+
+
+def _gguf_to_hf(path: Path, out: Path, dtype: str, progress: Callable[[int], None]) -> Path:
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
     reader = GGUFReader(str(path))
     arch = _field(reader, "general.architecture")
-    if arch not in GGUF_TO_HF:
-        raise GGUFError(f"GGUF architecture {arch!r} is not supported (supported: "
+    if not isinstance(arch, str) or arch not in GGUF_TO_HF:
+        raise GGUFError(f"GGUF architecture {str(arch)[:80]!r} is not supported (supported: "
                         f"{', '.join(GGUF_TO_HF)})")
     target = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}[dtype]
     out.mkdir(parents=True, exist_ok=True)

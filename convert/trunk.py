@@ -73,7 +73,7 @@ def _load_model(view: BundleView) -> tuple[nn.Module, dict[str, Any]]:
 
     # A head left inside the trunk makes mlx-lm's strict load fail; it is read separately.
     strict = view.mtp.location not in ("trunk", "both")
-    model, config = load_model(view.root, lazy=True, strict=strict)
+    model, config = load_model(view.root, lazy=True, strict=strict, trust_remote_code=False)
     return model, config
 
 

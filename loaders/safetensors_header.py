@@ -7,12 +7,12 @@ every other tensor. Problems become findings, never exceptions.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mtpkit.loaders.config import BundleJSONError, parse_json
 from mtpkit.loaders.findings import Finding, finding
 
 # The safetensors reference implementation refuses headers above 100 MB; so do we.
@@ -109,9 +109,9 @@ def _parse_entries(raw: bytes, result: SafetensorsHeader, data_start: int) -> No
     label = result.file
     bad = result.findings.append
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        bad(finding("safetensors.bad_header", f"header is not JSON: {exc}", label))
+        header = parse_json(raw)  # bounded depth and integer length, like every bundle JSON
+    except BundleJSONError as exc:
+        bad(finding("safetensors.bad_header", f"header: {exc}", label))
         return
     if not isinstance(header, dict):
         bad(finding("safetensors.bad_header", "header is not a JSON object", label))

@@ -10,6 +10,7 @@ from pathlib import Path
 from mtpkit.loaders.bundle import BundleView
 from mtpkit.loaders.chat_formats import identify
 from mtpkit.loaders.config import read_json
+from mtpkit.loaders.gguf_header import check_gguf
 from mtpkit.loaders.source import REPO_ID
 from mtpkit.loaders.templates import locate
 
@@ -25,14 +26,25 @@ class TemplateSourceError(Exception):
 
 
 def from_gguf(path: Path) -> str | None:
+    """The chat template in a GGUF's metadata; GGUFInvalid (UserError) for a corrupt file,
+    which gguf-py is never handed (its reader trusts the counts: loaders/gguf_header.py)."""
     from gguf import GGUFReader
 
+    check_gguf(path)
     field = GGUFReader(str(path)).fields.get("tokenizer.chat_template")
-    return bytes(field.parts[field.data[0]]).decode("utf-8") if field else None
+    value = field.contents() if field is not None else None
+    return value if isinstance(value, str) else None
 
 
 def from_path(path: Path) -> str | None:
     """A checkpoint folder, a tokenizer_config.json, a .jinja file or a .gguf file."""
+    try:
+        return _from_path(path)
+    except ValueError as exc:  # an unreadable JSON file (BundleJSONError): one line, not a traceback
+        raise TemplateSourceError(f"{path}: {exc}") from None
+
+
+def _from_path(path: Path) -> str | None:
     if path.is_dir():
         tc = path / "tokenizer_config.json"
         config = read_json(tc) if tc.is_file() else {}

@@ -13,9 +13,11 @@ from typing import Any
 
 from mtpkit.convert.writer import replace_files
 from mtpkit.loaders.bundle import BundleView
+from mtpkit.loaders.config import read_json
 from mtpkit.loaders.digest import sha256_file
 from mtpkit.loaders.findings import UserError
 from mtpkit.loaders.manifest import MANIFEST_FILE
+from mtpkit.schemas import finding_codes
 
 PACKAGES = ("mtpkit", "mlx", "mlx-lm", "safetensors", "numpy")
 CARD_MARK = "## Verification (mtpkit verify-run)"
@@ -65,7 +67,13 @@ def stamp(root: Path, report: dict[str, Any]) -> None:
     keep the manifest's entry for the card true (bytes, sha256). Needs a manifest: a bundle
     mtpkit did not write has no record to extend."""
     manifest_path = require_manifest(root)
-    manifest = json.loads(manifest_path.read_text())
+    hint = finding_codes()["manifest.invalid"]["hint"]
+    try:  # the bundle's file: bounded like every bundle JSON (a deep one was a RecursionError)
+        manifest = read_json(manifest_path)
+    except (ValueError, OSError) as exc:
+        raise UserError("manifest.invalid", f"{MANIFEST_FILE} is unreadable: {exc}", hint) from None
+    if not isinstance(manifest, dict):
+        raise UserError("manifest.invalid", f"{MANIFEST_FILE} is not a JSON object", hint)
     card_path = root / "README.md"
     card = card_path.read_text(encoding="utf-8") if card_path.exists() else ""
     card = card.split(CARD_MARK)[0].rstrip() + "\n\n" if card.strip() else ""
