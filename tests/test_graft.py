@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -362,3 +363,14 @@ def test_minutes_bound_the_whole_command(built: Callable[..., Path], tmp_path: P
         split_documents(read_documents([CORPUS]))[1], 24, 0))
     assert acc["prompts"] <= planned["raw"]
     assert acc.get("chat", {"prompts": 0})["prompts"] <= planned["chat"]
+
+
+def test_a_bundle_with_a_head_is_not_grafted_over_unasked(built, tmp_path):
+    """The head a bundle ships is never replaced without --force (it was, without a word)."""
+    source = built("qwen3_5")
+    start = time.perf_counter()
+    result = CliRunner().invoke(main, ["graft", str(source), "--out", str(tmp_path / "g"),
+                                       "--steps", "1"])
+    assert result.exit_code == 2, result.output
+    assert "error [graft.has_head]" in result.output and "--force" in result.output
+    assert not (tmp_path / "g").exists() and time.perf_counter() - start < 30

@@ -24,7 +24,6 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
-from mlx_lm.tokenizer_utils import load as load_tokenizer
 from mlx_lm.utils import load_model
 
 from mtpkit.convert.convert import ConvertError, finish_bundle, write_config
@@ -37,6 +36,7 @@ from mtpkit.decoder.runner import Prompt, Runner, cast_floats, dequantize_for_cp
 from mtpkit.decoder.trunk import Trunk
 from mtpkit.loaders.bundle import BundleView, open_bundle
 from mtpkit.loaders.manifest import MANIFEST_FILE
+from mtpkit.loaders.tokenizer import load_wrapper
 from mtpkit.loaders.weights import SIDECAR_FILE
 from mtpkit.train.copying import attention_of, copy_loss, copy_sources
 from mtpkit.train.corpus import Document, prose, read_documents, split_documents
@@ -303,7 +303,8 @@ def blas_warning() -> str | None:
             f"and its head will likely not speed decoding up. Fix: {fix()}")
 
 
-def _check(view: BundleView) -> None:
+def _check(view: BundleView, force: bool) -> None:
+    """Refuse what graft cannot start from, and a head it would throw away unasked."""
     if view.kind != "mlx":
         raise ConvertError("load.not_converted", f"{view.root} is not an MLX bundle",
                            "mtpkit convert it first")
@@ -311,6 +312,10 @@ def _check(view: BundleView) -> None:
         first = view.errors[0]
         raise ConvertError(first.code, f"source: {first.message} [{first.location}]",
                            first.hint or "mtpkit doctor shows every finding")
+    if view.mtp.tensors and not force:
+        raise ConvertError("graft.has_head", f"{view.root} already has an MTP head "
+                           f"({len(view.mtp.tensors)} tensors); the grafted one would replace it",
+                           "pass --force to replace it, or decode with the head it has")
 
 
 def graft(bundle: str, out: Path, options: GraftOptions,
@@ -321,13 +326,13 @@ def graft(bundle: str, out: Path, options: GraftOptions,
     start = time.perf_counter()
     view = open_bundle(bundle)
     claim_output(out, view.root, options.force)  # before the budget is spent, not after
-    _check(view)
-    model, _ = load_model(view.root, lazy=True)
+    _check(view, options.force)
+    model, _ = load_model(view.root, lazy=True, trust_remote_code=False)  # never bundle code
     dequantize_for_cpu(model)
     cast_floats(model, mx.float32)
     model.freeze()
     trunk = Trunk(model)
-    tokenizer = load_tokenizer(view.root)
+    tokenizer = load_wrapper(view.root, view.tokenizer, bundle)  # never runs bundle code
     fam = view.family
     contract = Contract(fam.hidden_feed, fam.next_hidden, fam.concat_order,
                         fam.zero_first_embedding)
