@@ -1,38 +1,64 @@
-"""Find chat templates where transformers looks, and test-render them in jinja2's sandbox.
+"""Find chat templates where transformers looks, and test-render them in a sandbox whose bounds
+hold whatever the template does.
 
-Templates are untrusted code. Before anything renders, the parsed template is searched for
-reaches into Python internals (underscore attributes, `attr('__...')`); such a template is
-reported, never executed. What the static check cannot see (a computed name such as
-`attr('_' ~ '_class__')`) the sandbox stops while rendering: ImmutableSandboxedEnvironment, as
-transformers uses, with arithmetic that would run as one endless C call refused, and a
-wall-clock bound on compiling and rendering in whichever thread renders.
+Templates are untrusted code. Nothing of one is parsed, compiled or rendered in this process:
+child processes do it (loaders/template_sandbox.py: jinja2's ImmutableSandboxedEnvironment, as
+transformers uses, with arithmetic bombs refused), each under an address-space and a CPU-time
+limit and killed at a wall-clock deadline, since one long C call (an integer product, `center`,
+`format`) holds the GIL past any bound a thread can set, and with it every thread of serve. A few
+children are kept and reused, so that a render pays a pipe round trip and no start-up, and one
+stuck render does not hold up another thread's. Before anything renders, the parsed template is
+searched for reaches into Python internals (underscore attributes, `attr('__...')`); such a
+template is reported, never rendered. What that static check cannot see (a computed name such
+as `attr('_' ~ '_class__')`) the sandbox stops while rendering. Templates over 128 KiB are
+refused unparsed.
 """
 
 from __future__ import annotations
 
-import ctypes
+import atexit
+import builtins
 import json
+import os
 import re
+import selectors
+import signal
+import subprocess
+import sys
 import threading
-from collections.abc import Callable
+import time
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import jinja2.nodes as nodes
-from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError, UndefinedError
-from jinja2.ext import Extension, loopcontrols
-from jinja2.parser import Parser
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+import jinja2
+import markupsafe
+from jinja2.exceptions import (
+    FilterArgumentError,
+    SecurityError,
+    TemplateAssertionError,
+    TemplateError,
+    TemplateRuntimeError,
+    TemplateSyntaxError,
+    UndefinedError,
+)
 
+from mtpkit.loaders import template_sandbox
 from mtpkit.loaders.config import read_json
 from mtpkit.loaders.findings import Finding, finding
 from mtpkit.loaders.paths import bundle_file
+from mtpkit.loaders.template_sandbox import (
+    MAX_OUTPUT_CHARS,
+    MEMORY_BYTES,
+    OverLimit,
+    _RaisedByTemplate,
+    oversize,
+)
 
-RENDER_SECONDS = 5
-MAX_REPEAT = 1 << 20  # items or characters one `*` may build
-MAX_POWER_BITS = 1 << 16  # bits one integer `**` may produce
+RENDER_SECONDS = 5  # wall clock for one render, or for all of doctor's renders of a template
+STARTUP_SECONDS = 30  # for a child to start (not counted against a render)
+SANDBOXES = 4  # children rendering at once; a fifth render waits for one
+IDLE_SANDBOXES = 2  # children kept between renders
 MAX_EXTRA_VARIABLES = 3
 STANDARD_CONVERSATION = [
     {"role": "system", "content": "You are a careful assistant."},
@@ -44,24 +70,8 @@ STANDARD_CONVERSATION = [
 CHAT_MARKERS = ("<|im_start|>", "<|start_header_id|>", "<start_of_turn>", "<｜User｜>",
                 "<|user|>", "[INST]", "<|turn>", "<|start|>")
 
-
-class GenerationBlocks(Extension):
-    """transformers' `{% generation %}...{% endgeneration %}` (it marks assistant spans for
-    training masks); for rendering, the block is its body."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: Parser) -> nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return nodes.Scope(body, lineno=lineno)
-
-
-class _RaisedByTemplate(Exception):
-    """The template called raise_exception(): it rejects the conversation, it is not broken."""
-
-
-# What rendering an untrusted template can raise, short of the sandbox stopping it.
+# What a render raises on the template's account, the sandbox stopping it included (SecurityError
+# and its OverLimit, TimeoutError); anything else is this machine's (RuntimeError: no sandbox).
 RENDER_ERRORS = (_RaisedByTemplate, TemplateError, TimeoutError, TypeError, ValueError, KeyError,
                  AttributeError, IndexError, RecursionError, ArithmeticError)
 
@@ -123,110 +133,278 @@ def locate(root: Path, tokenizer_config: dict[str, Any],
     return None, None, named
 
 
-class _Sandbox(ImmutableSandboxedEnvironment):
-    """The sandbox with `*` and `**` checked before they run: `9 ** (9 ** 9)` or `'a' * 10 ** 12`
-    is one C call that no time bound interrupts (and jinja2 would fold it while compiling)."""
-
-    intercepted_binops = frozenset({"*", "**"})
-
-    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-        if operator == "**" and _is_int(left) and _is_int(right) and right > 0 and \
-                right * abs(left).bit_length() > MAX_POWER_BITS:
-            raise SecurityError(f"{left} ** {right} is over {MAX_POWER_BITS} bits")
-        if operator == "*":
-            items, times = (left, right) if _is_int(right) else (right, left)
-            if isinstance(items, str | list | tuple) and _is_int(times) and \
-                    len(items) * times > MAX_REPEAT:
-                raise SecurityError(f"repeating {len(items)} items {times} times is over "
-                                    f"{MAX_REPEAT}")
-        return super().call_binop(context, operator, left, right)
+# The child: this interpreter, isolated (-I: no environment variables, user site or current
+# directory on sys.path), running template_sandbox.py; jinja2's and markupsafe's folders are
+# appended to its path in case they are installed where -I does not look (a user site).
+_BOOT = ("import runpy, sys; sys.path += sys.argv[2:]; "
+         "runpy.run_path(sys.argv[1], run_name='__main__')")
+_COMMAND = [sys.executable, "-I", "-c", _BOOT, template_sandbox.__file__,
+            *dict.fromkeys(str(Path(m.__file__).resolve().parents[1]) for m in (jinja2, markupsafe))]
+_JINJA_ERRORS: dict[str, type[Exception]] = {c.__name__: c for c in (
+    TemplateError, TemplateRuntimeError, UndefinedError, SecurityError, FilterArgumentError,
+    OverLimit, _RaisedByTemplate)}
+_BUILTIN_ERRORS = tuple(c for c in RENDER_ERRORS if c.__module__ == "builtins")
+_NAMED: dict[str, type[TemplateRuntimeError]] = {}
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+class _Gone(Exception):
+    """The child had ended before it was asked (it can be replaced, nothing was rendered)."""
 
 
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = _Sandbox(trim_blocks=True, lstrip_blocks=True,
-                   extensions=[loopcontrols, GenerationBlocks])
+class _Child:
+    """One sandbox process and its pipes."""
 
-    def raise_exception(message: str) -> None:
-        raise _RaisedByTemplate(message)
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(_COMMAND, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     bufsize=0)
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.stdin, self.stdout = self.proc.stdin.fileno(), self.proc.stdout.fileno()
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.stdout, selectors.EVENT_READ)
+        self.buffer = bytearray()
+        try:
+            ready = self._read(time.monotonic() + STARTUP_SECONDS, 1 << 10)
+        except (TimeoutError, OverLimit, ValueError):
+            ready = None
+        except BaseException:
+            self.close()
+            raise
+        if ready != {"ready": True}:
+            self.close()
+            raise RuntimeError(f"the template sandbox did not start ({self._how()}): "
+                               f"{' '.join(_COMMAND[:2])} {template_sandbox.__file__}")
 
-    def tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False,
-               sort_keys: bool = False) -> str:
-        return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+    def ask(self, line: bytes, seconds: float, late: str, cap: int) -> dict[str, Any]:
+        """The child's reply to `line`; TimeoutError(late) past `seconds` (the child is
+        killed), and OverLimit if it ended or its reply is over `cap` bytes."""
+        try:
+            view = memoryview(line)
+            while view:
+                view = view[os.write(self.stdin, view):]
+        except OSError:  # BrokenPipeError: it ended while idle
+            raise _Gone from None
+        try:
+            reply = self._read(time.monotonic() + seconds, cap)
+        except TimeoutError:
+            self.close()
+            raise TimeoutError(late) from None
+        if reply is None:
+            self.close()
+            if self.proc.returncode == -signal.SIGXCPU:
+                raise TimeoutError(late)
+            raise OverLimit(f"the template sandbox ended while rendering ({self._how()})")
+        return reply
 
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env
+    def _read(self, deadline: float, cap: int) -> dict[str, Any] | None:
+        """The next reply line (None: the child ended); TimeoutError past `deadline`."""
+        seen = 0
+        while (end := self.buffer.find(b"\n", seen)) < 0:
+            seen = len(self.buffer)
+            if seen > cap:
+                self.close()
+                raise OverLimit(f"the rendered reply is over {cap} bytes")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            if not self.selector.select(left):
+                continue
+            chunk = os.read(self.stdout, 1 << 20)
+            if not chunk:
+                try:
+                    self.proc.wait(5)  # it closed its stdout: it is ending
+                except subprocess.TimeoutExpired:
+                    self.close()
+                return None
+            self.buffer += chunk
+        line = bytes(self.buffer[:end])
+        del self.buffer[:end + 1]
+        return json.loads(line)
+
+    def _how(self) -> str:
+        code = self.proc.poll()
+        if code is None:
+            return "still running"
+        if code < 0:
+            return f"killed by {signal.Signals(-code).name}"
+        return f"exit code {code}"
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self) -> None:
+        """Kill it (it holds nothing worth a graceful end) and release its pipes."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.release()
+
+    def release(self) -> None:
+        """Close this process's ends of the pipes (a forked copy of the parent does this, so
+        that the parent's child still sees its stdin end with the parent)."""
+        self.selector.close()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                pipe.close()
+
+
+class _Pool:
+    """Up to SANDBOXES children at work and IDLE_SANDBOXES kept between renders. Thread-safe:
+    serve renders in its request threads. A forked copy of this process starts its own."""
+
+    def __init__(self) -> None:
+        self._fresh()
+
+    def _fresh(self) -> None:
+        self.lock = threading.Lock()
+        self.slots = threading.BoundedSemaphore(SANDBOXES)
+        self.idle: list[_Child] = []
+        self.live: set[_Child] = set()
+
+    def after_fork(self) -> None:
+        """In a forked copy: the parent's children are the parent's (their pipes are closed
+        here, not them); the lock may have been held by a thread that is not here."""
+        for child in self.live:
+            child.release()
+        self._fresh()
+
+    def ask(self, request: dict[str, Any], seconds: float, late: str) -> dict[str, Any]:
+        """A child's reply to `request`, which it has `seconds` to answer (TimeoutError(late)
+        past them)."""
+        line = json.dumps(request).encode("ascii") + b"\n"
+        cap = 12 * max(MAX_OUTPUT_CHARS, 4 * len(line)) + (1 << 16)  # \\uXXXX pairs, 12 bytes
+        slots = self.slots
+        if not slots.acquire(timeout=seconds):
+            raise TimeoutError(f"{late} (waiting for a free template sandbox)")
+        try:
+            for _ in range(3):
+                child = self._take()
+                try:
+                    reply = child.ask(line, seconds, late, cap)
+                except _Gone:
+                    self._drop(child)
+                    continue
+                except BaseException:
+                    self._drop(child)
+                    raise
+                self._give_back(child, retire=reply.get("error") == "MemoryError")
+                return reply
+            raise RuntimeError("the template sandbox keeps ending before it is asked")
+        finally:
+            slots.release()
+
+    def _take(self) -> _Child:
+        with self.lock:
+            while self.idle:
+                child = self.idle.pop()
+                if child.alive():
+                    return child
+                self.live.discard(child)
+                child.close()
+        child = _Child()
+        with self.lock:
+            self.live.add(child)
+        return child
+
+    def _give_back(self, child: _Child, retire: bool) -> None:
+        with self.lock:
+            if not retire and len(self.idle) < IDLE_SANDBOXES:
+                self.idle.append(child)
+                return
+            self.live.discard(child)
+        child.close()
+
+    def _drop(self, child: _Child) -> None:
+        with self.lock:
+            self.live.discard(child)
+        child.close()
+
+    def close(self) -> None:
+        """End every child (at exit; a child also ends when its stdin does)."""
+        with self.lock:
+            children, self.idle, self.live = list(self.live), [], set()
+        for child in children:
+            child.close()
+
+
+_POOL = _Pool()
+atexit.register(_POOL.close)
+os.register_at_fork(after_in_child=_POOL.after_fork)
+
+
+def _error(reply: dict[str, Any]) -> Exception:
+    """The exception a child's error reply stands for, as the caller would have seen it raised
+    in process (an unexpected type keeps its name, as a TemplateRuntimeError)."""
+    name, message = reply["error"], reply.get("message", "")
+    if name == "MemoryError":
+        return OverLimit(f"the render needed more than {MEMORY_BYTES >> 20} MiB of memory")
+    if name in ("TemplateSyntaxError", "TemplateAssertionError"):
+        cls = TemplateSyntaxError if name == "TemplateSyntaxError" else TemplateAssertionError
+        exc = cls(message, reply.get("lineno") or 1)
+        exc.translated = True  # str() is the message, as after jinja2's own rewrite
+        return exc
+    if name in _JINJA_ERRORS:
+        return _JINJA_ERRORS[name](message)
+    builtin = getattr(builtins, name, None)
+    if isinstance(builtin, type) and issubclass(builtin, _BUILTIN_ERRORS):
+        try:
+            return builtin(*reply.get("args", [message]))
+        except Exception:  # its constructor wants other arguments: keep the name only
+            pass
+    if name not in _NAMED:
+        _NAMED[name] = type(name, (TemplateRuntimeError,), {"__module__": __name__})
+    return _NAMED[name](message)
+
+
+def _sandboxed(request: dict[str, Any], seconds: float | None = None) -> dict[str, Any]:
+    """A child's successful reply to `request`, or the exception its error reply stands for;
+    `seconds` (default RENDER_SECONDS: what the message names) bounds it."""
+    doing = "rendering" if request["op"] == "render" else "parsing"
+    late = f"{doing} took longer than {RENDER_SECONDS:g}s"
+    seconds = RENDER_SECONDS if seconds is None else seconds
+    if seconds <= 0:
+        raise TimeoutError(late)
+    reply = _POOL.ask(request | {"seconds": seconds}, seconds, late)
+    if "error" in reply:
+        raise _error(reply)
+    return reply
+
+
+def _reach(source: str) -> str | None:
+    """The first reach into Python internals in the template, or None; raises what stops the
+    parse (TemplateSyntaxError, OverLimit for a template over MAX_TEMPLATE_BYTES, ...)."""
+    if (why := oversize(source)) is not None:
+        raise OverLimit(why)
+    return _sandboxed({"op": "check", "source": source})["reach"]
 
 
 def unsafe_reach(source: str) -> str | None:
-    """The first reach into Python internals in the template, or None. Raises on bad syntax."""
-    tree = _environment().parse(source)
-    for node in tree.find_all((nodes.Getattr, nodes.Getitem, nodes.Filter)):
-        if isinstance(node, nodes.Getattr) and node.attr.startswith("_"):
-            return f".{node.attr}"
-        if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and str(
-                node.arg.value).startswith("_"):
-            return f"[{node.arg.value!r}]"
-        if isinstance(node, nodes.Filter) and node.name == "attr" and any(
-                isinstance(a, nodes.Const) and str(a.value).startswith("_") for a in node.args):
-            return "|attr(" + ", ".join(repr(a.value) for a in node.args
-                                        if isinstance(a, nodes.Const)) + ")"
-    return None
-
-
-class _Expired(BaseException):
-    """Raised inside a render past its deadline; a BaseException, so that no `except Exception`
-    on the way (jinja2's, a filter's) swallows it."""
-
-
-def _raise_in(thread_id: int, exc: type[BaseException] | None) -> None:
-    """Set (None: clear) the exception a thread raises at its next bytecode (CPython API)."""
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id),
-                                               ctypes.py_object(exc) if exc else None)
-
-
-def _bounded(work: Callable[[], str], seconds: float) -> str:
-    """work() or TimeoutError after `seconds`, in any thread (serve renders in its request
-    threads, where SIGALRM cannot reach): a timer raises _Expired in the rendering thread at its
-    next bytecode, so a template loop ends there; nothing of the render survives."""
-    target, lock, state = threading.get_ident(), threading.Lock(), {"done": False, "fired": False}
-
-    def expire() -> None:
-        with lock:
-            if not state["done"]:
-                state["fired"] = True
-                _raise_in(target, _Expired)
-
-    timer = threading.Timer(seconds, expire)
-    timer.daemon = True
-    timer.start()
+    """Why the template must not render (a reach into Python internals; too large or too slow
+    to parse), or None. Raises TemplateSyntaxError on bad syntax."""
     try:
-        try:
-            return work()
-        finally:
-            timer.cancel()
-            with lock:
-                state["done"] = True
-                if state["fired"]:  # fired as the work ended: drop it if not yet delivered
-                    _raise_in(target, None)
-    except _Expired:
-        raise TimeoutError(f"rendering took longer than {seconds}s") from None
+        return _reach(source)
+    except TemplateSyntaxError:
+        raise
+    except RENDER_ERRORS as exc:
+        return f"not checked: {' '.join(str(exc).split())[:200]}"
 
 
 def render(source: str, messages: list[dict[str, Any]], special: dict[str, str],
            **kwargs: Any) -> str:
-    """Render a chat template in the sandbox (the caller has already checked unsafe_reach);
-    compiling counts against the bound too."""
-    def work() -> str:
-        template = _environment().from_string(source)
-        return template.render(messages=messages, add_generation_prompt=True, **special, **kwargs)
+    """Render a chat template in a sandbox process (the caller has already checked
+    unsafe_reach; the sandbox refuses a reach too); parsing and compiling count against the
+    RENDER_SECONDS bound as well."""
+    return _render(source, messages, special, kwargs)
 
-    return _bounded(work, RENDER_SECONDS)
+
+def _render(source: str, messages: list[dict[str, Any]], special: dict[str, str],
+            kwargs: dict[str, Any], seconds: float | None = None) -> str:
+    if twice := sorted(set(special) & set(kwargs)):
+        raise TypeError(f"render() got multiple values for keyword argument '{twice[0]}'")
+    if (why := oversize(source)) is not None:
+        raise OverLimit(why)
+    request = {"op": "render", "source": source, "messages": messages,
+               "context": {**special, **kwargs}}
+    return _sandboxed(request, seconds)["text"]
 
 
 def describe_failure(exc: BaseException) -> str:
@@ -241,22 +419,28 @@ def describe_failure(exc: BaseException) -> str:
     return f"the chat template fails on these messages: {type(exc).__name__}: {detail}"
 
 
-def _render_standard(report: TemplateReport, source: str, context: dict[str, Any]) -> str:
+def _render_standard(report: TemplateReport, source: str, context: dict[str, Any],
+                     deadline: float) -> str:
     try:
-        return render(source, STANDARD_CONVERSATION, context)
+        return _render(source, STANDARD_CONVERSATION, context, {}, deadline - time.monotonic())
     except _RaisedByTemplate:
         # Some formats reject a system turn (Gemma: "System role not supported").
         report.dropped_system = True
-        return render(source, STANDARD_CONVERSATION[1:], context)
+        return _render(source, STANDARD_CONVERSATION[1:], context, {},
+                       deadline - time.monotonic())
 
 
 def _try_render(report: TemplateReport, source: str, special: dict[str, str], where: str) -> None:
+    """Doctor's standard conversation through the template: all its attempts (without the
+    system turn, with an extra variable) share one RENDER_SECONDS bound, so a template that
+    spins before each refusal still ends the check within it."""
     context: dict[str, Any] = dict(special)
     needed: list[str] = []
+    deadline = time.monotonic() + RENDER_SECONDS
     try:
         for _ in range(MAX_EXTRA_VARIABLES + 1):
             try:
-                report.rendered = _render_standard(report, source, context)
+                report.rendered = _render_standard(report, source, context, deadline)
                 break
             except UndefinedError as exc:
                 # A template written for one runtime may expect a variable such as `functions`;
@@ -311,10 +495,20 @@ def check_template(root: Path, tokenizer_config: dict[str, Any], special: dict[s
     for where, body in [(source, text), *((f"additional_chat_templates/{n}.jinja", b)
                                           for n, b in sorted(named.items()))]:
         try:
-            reach = unsafe_reach(body)
+            reach = _reach(body)
         except TemplateSyntaxError as exc:
             report.findings.append(finding("template.invalid", f"line {exc.lineno}: {exc.message}",
                                            where))
+            report.renders = False if where == source else report.renders
+            continue
+        except SecurityError as exc:  # over MAX_TEMPLATE_BYTES, or parsing hit a bound
+            report.findings.append(finding("template.unsafe", f"sandbox stopped it: {exc}",
+                                           where))
+            report.renders = False if where == source else report.renders
+            continue
+        except RENDER_ERRORS as exc:  # too slow or too deep to parse
+            report.findings.append(finding("template.invalid", "cannot be parsed: "
+                                           f"{type(exc).__name__}: {str(exc)[:200]}", where))
             report.renders = False if where == source else report.renders
             continue
         if reach:
