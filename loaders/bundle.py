@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,34 @@ def _kind(weights: Weights, config: ModelConfig) -> str:
     return "hf"
 
 
+KNOCK_ON = ("quant.incomplete",)  # what a tensor dropped from a damaged file leaves behind
+
+
+def _fold(findings: list[Finding], weights: Weights) -> list[Finding]:
+    """Fold knock-on findings into their root cause: a module left incomplete because its
+    tensors sit in a damaged file is counted in that file's finding, not reported again (a cut
+    shard otherwise names every module it held, and the first blocking finding is the wrong
+    cause)."""
+    owner = {name: file for file, h in weights.headers.items() for name in h.dropped}
+    folded: dict[str, int] = {}
+    kept = []
+    for f in findings:
+        file = next((owner[n] for n in owner if n.startswith(f.location + ".")), None) \
+            if f.code in KNOCK_ON else None
+        if file is None:
+            kept.append(f)
+        else:
+            folded[file] = folded.get(file, 0) + 1
+    if not folded:
+        return kept
+    out = []
+    for f in kept:
+        n = folded.pop(f.location.split(":")[0], 0) if f.severity == "error" else 0
+        out.append(replace(f, message=f"{f.message}; {n} quantized module(s) left incomplete by "
+                           "it") if n else f)
+    return out
+
+
 def open_bundle(path: str | Path) -> BundleView:
     """Read a bundle folder, an HF checkpoint folder or a cached repo id; raise NotABundle when
     the input is not a model folder at all. Never loads tensor data beyond 1-D norm vectors."""
@@ -94,9 +122,9 @@ def open_bundle(path: str | Path) -> BundleView:
     dims = check_config_weights(config, family, weights, mtp.source_names.values(),
                                 quantization)
     # The audit and each reader vet the same files the same way: keep one of each finding.
-    findings = list(dict.fromkeys([
+    findings = _fold(list(dict.fromkeys([
         *files, *config.findings, *weights.findings, *dims, *mtp.findings, *trunk_q,
-        *sidecar_q, *tokenizer.findings, *template.findings, *manifest.findings]))
+        *sidecar_q, *tokenizer.findings, *template.findings, *manifest.findings])), weights)
     findings.sort(key=lambda f: (SEVERITY_ORDER[f.severity], f.code, f.location))
     return BundleView(root, str(path), kind, family, config, weights, mtp, quantization,
                       mtp_quantization, template, tokenizer, manifest, findings)

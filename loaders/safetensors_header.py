@@ -54,6 +54,7 @@ class SafetensorsHeader:
     tensors: dict[str, TensorInfo] = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
     findings: list[Finding] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)  # named in the header, left out as unusable
 
     @property
     def readable(self) -> bool:
@@ -125,6 +126,7 @@ def _parse_entries(raw: bytes, result: SafetensorsHeader, data_start: int) -> No
         bad(finding("safetensors.bad_header", "__metadata__ must map strings to strings", label))
     data_len = result.size - data_start
     spans: list[tuple[int, int, str]] = []
+    past_end: list[str] = []
     for name, entry in header.items():
         where = f"{label}:{name}"
         if not (isinstance(entry, dict) and isinstance(entry.get("dtype"), str)
@@ -132,25 +134,34 @@ def _parse_entries(raw: bytes, result: SafetensorsHeader, data_start: int) -> No
             bad(finding("safetensors.bad_header",
                         "entry needs dtype, a shape of non-negative ints and data_offsets "
                         "[begin, end] with begin <= end", where))
+            result.dropped.append(name)
             continue
         dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
         spans.append((begin, end, name))
         if dtype not in DTYPE_BITS:
             bad(finding("safetensors.dtype_unknown", f"dtype {dtype!r} is not a safetensors dtype",
                         where))
+            result.dropped.append(name)
             continue
         want = _expected_nbytes(dtype, shape)
         if want != end - begin:
             bad(finding("safetensors.bad_header",
                         f"{dtype}{shape} needs {want} bytes but its offsets span {end - begin}",
                         where))
+            result.dropped.append(name)
             continue
         if end > data_len:
-            bad(finding("safetensors.truncated",
-                        f"data ends at byte {end} but the file holds {data_len} data bytes", where))
+            past_end.append(name)
             continue
         result.tensors[name] = TensorInfo(name, label, dtype, tuple(shape),
                                           data_start + begin, data_start + end)
+    if past_end:  # one finding per damaged file, not one per tensor (a cut shard names hundreds)
+        needed = max(header[n]["data_offsets"][1] for n in past_end)
+        shown = ", ".join(sorted(past_end)[:3]) + (" ..." if len(past_end) > 3 else "")
+        bad(finding("safetensors.truncated", f"{len(past_end)} of {len(header)} tensor(s) run past "
+                    f"the end of the file: their data needs {needed} bytes, the file holds "
+                    f"{data_len} ({shown})", label))
+        result.dropped += past_end
     _check_layout(spans, result)
 
 

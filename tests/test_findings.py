@@ -20,8 +20,6 @@ KNOCK_ON = {
     "files.missing_config": {"config.invalid", "quant.config_mismatch", "quant.ambiguous"},
     "files.missing_weights": {"quant.config_mismatch"},  # * "no tensor is quantized"
     "safetensors.bad_header": {"quant.config_mismatch"},  # * the unreadable shard's tensors
-    "safetensors.dtype_unknown": {"quant.incomplete"},  # the unreadable tensor is a quant part
-    "safetensors.truncated": {"quant.incomplete"},
     "safetensors.overlap": {"safetensors.bad_header"},
     "mtp.missing": {"mtp.group_mismatch"},  # * declared sidecar quantization vs no tensors
     "mtp.empty": {"mtp.norm_encoding", "weights.zero_scales"},  # zeroed gains and scales
