@@ -49,6 +49,7 @@ from mtpkit.loaders.findings import Finding, finding
 from mtpkit.loaders.paths import bundle_file
 from mtpkit.loaders.template_sandbox import (
     MAX_OUTPUT_CHARS,
+    MAX_TEMPLATE_BYTES,
     MEMORY_BYTES,
     OverLimit,
     _RaisedByTemplate,
@@ -105,6 +106,14 @@ def _from_tokenizer_config(value: Any) -> tuple[str | None, dict[str, str]]:
     return None, {}
 
 
+def _read_template(path: Path) -> str:
+    """A template file, read no further than one byte past the size cap: an oversized one
+    (refused unparsed later) never costs its whole size in memory."""
+    with open(path, "rb") as fh:
+        data = fh.read(MAX_TEMPLATE_BYTES + 1)
+    return data.decode("utf-8", errors="strict" if len(data) <= MAX_TEMPLATE_BYTES else "ignore")
+
+
 def locate(root: Path, tokenizer_config: dict[str, Any],
            findings: list[Finding] | None = None) -> tuple[str | None, str | None, dict[str, str]]:
     """(source, default template, named templates) as transformers loads them: template files
@@ -112,11 +121,11 @@ def locate(root: Path, tokenizer_config: dict[str, Any],
     tokenizer_config.json entries entirely; the legacy chat_template.json is the last resort."""
     seen = [] if findings is None else findings
     extra = sorted((root / "additional_chat_templates").glob("*.jinja"))
-    named = {p.stem: path.read_text("utf-8") for p in extra
+    named = {p.stem: _read_template(path) for p in extra
              if (path := bundle_file(root, f"additional_chat_templates/{p.name}", seen))}
     jinja_file = bundle_file(root, "chat_template.jinja", seen)
     if jinja_file is not None:
-        return "chat_template.jinja", jinja_file.read_text("utf-8"), named
+        return "chat_template.jinja", _read_template(jinja_file), named
     if named:
         return None, None, named
     default, named = _from_tokenizer_config(tokenizer_config.get("chat_template"))
