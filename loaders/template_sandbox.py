@@ -109,8 +109,8 @@ def oversize(source: str) -> str | None:
         for i in range(0, len(source), 1 << 20))
     if size <= MAX_TEMPLATE_BYTES:
         return None
-    return (f"the template is {size} bytes, over the {MAX_TEMPLATE_BYTES} a chat template may "
-            "be; not parsed")
+    return (f"the template holds more than the {MAX_TEMPLATE_BYTES} bytes a chat template may "
+            "(files are read no further); not parsed")
 
 
 def first_reach(tree: nodes.Template) -> str | None:
