@@ -100,6 +100,12 @@ DRAFT_HELP = ("Draft source: the MTP head, the context (tokens that followed an 
               "depth, lookup for a bundle without a head.")
 
 
+PROMPT_HELP = ("Refuse a prompt of more than N tokens (error prompt.too_long; serve: a 400, before "
+               "any model work). Default: the model's context from config.json "
+               "(max_position_embeddings or its family's name for it; no bound where it "
+               "declares none); N replaces it.")
+
+
 SHARD_HELP = ("Under mlx.launch: split the trunk over the ranks, tensor (each rank a share of "
               "every layer's heads) or pipeline (each rank a run of layers); rank 0 drafts, "
               "decides and prints, the others follow.")
@@ -264,14 +270,18 @@ def convert(src: str, out: Path, quantize: bool, q_bits: int | None, q_group_siz
     from mtpkit.convert.convert import convert as run_convert
 
     try:
-        quant = QuantOptions(quantize=quantize or bool(quant_recipe), bits=q_bits,
-                             group_size=int(q_group_size) if q_group_size else None, mode=q_mode,
-                             recipe=quant_recipe, overrides=[parse_override(o) for o in overrides],
-                             dtype=dtype)
+        parsed = [parse_override(o) for o in overrides]
     except ValueError as exc:
         _fail("usage", str(exc), "see mtpkit convert --help")
-    sidecar = SidecarOptions(policy=mtp_policy or ("layers" if quant.quantize else "keep"),
-                             bits=mtp_bits, group_size=int(mtp_group_size))
+    with _user_errors("OUT"):
+        quant = QuantOptions(quantize=quantize or bool(quant_recipe), bits=q_bits,
+                             group_size=int(q_group_size) if q_group_size else None, mode=q_mode,
+                             recipe=quant_recipe, overrides=parsed, dtype=dtype)
+        sidecar = SidecarOptions(policy=mtp_policy or ("layers" if quant.quantize else "keep"),
+                                 bits=mtp_bits, group_size=int(mtp_group_size))
+    if quant.implied:
+        click.echo("note: quantization options given without -q: quantizing the trunk (as -q)",
+                   err=True)
     options = ConvertOptions(quant=quant, sidecar=sidecar, force=force,
                              command=_as_command(click.get_current_context()))
     bar = click.progressbar(length=1, label="writing", file=sys.stderr, width=30)
@@ -324,12 +334,13 @@ def convert(src: str, out: Path, quantize: bool, q_bits: int | None, q_group_siz
               help="Run plain decoding first (both warmed up) and report the measured speedup.")
 @click.option("--draft", type=click.Choice(["head", "lookup", "both"]), help=DRAFT_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document (generation schema).")
+@click.option("--max-prompt-tokens", type=click.IntRange(1), help=PROMPT_HELP)
 @click.option("--shard", type=click.Choice(["tensor", "pipeline"]), help=SHARD_HELP)
 @_leads
 def generate(bundle: str, prompt: str, raw: bool, max_tokens: int, depth: str | int,
              temperature: float, top_p: float, top_k: int, min_p: float, seed: int | None,
              dtype: str | None, rollback: str, compare: bool, draft: str | None,
-             as_json: bool, shard: str | None) -> None:
+             as_json: bool, max_prompt_tokens: int | None, shard: str | None) -> None:
     """Generate from BUNDLE with the reference MTP decoder (exact: greedy output equals plain)."""
     from mtpkit.decoder.blas import note
     from mtpkit.decoder.compare import Comparison, baseline
@@ -340,20 +351,23 @@ def generate(bundle: str, prompt: str, raw: bool, max_tokens: int, depth: str | 
 
     with _user_errors("OUT"):
         runner = lead(load(bundle, dtype=dtype, rollback=rollback, shard=shard))
+        runner.max_prompt_tokens = max_prompt_tokens
         _head_for(runner, draft)
         if advice := note():
             click.echo(advice, err=True)
         message = prompt if raw or runner.template is None else [
             {"role": "user", "content": prompt}]
+        ids = runner.encode(message)  # as stream would: the bound is checked before any work
+        runner.check_prompt(len(ids))
         sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
                     "seed": seed}
         # warm-up at the deepest depth; with auto this also measures (or reads) the cost curve
         deepest = runner.policy(depth, runner.draft_source(depth, draft))[0]
-        plain = baseline(runner, message, max_tokens, deepest, **sampling) if compare else None
+        plain = baseline(runner, ids, max_tokens, deepest, **sampling) if compare else None
         result = None
         interrupted = threading.Event()
         with first_ctrl_c(interrupted.set):  # ends between rounds: sharded ranks stay in step
-            for piece in runner.stream(message, max_tokens, depth=depth, draft=draft,
+            for piece in runner.stream(ids, max_tokens, depth=depth, draft=draft,
                                        stop=interrupted.is_set, **sampling):
                 if not as_json:
                     click.echo(piece.text, nl=False)
@@ -443,12 +457,12 @@ def graft(ctx: click.Context, bundle: str, out: Path, corpus: tuple[Path, ...],
     from mtpkit.train.graft import graft as run_graft
     from mtpkit.train.scoring import Plan
 
+    with _user_errors("--out"):
+        sidecar = SidecarOptions(policy=mtp_policy, bits=mtp_bits, group_size=int(mtp_group_size))
     options = GraftOptions(
         corpus=list(corpus) or None, steps=steps, minutes=minutes, seq_len=seq_len, batch=batch,
         learning_rate=learning_rate, seed=seed, draft_vocab=draft_vocab,
-        copy_weight=copy_weight, force=force,
-        command=_as_command(ctx),
-        sidecar=SidecarOptions(policy=mtp_policy, bits=mtp_bits, group_size=int(mtp_group_size)))
+        copy_weight=copy_weight, force=force, command=_as_command(ctx), sidecar=sidecar)
 
     for line in (describe(), blas_warning()):
         if line:
@@ -497,8 +511,9 @@ EXAMPLES_SERVE = """
 Examples:
   mtpkit serve ./bundle                            # 127.0.0.1:8080, depth auto (per round)
   mtpkit serve ./bundle --depth 2 --port 9000
-  mtpkit serve ./bundle --host 0.0.0.0 --api-key "$KEY"
+  MTPKIT_API_KEY="$KEY" mtpkit serve ./bundle --host 0.0.0.0   # or --api-key-file PATH
   mtpkit serve ./bundle --cache-gb 8 --max-queue 4   # a bigger prefix cache, a shorter line
+  mtpkit serve ./bundle --max-prompt-tokens 32768    # refuse longer prompts (400)
 \b
 Endpoints: POST /v1/chat/completions, POST /v1/completions (OpenAI; SSE with "stream": true,
 the final chunk carries usage with MTP statistics), POST /v1/messages (Anthropic), GET
@@ -511,7 +526,12 @@ the final chunk carries usage with MTP statistics), POST /v1/messages (Anthropic
 @click.argument("bundle")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
-@click.option("--api-key", help="Require 'Authorization: Bearer KEY' (needed off loopback).")
+@click.option("--api-key", help="Require 'Authorization: Bearer KEY' or 'x-api-key: KEY' (needed "
+              "off loopback). A command line shows in ps: prefer $MTPKIT_API_KEY or "
+              "--api-key-file.")
+@click.option("--api-key-file", type=click.Path(path_type=Path),
+              help="Read the API key from the first line of this file.")
+@click.option("--max-prompt-tokens", type=click.IntRange(1), help=PROMPT_HELP)
 @click.option("--depth", "depth_opt", default="auto", show_default=True, callback=lambda c, p, v:
               _depth(v), help="MTP draft depth of requests that name none, or auto: chosen per "
               "round from this machine's cost curve (measured at start-up, cached).")
@@ -529,19 +549,24 @@ the final chunk carries usage with MTP statistics), POST /v1/messages (Anthropic
 @click.option("--verbose", is_flag=True, help="Log every request to stderr.")
 @click.option("--shard", type=click.Choice(["tensor", "pipeline"]), help=SHARD_HELP)
 @_leads
-def serve(bundle: str, host: str, port: int, api_key: str | None, depth_opt: str | int,
-          draft: str | None, max_tokens: int, dtype: str | None, cache_gb: float,
-          max_queue: int, verbose: bool, shard: str | None) -> None:
+def serve(bundle: str, host: str, port: int, api_key: str | None, api_key_file: Path | None,
+          max_prompt_tokens: int | None, depth_opt: str | int, draft: str | None,
+          max_tokens: int, dtype: str | None, cache_gb: float, max_queue: int, verbose: bool,
+          shard: str | None) -> None:
     """Serve BUNDLE over an OpenAI-compatible API with the reference MTP decoder."""
+    import os
+
     from mtpkit.decoder.distributed import lead
     from mtpkit.decoder.runner import load
-    from mtpkit.serve.server import Server, check_bind
+    from mtpkit.serve.server import Server, api_key_from, check_bind
     from mtpkit.serve.service import Service
     from mtpkit.verify.tune import summary
 
     with _user_errors("--out"):
+        api_key = api_key_from(api_key, api_key_file, os.environ)
         check_bind(host, api_key)  # before the (slow) load
         runner = lead(load(bundle, dtype=dtype, shard=shard))
+        runner.max_prompt_tokens = max_prompt_tokens
         _head_for(runner, draft)
         if depth_opt == "auto":  # the cost curve now, so that no request pays for it
             click.echo(summary(runner, draft), err=True)

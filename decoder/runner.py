@@ -13,17 +13,17 @@ from mlx.utils import tree_map, tree_unflatten
 from mlx_lm.models.mla import MultiLinear, QuantizedMultiLinear
 from mlx_lm.models.switch_layers import SwitchLinear
 from mlx_lm.tokenizer_utils import TokenizerWrapper
-from mlx_lm.tokenizer_utils import load as load_tokenizer
 from mlx_lm.utils import dequantize_model, load_model
 
 from mtpkit.decoder import distributed, kernels, sharding
+from mtpkit.decoder.context import check_prompt, context_of
 from mtpkit.decoder.costs import CostCurve, costs_for
 from mtpkit.decoder.head import Contract, MTPHead
 from mtpkit.decoder.policy import DepthPolicy, PaidCosts
 from mtpkit.decoder.prefix import CachedSession, PrefixCache
 from mtpkit.decoder.rows import use_few_rows_linears, use_kernel_linears
 from mtpkit.decoder.sampling import SamplingParams
-from mtpkit.decoder.session import DRAFTS, Session, generate_ids
+from mtpkit.decoder.session import DRAFTS, Session, Stopped, generate_ids
 from mtpkit.decoder.shapes import bounded_by_default
 from mtpkit.decoder.stats import Stats
 from mtpkit.decoder.trunk import Trunk
@@ -34,6 +34,7 @@ from mtpkit.loaders.findings import UserError
 from mtpkit.loaders.mtp import DELTA_ENCODINGS
 from mtpkit.loaders.norms import ABSOLUTE, reencode
 from mtpkit.loaders.templates import render, unsafe_reach
+from mtpkit.loaders.tokenizer import load_wrapper
 
 Prompt = str | list[int] | list[dict[str, Any]]
 Depth = int | str | None
@@ -117,13 +118,16 @@ def _head_arrays(view: BundleView) -> dict[str, mx.array]:
 
 
 class Runner:
-    """A trunk, its MTP head (if any), the tokenizer and the chat template of one bundle."""
+    """A trunk, its MTP head (if any), the tokenizer and the chat template of one bundle.
+    `context`: the model's context (config.json; None: it declares none); `max_prompt_tokens`:
+    an entry's own prompt bound, which replaces it (decoder/context.py)."""
 
     def __init__(self, trunk: Trunk, head: MTPHead | None, tokenizer: TokenizerWrapper | None,
                  template: str | None = None, special: dict[str, str] | None = None,
                  rollback: str = "record", root: Path | None = None,
-                 load_options: dict[str, Any] | None = None) -> None:
+                 load_options: dict[str, Any] | None = None, context: int | None = None) -> None:
         self.trunk, self.head, self.tokenizer = trunk, head, tokenizer
+        self.context, self.max_prompt_tokens = context, None
         self.template, self.special = template, special or {}
         self.rollback = rollback
         self.root, self.load_options = root, load_options or {}
@@ -181,6 +185,11 @@ class Runner:
         text = self.render(prompt, **template_options)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def check_prompt(self, tokens: int) -> None:
+        """UserError prompt.too_long for a prompt over this runner's bound, before any model
+        work (decoder/context.py: the one check every entry makes)."""
+        check_prompt(tokens, self.context, self.max_prompt_tokens)
+
     def render(self, messages: list[dict[str, Any]], **template_options: Any) -> str:
         """The chat prompt text (sandboxed render of the bundle's template)."""
         if self.template is None:
@@ -199,32 +208,38 @@ class Runner:
         decoding) or None (the head's layer count). draft: "head", "lookup" (context drafts,
         any bundle) or "both"; default: see draft_source. prefix: a prefix cache the prompt
         starts from and is kept in (decoder/prefix.py), with the states at `checkpoints` (prompt
-        lengths) where recurrent states cannot be trimmed back. stop: asked after each piece;
-        true ends the generation there (a stop sequence seen, a client gone), result and all."""
+        lengths) where recurrent states cannot be trimmed back. stop: asked after each piece
+        and between prefill chunks; true ends the generation there (a stop sequence seen, a
+        client gone), result and all (cut in the prefill: no tokens). A prompt over the
+        runner's bound is refused first (UserError prompt.too_long)."""
         draft = self.draft_source(depth, draft)
         depth, policy = self.policy(depth, draft)
         ids = self.encode(prompt)
         if not ids:
             raise ValueError("empty prompt")
+        self.check_prompt(len(ids))
         params = SamplingParams(temperature, top_p, top_k, min_p)
         args = (self.trunk, self.head, params, depth, seed, self.rollback, policy)
-        session = Session(*args, draft=draft) if prefix is None else \
-            CachedSession(*args, draft=draft, prefix=prefix, checkpoints=checkpoints)
+        session = Session(*args, draft=draft, stop=stop) if prefix is None else \
+            CachedSession(*args, draft=draft, stop=stop, prefix=prefix, checkpoints=checkpoints)
         eos = set(self.tokenizer.eos_token_ids) if self.tokenizer is not None else set()
         detok = self.tokenizer.detokenizer if self.tokenizer is not None else None
         if detok is not None:
             detok.reset()
         tokens: list[int] = []
-        for batch in generate_ids(session, ids, max_tokens, eos):
-            tokens += batch
-            text = ""
-            if detok is not None:
-                for t in batch:
-                    detok.add_token(t)
-                text = detok.last_segment
-            yield Piece(text, batch)
-            if stop is not None and stop():
-                break
+        try:
+            for batch in generate_ids(session, ids, max_tokens, eos):
+                tokens += batch
+                text = ""
+                if detok is not None:
+                    for t in batch:
+                        detok.add_token(t)
+                    text = detok.last_segment
+                yield Piece(text, batch)
+                if stop is not None and stop():
+                    break
+        except Stopped:
+            pass  # stop() turned true between prefill chunks: nothing was generated
         tail = ""
         if detok is not None:
             detok.finalize()
@@ -265,10 +280,15 @@ def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None
     ranks (decoder/distributed.py).
     """
     view = open_bundle(path)
-    if view.kind != "mlx":
+    # Refused before mlx-lm opens or builds anything. A file no loader may open (a FIFO, a
+    # link outside) is named first: it is the root cause of whatever it leaves missing (the
+    # shards that would have said "MLX bundle" included).
+    blocking = [f for f in view.errors if not f.code.startswith(NON_BLOCKING)]
+    blocking.sort(key=lambda f: f.code not in ("files.not_regular", "index.path_escape"))
+    if view.kind != "mlx" and not (blocking and blocking[0].code in (
+            "files.not_regular", "index.path_escape")):
         raise UserError("load.not_converted", f"{path} is a Hugging Face checkpoint, not an MLX "
                         "bundle", "mtpkit convert it first")
-    blocking = [f for f in view.errors if not f.code.startswith(NON_BLOCKING)]
     if blocking:
         first = blocking[0]
         raise UserError(first.code, f"{path}: {first.message}", first.hint or
@@ -276,7 +296,7 @@ def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None
     contract = _contract(view, {"hidden_feed": hidden_feed, "next_hidden": next_hidden,
                                 "concat_order": concat_order})
     group = sharding.join(shard) if shard is not None else None
-    model, _ = load_model(view.root, lazy=True)
+    model, _ = load_model(view.root, lazy=True, trust_remote_code=False)  # never bundle code
     flat = _wants_dequantize(dequantize) or dtype is not None
     if flat:
         dequantize_for_cpu(model)
@@ -307,14 +327,15 @@ def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None
     if traced:  # where the host's graph building bounds a verify pass (a GPU)
         trunk.use_traced()
     mx.eval(model.parameters(), head.parameters() if head is not None else [])
-    tokenizer = load_tokenizer(view.root) if view.tokenizer.kind else None
+    # never runs bundle code (auto_map); a file transformers chokes on is one UserError
+    tokenizer = load_wrapper(view.root, view.tokenizer, str(path)) if view.tokenizer.kind else None
     options = {"dequantize": flat, "dtype": dtype, "contract": contract.to_dict(),
                "traced": traced}
     if group is not None:
         options |= {"shard": shard, "ranks": group.size()}
         sharding.barrier(group)
     runner = Runner(trunk, head, tokenizer, safe_template(view), view.tokenizer.special_tokens(),
-                    rollback, Path(view.root), options)
+                    rollback, Path(view.root), options, context_of(view.config.text))
     return distributed.attach(runner, group, shard) if group is not None else runner
 
 

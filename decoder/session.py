@@ -37,6 +37,11 @@ SOURCE_NAMES = {"head": "head", "lookup": "lookup", "chain": "head+lookup"}  # i
 CHAIN_MIN_NGRAM = 2  # after the head's guess, a one-token match says little of what follows
 
 
+class Stopped(Exception):
+    """stop() turned true between prefill chunks: the generation ends before its first token
+    (a long prompt's prefill would otherwise hold the decoder after its client went away)."""
+
+
 class Session:
     """The state of one generation: caches, the last committed token, and the pairs owed to
     the head. `prefill` returns the first token; each `round` returns the tokens it commits."""
@@ -44,12 +49,14 @@ class Session:
     def __init__(self, trunk: Trunk, head: MTPHead | None, params: SamplingParams, depth: int,
                  seed: int | None = None, rollback: str = "record",
                  policy: DepthPolicy | None = None, bounded: bool | None = None,
-                 draft: str = "head") -> None:
+                 draft: str = "head", stop: Callable[[], bool] | None = None) -> None:
         """depth: the draft depth (0: plain decoding), or with a policy the deepest it may
         choose. bounded: attention shapes from a bounded set (default: where attention
         compiles per shape, see shapes.bounded_by_default, or where the trunk's verify passes
         are traced, decoder/traced.py). draft: where drafts come from,
-        "head", "lookup" (the context, decoder/lookup.py) or "both" (a head is optional)."""
+        "head", "lookup" (the context, decoder/lookup.py) or "both" (a head is optional).
+        stop: asked between prefill chunks; true raises Stopped (the caller's own check between
+        rounds covers the rest)."""
         if draft not in DRAFTS:
             raise ValueError(f"draft must be one of {', '.join(DRAFTS)}")
         if depth > 0 and head is None and draft == "head":
@@ -57,6 +64,7 @@ class Session:
                              "draft='lookup')")
         if rollback not in ROLLBACKS:
             raise ValueError(f"rollback must be one of {', '.join(ROLLBACKS)}")
+        self.stop = stop
         self.recorders = trunk.recorders if rollback == "record" else []
         self.trunk, self.params, self.depth = trunk, params, depth
         self.head = head if draft in ("head", "both") else None
@@ -100,11 +108,15 @@ class Session:
         return [(size, 0) for size in pieces(n)]
 
     def _prefill(self, ids: list[int], keep_hidden: bool) -> tuple[mx.array | None, mx.array]:
-        """Run the prompt through the trunk in chunks: (hidden of every position, last logits)."""
+        """Run the prompt through the trunk in chunks: (hidden of every position, last logits).
+        Between chunks, stop() may end it (Stopped), the prefilled tokens counted."""
         start = time.perf_counter()
         hiddens, at = [], 0
         chunks = self._chunks(len(ids))
         for i, (size, pad) in enumerate(chunks):
+            if i and self.stop is not None and self.stop():
+                self.stats.prompt_tokens, self.stats.prefill_s = at, time.perf_counter() - start
+                raise Stopped()
             last = i == len(chunks) - 1
             chunk = mx.array(ids[at:at + size] + ids[at + size - 1:at + size] * pad)[None]
             hidden, logits = self.trunk(chunk, self.cache, logits_for=1 if last else 0,

@@ -1,15 +1,21 @@
 """The OpenAI-compatible request and response shapes `mtpkit serve` accepts and sends.
 
-Requests are validated before any work: bounded sizes, known fields with the right types, a
-max_tokens ceiling; every failure is a RequestError that becomes a JSON error body.
+Requests are validated before any work: bounded sizes, bounded JSON (nesting, integer digits,
+text that is Unicode), known fields with the right types, a max_tokens ceiling, fields this
+server cannot honour refused rather than ignored; every failure is a RequestError that becomes
+a JSON error body.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from mtpkit.decoder.session import DRAFTS
 
@@ -17,13 +23,23 @@ MAX_BODY_BYTES = 1 << 20
 MAX_MESSAGES = 256
 MAX_STOPS, MAX_STOP_CHARS = 16, 256
 ROLES = ("system", "user", "assistant", "tool")
+MAX_DEPTH = 64  # JSON nesting: tool schemas nest a dozen levels; the C parser recurses per level
+MAX_INT_DIGITS = 64  # every integer the APIs take fits in 20 digits
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")  # escaped, or as raw bytes
 
 
 class RequestError(Exception):
+    """A refusal: the HTTP status, a one-line message, the field to blame, the error type.
+    `code` (a stable name such as "prompt.too_long") leads the message where given."""
+
     def __init__(self, status: int, message: str, param: str | None = None,
-                 kind: str = "invalid_request_error") -> None:
+                 kind: str = "invalid_request_error", code: str | None = None) -> None:
+        message = f"{code}: {message}" if code else message
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.code = code
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param,
@@ -55,6 +71,100 @@ class Request:
     def sampling(self) -> dict[str, Any]:
         return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
                 "min_p": self.min_p, "seed": self.seed}
+
+
+def _nesting(raw: bytes) -> int:
+    """How deep the body's arrays and objects nest (brackets inside strings not counted; 0
+    where too few open to pass MAX_DEPTH), in C-speed passes: 1 MiB takes well under a
+    second, before the parser, which recurses per level, sees it."""
+    if raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:
+        return 0  # the common case costs two counts
+    marks = np.frombuffer(_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS), np.uint8)
+    steps = np.where((marks == ord("[")) | (marks == ord("{")), 1, -1)
+    return int(np.cumsum(steps).max(initial=0))
+
+
+def _integer(digits: str) -> int:
+    if len(digits.lstrip("-")) > MAX_INT_DIGITS:
+        raise RequestError(400, f"an integer in the body has more than {MAX_INT_DIGITS} digits",
+                           code="request.number")
+    return int(digits)
+
+
+def _constant(name: str) -> Any:
+    raise RequestError(400, f"{name} is not JSON", code="request.invalid_json")
+
+
+def _unicode(doc: Any) -> None:
+    """Every string (and key) must be Unicode text: a lone surrogate (an unpaired \\ud800
+    escape) cannot be encoded, so a tokenizer or template would fail on it later."""
+    stack = [doc]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack += item.keys()
+            stack += item.values()
+        elif isinstance(item, list):
+            stack += item
+        elif isinstance(item, str) and not item.isascii():
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise RequestError(400, "a string in the body holds a lone UTF-16 surrogate",
+                                   code="request.invalid_json") from None
+
+
+def load_json(raw: bytes) -> Any:
+    """A request body as JSON, bounded before the parser sees it, for both APIs: nesting at
+    most MAX_DEPTH (deeper bodies made the parser recurse until it failed: a 500), integers
+    of at most MAX_INT_DIGITS digits (longer ones cost quadratic time, and past 4,300 digits
+    Python refuses them: a 500), no NaN or Infinity, only encodable text."""
+    if _nesting(raw) > MAX_DEPTH:
+        raise RequestError(400, f"the body nests deeper than {MAX_DEPTH} levels",
+                           code="request.too_deep")
+    try:
+        doc = json.loads(raw or b"null", parse_int=_integer, parse_constant=_constant)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise RequestError(400, "the body is not valid JSON") from None
+    except RecursionError:  # not reached under MAX_DEPTH; kept as a backstop
+        raise RequestError(400, f"the body nests deeper than {MAX_DEPTH} levels",
+                           code="request.too_deep") from None
+    if _SURROGATE.search(raw):  # else no string can hold a surrogate: no walk
+        _unicode(doc)
+    return doc
+
+
+# OpenAI fields this server cannot honour: asked for, they are refused rather than ignored
+# (an ignored `logprobs` reads as a server with none to give, an ignored `echo` or penalty as a
+# model that behaves oddly). For each, the values that ask for nothing (null always does; on
+# /v1/completions `logprobs` is a count, and 0 asks for the chosen tokens' own).
+NOT_ASKED: dict[str, tuple[Any, ...]] = {
+    "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "best_of": (1,),
+    "suffix": ("",), "logit_bias": ({},), "presence_penalty": (0,), "frequency_penalty": (0,)}
+WHY_NOT = {"logprobs": "this server returns no log probabilities",
+           "top_logprobs": "this server returns no log probabilities",
+           "echo": "the prompt is not echoed", "best_of": "one completion is generated",
+           "suffix": "no insertion (fill-in-the-middle) mode",
+           "logit_bias": "the sampler takes no logit bias",
+           "presence_penalty": "the sampler applies no penalties",
+           "frequency_penalty": "the sampler applies no penalties"}
+
+
+def unsupported(body: dict, chat: bool) -> None:
+    """Refuse the fields of NOT_ASKED that ask for something, and a response_format other
+    than text (request.unsupported)."""
+    for name, idle in NOT_ASKED.items():
+        value = body.get(name)
+        if name == "logprobs" and not chat:
+            idle = ()
+        if value is not None and value not in idle:
+            raise RequestError(400, f"{name} is not supported ({WHY_NOT[name]})", name,
+                               code="request.unsupported")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise RequestError(400, 'response_format is not supported (only {"type": "text"}: '
+                           "the output is not constrained)", "response_format",
+                           code="request.unsupported")
 
 
 def number(body: dict, name: str, default: float, low: float, high: float) -> float:
@@ -161,8 +271,9 @@ def parse(body: Any, chat: bool, max_tokens_limit: int) -> Request:
     req.stream = body.get("stream", False)
     if not isinstance(req.stream, bool):
         raise RequestError(400, "stream must be true or false", "stream")
-    if body.get("n", 1) != 1:
+    if body.get("n") not in (None, 1) or isinstance(body.get("n"), bool):
         raise RequestError(400, "only n=1 is supported", "n")
+    unsupported(body, chat)
     if chat:
         req.messages = _messages(body)
         tools = body.get("tools")

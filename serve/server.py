@@ -2,19 +2,30 @@
 mlx-lm's own server): routes, API-key check, bounded bodies, SSE streaming, JSON errors in each
 API's shape, 503 with Retry-After when the queue is full, a client gone noticed each round.
 GET routes run beside a generation (one thread per connection); generations run on the thread
-that serves (serve/worker.py)."""
+that serves (serve/worker.py).
+
+Without an API key (loopback only, check_bind), a web page in the user's browser is the client
+to fear: it may POST text/plain across origins without a preflight, and through DNS rebinding
+reach the server under its own name. So a keyless server answers only requests whose Host is a
+loopback name (localhost, 127.0.0.1, [::1], any port) and whose Origin, if any, is the
+server's own (the chat page's calls are same-origin); CORS preflights are refused. With a key,
+the key decides: a browser can send it across origins only after a preflight, never granted
+here, and clients reach an exposed server under names it cannot know."""
 
 from __future__ import annotations
 
 import hmac
 import ipaddress
 import json
+import re
 import select
 import socket
 import threading
 import time
 import traceback
+from collections.abc import Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -22,7 +33,14 @@ from mtpkit.decoder.interrupt import first_ctrl_c
 from mtpkit.loaders.findings import UserError
 from mtpkit.serve import anthropic, page
 from mtpkit.serve.metrics import CONTENT_TYPE
-from mtpkit.serve.protocol import MAX_BODY_BYTES, RequestError, completion_id, envelope, parse
+from mtpkit.serve.protocol import (
+    MAX_BODY_BYTES,
+    RequestError,
+    completion_id,
+    envelope,
+    load_json,
+    parse,
+)
 from mtpkit.serve.queue import Gone, QueueFull
 from mtpkit.serve.service import Service, tool_calls, usage
 from mtpkit.serve.worker import Handoff, Worker
@@ -32,13 +50,47 @@ ARRIVAL = "X-Mtpkit-Arrival"  # response header: the request's arrival number
 API_NAMES = {"/v1/chat/completions": "chat", "/v1/completions": "completions",
              "/v1/messages": "messages"}  # the `api` label of mtpkit_requests_total
 DRAIN_BYTES = 16 * MAX_BODY_BYTES  # oversized bodies up to this are read and dropped
+KEY_ENV = "MTPKIT_API_KEY"
+AUTHORITY = re.compile(r"[A-Za-z0-9.\-]+(:\d{1,5})?|\[[0-9A-Fa-f:.]+\](:\d{1,5})?")
 
 
 def check_bind(host: str, api_key: str | None) -> None:
     """Refuse to expose the server off loopback without an API key."""
     if not is_loopback(host) and not api_key:
         raise UserError("serve.exposed", f"refusing to bind {host} without an API key",
-                        "pass --api-key KEY, or bind 127.0.0.1")
+                        f"set {KEY_ENV}, pass --api-key-file PATH or --api-key KEY, or bind "
+                        "127.0.0.1")
+
+
+def api_key_from(given: str | None, path: Path | None,
+                 environ: Mapping[str, str]) -> str | None:
+    """The API key: --api-key, else the first line of --api-key-file, else $MTPKIT_API_KEY
+    (None: no key). The file and the environment keep it out of `ps`, where a command line
+    shows. An empty key or an unreadable file is refused (UserError serve.api_key): a server
+    meant to be keyed must not start open."""
+    if given is not None and path is not None:
+        raise UserError("usage", "--api-key and --api-key-file both give the key",
+                        "give one of them")
+    if path is not None:
+        source = str(path)
+        try:
+            key = (Path(path).read_text("utf-8").splitlines() or [""])[0].strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise UserError("serve.api_key", f"cannot read the API key file {path}: {reason}",
+                            "point --api-key-file at a readable file whose first line is the "
+                            "key") from None
+    elif given is not None:
+        source, key = "--api-key", given
+    elif KEY_ENV in environ:
+        source, key = f"${KEY_ENV}", environ[KEY_ENV]
+    else:
+        return None
+    if not key.strip():
+        raise UserError("serve.api_key", f"the API key from {source} is empty",
+                        f"give a non-empty key (or unset {KEY_ENV} and drop the key options "
+                        "to serve loopback without one)")
+    return key
 
 
 def is_loopback(host: str) -> bool:
@@ -48,6 +100,44 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def authority(value: str) -> tuple[str, int | None] | None:
+    """(host name, port) of a Host header or an origin's host part; None when malformed."""
+    if not AUTHORITY.fullmatch(value):
+        return None
+    try:
+        parts = urlsplit("//" + value)
+        return (parts.hostname or "").rstrip("."), parts.port
+    except ValueError:
+        return None
+
+
+def foreign(host: str | None, origin: str | None) -> RequestError | None:
+    """For a server without a key: why a request with these Host and Origin headers may
+    come from a web page rather than a local client (403), or None. No Host (HTTP/1.0) is
+    no browser's; a Host must name loopback; an Origin must be the Host's own http origin."""
+    where = authority(host.strip()) if host is not None else None
+    if host is not None and (where is None or not is_loopback(where[0])):
+        return RequestError(403, f"Host {host[:100]!r} is not a loopback name; a server "
+                            "without an API key answers only localhost, 127.0.0.1 and [::1]",
+                            kind="permission_error", code="serve.host")
+    if origin is None:
+        return None
+    same = False
+    if where is not None:
+        parts = urlsplit(origin.strip())
+        try:
+            same = parts.scheme == "http" and not parts.path and \
+                (parts.hostname or "").rstrip(".") == where[0] and \
+                (parts.port or 80) == (where[1] or 80)
+        except ValueError:  # a port out of range
+            same = False
+    if not same:
+        return RequestError(403, f"cross-origin request from {origin[:100]!r}: a server without "
+                            "an API key answers only its own origin (no CORS)",
+                            kind="permission_error", code="serve.origin")
+    return None
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -113,14 +203,21 @@ class Handler(BaseHTTPRequestHandler):
         self._json(err.status, doc, close=self.close_connection, headers=headers)
 
     def _authorized(self) -> bool:
-        """`Authorization: Bearer KEY` (OpenAI clients) or `x-api-key: KEY` (Anthropic's)."""
+        """`Authorization: Bearer KEY` (OpenAI clients) or `x-api-key: KEY` (Anthropic's),
+        compared in constant time as the bytes the client sent (headers arrive as latin-1)."""
         key = self.server.api_key
         if key is None:
             return True
-        bearer = self.headers.get("Authorization", "")
-        given = self.headers.get("x-api-key", "")
-        return (hmac.compare_digest(bearer.encode(), f"Bearer {key}".encode())
-                or hmac.compare_digest(given.encode(), key.encode()))
+        want = key.encode()
+        bearer = self.headers.get("Authorization", "").encode("latin-1", "replace")
+        given = self.headers.get("x-api-key", "").encode("latin-1", "replace")
+        return hmac.compare_digest(bearer, b"Bearer " + want) | hmac.compare_digest(given, want)
+
+    def _foreign(self) -> RequestError | None:
+        """Without a key: a request a web page may have sent (see the module's docstring)."""
+        if self.server.api_key is not None:
+            return None
+        return foreign(self.headers.get("Host"), self.headers.get("Origin"))
 
     def _gone(self) -> bool:
         """The client closed its end (a read would see EOF): its generation can stop."""
@@ -178,10 +275,25 @@ class Handler(BaseHTTPRequestHandler):
 
     # -- routes -----------------------------------------------------------------------------
 
+    def do_OPTIONS(self) -> None:  # noqa: N802 (stdlib name)
+        """A CORS preflight (an OPTIONS with an Origin) is never granted, so no cross-origin
+        page reaches the API, keyed or not; other clients learn the methods."""
+        refusal = self._foreign()
+        if refusal is None and (origin := self.headers.get("Origin")) is not None:
+            refusal = RequestError(403, f"cross-origin request from {origin[:100]!r}: this "
+                                   "server grants no CORS", kind="permission_error",
+                                   code="serve.origin")
+        if refusal is not None:  # closed after: any body it had is never read
+            self._json(refusal.status, refusal.body(), close=True)
+        else:
+            self._send(204, b"", "text/plain", close=True, headers={"Allow": "GET, POST, OPTIONS"})
+
     def do_GET(self) -> None:  # noqa: N802 (stdlib name)
         path = urlsplit(self.path).path.rstrip("/") or "/"
         route = self.GET_ROUTES.get(path)
-        if page.is_page(self.path):  # the chat page holds nothing; its API calls carry the key
+        if (refusal := self._foreign()) is not None:  # the page too: under a rebound name, nothing
+            self._json(refusal.status, refusal.body())
+        elif page.is_page(self.path):  # the chat page holds nothing; its API calls carry the key
             page.send(self)
         elif not self._authorized():
             self._json(401, RequestError(401, "invalid API key", kind="authentication_error").body())
@@ -208,14 +320,13 @@ class Handler(BaseHTTPRequestHandler):
         outcome = "error"
         try:
             raw = self._body()
+            if (refusal := self._foreign()) is not None:
+                raise refusal
             if not self._authorized():
                 raise RequestError(401, "invalid API key", kind="authentication_error")
             if route is None:
                 raise RequestError(404, f"no route {self.path}", kind="not_found")
-            try:
-                body = json.loads(raw or b"null")
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise RequestError(400, "the body is not valid JSON") from None
+            body = load_json(raw)
             self.job = None
             getattr(self, route)(body, path.endswith("/chat/completions"))
             outcome = "cancelled" if self.job is not None and self.job.cancelled else "ok"

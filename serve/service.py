@@ -14,6 +14,7 @@ from typing import Any
 from mtpkit.decoder.prefix import PrefixCache, supported
 from mtpkit.decoder.runner import Depth, Result, Runner
 from mtpkit.decoder.state import trimmable
+from mtpkit.loaders.findings import UserError
 from mtpkit.loaders.templates import RENDER_ERRORS, describe_failure
 from mtpkit.serve.channels import OPEN, ChannelSplitter, StopScanner
 from mtpkit.serve.metrics import Metrics
@@ -184,6 +185,11 @@ class Service:
             raise RequestError(400, 'mtp_draft "head" drafts with an MTP head; this model has '
                                'none (use "lookup" or "both": context drafts)', "mtp_draft")
         ids, opened = self._prompt(req)
+        try:  # before the queue: an over-long prompt costs no model work and no turn
+            self.runner.check_prompt(len(ids))
+        except UserError as err:
+            raise RequestError(400, str(err), "messages" if req.chat else "prompt",
+                               code=err.code) from None
         depth = self.depth if req.depth is None else req.depth
         marks = self._turn_end(req, ids)
         job = Job(self.queue.enter(), gone)
