@@ -4,15 +4,25 @@ Speculation pays only where E[tokens per round] / (K * draft + c(K + 1)) beats o
 step, and c(T) is a property of the machine, the backend and the weights (a GPU verifies a few rows
 for about the price of one only when its kernels cooperate). So it is measured, not assumed: once
 per bundle, load options, backend and versions, and cached on disk (`mtpkit tune` prints it).
+
+The first `generate`/`serve`/`tune` of a bundle waits for it, so the measurement is bounded: a
+budget (BUDGET_S, $MTPKIT_COST_BUDGET) sets how many rows are timed (all 16, else SPARSE_ROWS with
+the rest interpolated) and how many passes each (a row stops early once its timings agree). It
+reports progress only to a callback the caller passes (the CLI draws a bar on stderr; a library
+user sees nothing). Load only slows a pass down, so a wider pass timed more than PAD_GAIN cheaper
+than a narrower one is suspect: that region is timed again and the lower median kept, and a break
+that survives is smoothed (the narrower row priced and verified at the wider width) and flagged.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from importlib import metadata
@@ -28,17 +38,33 @@ if TYPE_CHECKING:
 
 MAX_ROWS = 16
 CONTEXT = 512  # cache length the curve is measured at (a typical verify position)
-REPEATS = 7
+REPEATS = 7  # most timed passes per row (their median counts)
+MIN_REPEATS = 3  # a median of fewer is one outlier away from wrong; the budget may force fewer
+STEADY = 0.05  # a row stops early once MIN_REPEATS timings spread less than this (max-min)/median
+SPARSE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)  # timed when all 16 do not fit the budget
 PLAIN_STEPS = 32
-VERSION = 1  # bump when what is measured changes
+PLAIN_WARMUP = 4  # steps that warm up the plain path (its shapes, not a timing)
+PLAIN_BATCH = 8  # steps per timing where PLAIN_STEPS would take over a second (the median of
+# the runs; each run's first step has nothing to overlap with, 1/8 of a step's host time)
+BUDGET_S = 15.0  # seconds a measurement aims to take ($MTPKIT_COST_BUDGET overrides)
+RETRY_SHARE = 0.25  # of the budget, the least a re-measurement may take beyond the budget
+PREFILL_SHARE = 0.3  # of the budget, the most the context's prefill may take
+COMPILED = 1.5  # a first pass this much dearer than the next one built something: warm up
+# each width first (a GPU); else a width's first pass is one of its timings (a CPU)
+VERSION = 2  # bump when what is measured changes (2: bounded, checked, smoothed curves)
 PAD_GAIN = 0.9  # pad a verify to a wider width only when that is 10% cheaper: a real kernel
-# switch (MLX's quantized matmul from 8 rows on), not the noise between two medians
+# switch (MLX's quantized matmul from 8 rows on), not the noise between two medians. Also the
+# sanity bound: a wider pass timed more than 10% cheaper is re-measured before it is believed.
 
 
 @dataclass
 class CostCurve:
     """Seconds: verify[T - 1] is one trunk pass over T rows (logits for all, synchronous);
-    plain is one pipelined plain-decoding step; draft one chained head step (0: no head)."""
+    plain is one pipelined plain-decoding step; draft one chained head step (0: no head).
+    How it was measured: at a `context`-token cache, `timed` the rows timed (the rest
+    interpolated; [] given by hand), `remeasured` rows timed again because a wider pass came
+    out cheaper, `smoothed` rows that still cost more than a wider pass and are priced and
+    verified at that width, `seconds` the measurement's duration."""
 
     verify: list[float]
     plain: float
@@ -46,6 +72,11 @@ class CostCurve:
     key: dict[str, Any] = field(default_factory=dict)
     estimate: bool = False  # timed on this machine: an estimate generations correct as they go
     # (decoder/policy.py); False: given by hand, a what-if taken as it is
+    context: int = CONTEXT
+    timed: list[int] = field(default_factory=list)
+    remeasured: list[int] = field(default_factory=list)
+    smoothed: list[int] = field(default_factory=list)
+    seconds: float = 0.0
 
     def width(self, rows: int) -> int:
         """The verify width to run `rows` rows at: the cheapest measured width >= rows where it
@@ -58,6 +89,10 @@ class CostCurve:
     def _widths(self) -> list[int]:  # asked for several times per round: computed once
         n, out = len(self.verify), []
         for rows in range(1, n + 1):
+            if rows in self.smoothed:  # took a wider width's cost: verified at that width
+                out.append(next((t for t in range(rows + 1, n + 1) if t not in self.smoothed
+                                 and self.verify[t - 1] <= self.verify[rows - 1]), rows))
+                continue
             wider = min(range(rows, n + 1), key=lambda t: (self.verify[t - 1], t))
             cheaper = self.verify[wider - 1] < PAD_GAIN * self.verify[rows - 1]
             out.append(wider if cheaper else rows)
@@ -80,6 +115,36 @@ class CostCurve:
         # not what was measured
         return {**data, "ratios": self.ratios(),
                 "widths": [self.width(t) for t in range(1, len(self.verify) + 1)]}
+
+
+def breaks(verify: list[float]) -> list[int]:
+    """Rows T whose pass was timed more than 1/PAD_GAIN dearer than some wider pass: noise
+    (a loaded machine) until a second measurement agrees."""
+    return [t for t in range(1, len(verify)) if min(verify[t:]) < PAD_GAIN * verify[t - 1]]
+
+
+def smooth(verify: list[float]) -> tuple[list[float], list[int]]:
+    """(curve, rows lowered): each breaking row takes the cost of the narrowest cheapest wider
+    pass (what padding to it pays), so the curve is non-decreasing within PAD_GAIN."""
+    out, lowered = list(verify), breaks(verify)
+    for t in lowered:
+        out[t - 1] = min(verify[t:])
+    return out, lowered
+
+
+def interpolate(timed: dict[int, float], rows: int = MAX_ROWS) -> list[float]:
+    """c(1..rows) from the timed rows, linear between them (a pass's cost grows about
+    linearly in its rows between two kernel switches)."""
+    known = sorted(timed)
+    out = []
+    for t in range(1, rows + 1):
+        if t in timed:
+            out.append(timed[t])
+            continue
+        lo = max(k for k in known if k < t)
+        hi = min(k for k in known if k > t)
+        out.append(timed[lo] + (timed[hi] - timed[lo]) * (t - lo) / (hi - lo))
+    return out
 
 
 def _versions() -> dict[str, str | None]:
@@ -126,14 +191,23 @@ def _cache_path(key: dict[str, Any]) -> Path:
 
 
 def cached(key: dict[str, Any]) -> CostCurve | None:
+    """The stored curve of `key`, or None: none, unreadable, another key, or a curve that fails
+    the sanity check (one an older version stored unchecked is measured again, not trusted)."""
     path = _cache_path(key)
     try:
         data = json.loads(path.read_text())
         curve = CostCurve(list(map(float, data["verify"])), float(data["plain"]),
-                          float(data["draft"]), data["key"], estimate=True)
+                          float(data["draft"]), data["key"], estimate=True,
+                          timed=[int(t) for t in data.get("timed", [])],
+                          remeasured=[int(t) for t in data.get("remeasured", [])],
+                          smoothed=[int(t) for t in data.get("smoothed", [])],
+                          seconds=float(data.get("seconds", 0.0)),
+                          context=int(data.get("context", CONTEXT)))
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return curve if curve.key == key and len(curve.verify) == MAX_ROWS else None
+    if curve.key != key or len(curve.verify) != MAX_ROWS or breaks(curve.verify):
+        return None
+    return curve
 
 
 def store(curve: CostCurve) -> Path:
@@ -146,28 +220,137 @@ def store(curve: CostCurve) -> Path:
     return path
 
 
-def _median_time(run: Any, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+@dataclass
+class Tick:
+    """Where a measurement stands, for a progress display. phase "start": nothing run yet (the
+    budget is known, the plan not); "plan": the probes chose how many widths and passes fit;
+    "step": `done_s` of about `total_s` seconds (refined as passes are timed); "done": the
+    curve is measured (`curve`)."""
+
+    phase: str
+    what: str
+    done_s: float = 0.0
+    total_s: float = 0.0
+    budget_s: float = 0.0
+    curve: CostCurve | None = None
+
+    @property
+    def eta_s(self) -> float:
+        return max(self.total_s - self.done_s, 0.0)
+
+
+Progress = Callable[[Tick], None]
+Timer = Callable[[str, int, Callable[[], object]], float]
+
+
+def wall_clock(kind: str, size: int, run: Callable[[], object]) -> float:
+    """The timer measure() uses: the seconds `run` took. `kind` ("probe", "prefill",
+    "warm-up", "verify": a pass over `size` rows or tokens; "plain", "draft": `size` steps)
+    says what it is, for a timer a test passes in place of the clock."""
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+def budget() -> float:
+    """Seconds a measurement aims at: $MTPKIT_COST_BUDGET, else BUDGET_S."""
+    try:
+        value = float(os.environ.get("MTPKIT_COST_BUDGET", BUDGET_S))
+    except ValueError:
+        return BUDGET_S
+    return value if value > 0 and math.isfinite(value) else BUDGET_S
+
+
+class _Clock:
+    """A measurement's time: what the timer reported so far and what the plan has left (both
+    seconds), told to the progress callback after every timed call."""
+
+    def __init__(self, timer: Timer, progress: Progress | None, budget_s: float) -> None:
+        self.timer, self.progress, self.budget_s = timer, progress, budget_s
+        self.spent = self.left = 0.0
+
+    def tell(self, phase: str, what: str, curve: CostCurve | None = None) -> None:
+        if self.progress is not None:
+            self.progress(Tick(phase, what, self.spent, self.spent + self.left, self.budget_s,
+                               curve))
+
+    def time(self, kind: str, size: int, run: Callable[[], object], planned: float = 0.0,
+             what: str = "") -> float:
+        took = self.timer(kind, size, run)
+        self.spent += took
+        self.left = max(self.left - planned, 0.0)
+        self.tell("step", what or f"{kind} {size}")
+        return took
+
+
+def _plan(c1: float, c16: float, left_s: float, repeats: int, head: bool, warm: bool
+          ) -> tuple[tuple[int, ...], int, int, float]:
+    """(rows to time, passes per row, plain steps per timing, estimated seconds) that fit
+    `left_s`, from the probe passes at 1 and 16 rows: every row at MIN_REPEATS or more if that
+    fits, else SPARSE_ROWS at as many as fit (at least one, and half the plain steps).
+    warm: each new width takes a warm-up pass first (the probes saw one compile)."""
+    def cost(rows: tuple[int, ...], n: int, steps: int) -> float:
+        verify = sum((n - 1 if t in (1, MAX_ROWS) else n + warm) * _linear(c1, c16, t)
+                     for t in rows)  # a probe was a row's first pass
+        return verify + _rest(c1, n, head, steps)
+
+    every = tuple(range(1, MAX_ROWS + 1))
+    for n in range(repeats, MIN_REPEATS - 1, -1):
+        if cost(every, n, PLAIN_STEPS) <= left_s:
+            return every, n, PLAIN_STEPS, cost(every, n, PLAIN_STEPS)
+    for steps in (PLAIN_STEPS, PLAIN_STEPS // 2):
+        for n in range(repeats, 0, -1):
+            if cost(SPARSE_ROWS, n, steps) <= left_s:
+                return SPARSE_ROWS, n, steps, cost(SPARSE_ROWS, n, steps)
+    return SPARSE_ROWS, 1, PLAIN_STEPS // 2, cost(SPARSE_ROWS, 1, PLAIN_STEPS // 2)
+
+
+def _rest(c1: float, passes: int, head: bool, steps: int = PLAIN_STEPS) -> float:
+    """Estimated seconds of the plain and draft timings (a plain step costs about c(1), a head
+    step a fraction of it)."""
+    return ((PLAIN_WARMUP + max(1, passes // 2) * steps) * c1
+            + ((passes + 2) * c1 / 4 if head else 0.0))
+
+
+def _linear(c1: float, c16: float, rows: int) -> float:
+    return c1 + (c16 - c1) * (rows - 1) / (MAX_ROWS - 1)
 
 
 def measure(runner: Runner, context: int = CONTEXT, repeats: int = REPEATS,
-            bounded: bool | None = None) -> CostCurve:
-    """Time the trunk at T = 1..MAX_ROWS rows at a `context`-token cache (each shape warmed up
-    first, so compiles are not counted), a pipelined plain step and a head draft step.
-    bounded: the session's attention shapes (default: as decoding runs on this backend)."""
+            bounded: bool | None = None, *, budget_s: float | None = None,
+            progress: Progress | None = None, timer: Timer = wall_clock) -> CostCurve:
+    """Time the trunk over T rows at a `context`-token cache (each shape warmed up first where
+    that compiles, so compiles are not counted), a pipelined plain step and a head draft step,
+    in about `budget_s` (default budget()). A 64-token prefill first says what the rest would
+    cost: where `context` tokens would take more than PREFILL_SHARE of the budget (bf16 on a
+    CPU), the curve is measured at a shorter context (a multiple of 64; `CostCurve.context`): the
+    plain step with it, so what decides (a round against plain steps) stays like for like.
+    Then the passes at 1 and 16 rows plan how many rows and passes fit. Suspect breaks are
+    timed again, then smoothed (see the module's doc). bounded: the session's attention shapes
+    (default: as decoding runs on this backend). progress: told what is measured and how long
+    is left (nothing is printed). timer: how a call is timed (wall_clock; a test passes its
+    own)."""
     from mtpkit.decoder.sampling import SamplingParams, greedy
     from mtpkit.decoder.session import Session
 
+    clock = _Clock(timer, progress, budget() if budget_s is None else budget_s)
+    clock.left = clock.budget_s  # until the probes plan it: at most the budget
+    clock.tell("start", "verify costs")
     vocab = runner.trunk.args.vocab_size
     ids = [(7 * i + 3) % vocab for i in range(context)]
     session = Session(runner.trunk, runner.head, SamplingParams(), 1 if runner.head else 0,
                       bounded=bounded)
-    session.start(ids)
+    head_start = min(64, context)  # a real prefill of these says what the rest would cost
+    per_token = clock.time("prefill", head_start, lambda: session.start(ids[:head_start]),
+                           what=f"{head_start}-token prefill") / head_start
+    fits = int(PREFILL_SHARE * clock.budget_s / max(per_token, 1e-9)) // 64 * 64
+    context = max(min(context, fits), head_start)
+    if context > head_start:  # the trunk's cache only: the head's stays short (one layer)
+
+        def extend() -> None:
+            mx.eval(runner.trunk(mx.array(ids[head_start:context])[None], session.cache)[1])
+
+        clock.time("prefill", context - head_start, extend, what=f"{context}-token prefill")
     cache = session.cache
 
     def verify(rows: int) -> None:
@@ -176,29 +359,90 @@ def measure(runner: Runner, context: int = CONTEXT, repeats: int = REPEATS,
         mx.eval(greedy(logits[0]))
         rewind(cache, saved, rows, 0)
 
-    curve = []
-    for rows in range(1, MAX_ROWS + 1):
-        verify(rows)  # warm-up: the first use of a shape may compile
-        curve.append(_median_time(lambda rows=rows: verify(rows), repeats))
+    samples: dict[int, list[float]] = {}
+    first: dict[int, float] = {}
+    for rows in (1, MAX_ROWS):  # the probes: each shape's first pass may compile
+        first[rows] = clock.time("warm-up", rows, lambda rows=rows: verify(rows),
+                                 what=f"warm-up T={rows}")
+        samples[rows] = [clock.time("verify", rows, lambda rows=rows: verify(rows),
+                                    what=f"verify T={rows}")]
+    c1, c16 = samples[1][0], samples[MAX_ROWS][0]
+    warm = any(first[t] > COMPILED * samples[t][0] for t in first)  # else a first pass counts
+    head = runner.head is not None
+    rows_timed, passes, steps, planned = _plan(c1, c16, clock.budget_s - clock.spent, repeats,
+                                               head, warm)
+    clock.left = planned
+    clock.tell("plan", f"{len(rows_timed)} widths x {passes} passes")
 
-    def plain() -> None:
+    def time_row(rows: int, passes: int, fresh: bool) -> float:
+        est = _linear(c1, c16, rows) if fresh else statistics.median(samples[rows])
+        if fresh and warm and rows not in samples:
+            clock.time("warm-up", rows, lambda: verify(rows), est, f"warm-up T={rows}")
+        got = samples.setdefault(rows, []) if fresh else []
+        while len(got) < passes:
+            got.append(clock.time("verify", rows, lambda: verify(rows), est, f"verify T={rows}"))
+            if len(got) >= MIN_REPEATS and (max(got) - min(got)) / statistics.median(got) < STEADY:
+                clock.left = max(clock.left - (passes - len(got)) * est, 0.0)
+                break
+        return statistics.median(got)
+
+    timed = {rows: time_row(rows, passes, True) for rows in rows_timed}
+    curve = interpolate(timed)
+    retimed: list[int] = []
+    if suspect := breaks(curve):  # from each break to the cheaper width: timed again, once
+        region = sorted({t for b in suspect for t in rows_timed
+                         if max(r for r in rows_timed if r <= b) <= t
+                         <= min(r for r in rows_timed if r >= _cheapest(curve, b))})
+        again = sum(max(passes, MIN_REPEATS) * timed[t] for t in region)
+        if again <= max(clock.budget_s - clock.spent - _rest(c1, passes, head, steps),
+                        RETRY_SHARE * clock.budget_s):
+            clock.left += again
+            for t in region:  # load only slows a pass: the lower median is nearer the truth
+                timed[t] = min(timed[t], time_row(t, max(passes, MIN_REPEATS), False))
+            retimed = region
+            curve = interpolate(timed)
+    curve, lowered = smooth(curve)
+
+    def plain(count: int) -> None:
         saved = snapshot(cache)
-        for _ in session.plain_steps(PLAIN_STEPS):
+        for _ in session.plain_steps(count):
             pass
-        rewind(cache, saved, PLAIN_STEPS, 0)
+        rewind(cache, saved, count, 0)
 
-    plain()
-    step = _median_time(plain, max(3, repeats // 2)) / PLAIN_STEPS
-    draft = session.draft_step_time(repeats) if runner.head is not None else 0.0
-    return CostCurve(curve, step, draft, estimate=True)
+    clock.time("plain", PLAIN_WARMUP, lambda: plain(PLAIN_WARMUP), PLAIN_WARMUP * c1,
+               "plain warm-up")  # its shapes, not a timing
+    total = max(1, passes // 2) * steps  # in runs of `batch` steps: a bar moves every second
+    batch = steps if steps * c1 <= 1.0 else PLAIN_BATCH
+    step = statistics.median(
+        clock.time("plain", batch, lambda: plain(batch), batch * c1,
+                   f"plain steps {i + 1}-{i + batch}") / batch for i in range(0, total, batch))
+    draft = 0.0
+    if head:
+        def head_steps() -> None:
+            nonlocal draft
+            draft = session.draft_step_time(passes)
+
+        clock.time("draft", passes, head_steps, clock.left, "head draft steps")
+    clock.left = 0.0
+    result = CostCurve(curve, step, draft, estimate=True, context=context, timed=sorted(timed),
+                       remeasured=retimed, smoothed=lowered, seconds=clock.spent)
+    clock.tell("done", "verify costs", result)
+    return result
 
 
-def costs_for(runner: Runner, refresh: bool = False) -> CostCurve:
-    """The runner's cost curve: cached for a bundle-loaded runner, else measured now."""
+def _cheapest(curve: list[float], rows: int) -> int:
+    """The narrowest width > rows at the cheapest cost of the wider ones."""
+    return min(range(rows + 1, len(curve) + 1), key=lambda t: (curve[t - 1], t))
+
+
+def costs_for(runner: Runner, refresh: bool = False, progress: Progress | None = None,
+              budget_s: float | None = None) -> CostCurve:
+    """The runner's cost curve: cached for a bundle-loaded runner, else measured now (telling
+    `progress`, within `budget_s`)."""
     key = cache_key(runner.root, runner.load_options) if runner.root is not None else None
     if key is not None and not refresh and (found := cached(key)) is not None:
         return found
-    curve = measure(runner)
+    curve = measure(runner, progress=progress, budget_s=budget_s)
     if key is not None:
         curve.key = key
         store(curve)

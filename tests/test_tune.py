@@ -65,11 +65,14 @@ def test_tune_prints_sixteen_widths_and_the_picks(built: Callable[..., Path], ca
     assert [int(r[0]) for r in rows] == list(range(1, 17))
     assert float(rows[0][2]) == 1.0 and all(int(w) >= int(t) for t, _, _, w in rows)
     assert "plain step" in out and "head draft step" in out and "measured now" in out
+    assert re.search(r"^  measured in \d+\.\d s", out, re.M), "how it was measured: " + out
     assert len(re.findall(r"a_1 \d+%: (depth \d+|plain decoding), predicted \d+\.\d\dx", out)) == 8
 
     doc = _json(bundle)
     assert len(doc["verify"]) == len(doc["ratios"]) == len(doc["widths"]) == 16
     assert measured == [1] and doc["measured"] is False, "the second call reads the cache"
+    assert doc["timed"][0] == 1 and doc["timed"][-1] == 16 and doc["seconds"] > 0
+    assert costs.breaks(doc["verify"]) == [] and doc["context"] <= costs.CONTEXT
     assert doc["ratios"][0] == 1.0 and doc["draft"] > 0 and doc["max_depth"] >= 1
     verify = doc["verify"]
     for t, w in enumerate(doc["widths"], 1):  # padded only to the cheapest width, and only

@@ -1,15 +1,19 @@
 """`mtpkit tune`: this machine's measured cost curve for a bundle (decoder/costs.py), where it is
 cached, and the depth `--depth auto` starts from at a few acceptance levels (decoder/policy.py).
-Also the one-line summary `serve` prints at start-up."""
+Also the line `serve` prints at start-up, and the stderr progress display of a measurement that
+generate, serve and tune pass down (the decoder itself prints nothing)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mtpkit.decoder.costs import CONTEXT, CostCurve, cache_dir, cache_key, cached
+import click
+
+from mtpkit.decoder.costs import CostCurve, Progress, Tick, cache_dir, cache_key, cached
 from mtpkit.decoder.policy import DepthPolicy
 
 if TYPE_CHECKING:
@@ -40,19 +44,94 @@ def picks(curve: CostCurve, max_depth: int, source: str = "head") -> list[dict[s
     return out
 
 
-def report(runner: Runner, bundle: str, refresh: bool = False) -> dict[str, Any]:
+def report(runner: Runner, bundle: str, refresh: bool = False,
+           progress: Progress | None = None) -> dict[str, Any]:
     """The cost curve document `mtpkit tune --json` prints: CostCurve.to_dict() plus the
-    bundle, whether it was measured now or read from the cache, the cache file and the picks."""
+    bundle, whether it was measured now or read from the cache, the cache file and the picks.
+    progress: told how a measurement goes (`progress_bar()` draws it on stderr)."""
     key = cache_key(runner.root, runner.load_options) if runner.root is not None else None
     measured = refresh or key is None or cached(key) is None
-    curve = runner.costs(refresh)
+    curve = runner.costs(refresh, progress)
     path = _cache_file(curve.key)
     max_depth = runner.policy("auto")[0]
     lookup_depth = runner.policy("auto", "lookup")[0]
-    return {"bundle": bundle, **curve.to_dict(), "context": CONTEXT, "measured": measured,
+    return {"bundle": bundle, **curve.to_dict(), "measured": measured,
             "cache": str(path if path is not None and path.exists() else cache_dir()),
             "max_depth": max_depth, "picks": picks(curve, max_depth) if runner.head else [],
             "lookup_picks": picks(curve, lookup_depth, "lookup")}
+
+
+def _spans(rows: list[int]) -> str:
+    """1 2 3 6 -> "1-3, 6"."""
+    out: list[str] = []
+    for t in sorted(rows):
+        if out and out[-1].split("-")[-1] == str(t - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{t}"
+        else:
+            out.append(str(t))
+    return ", ".join(out)
+
+
+def how_measured(curve: CostCurve | dict[str, Any]) -> str:
+    """How a curve was measured, in a few words: its duration, the widths interpolated, the
+    widths re-measured and smoothed (empty for a curve given by hand)."""
+    doc = curve.to_dict() if isinstance(curve, CostCurve) else curve
+    if not doc["timed"]:
+        return ""
+    parts = [f"measured in {doc['seconds']:.1f} s"]
+    if len(doc["timed"]) < len(doc["verify"]):
+        parts.append(f"T {_spans(doc['timed'])} timed, the rest interpolated")
+    if doc["remeasured"]:
+        parts.append(f"T {_spans(doc['remeasured'])} re-measured (a wider pass came out "
+                     "cheaper)")
+    if doc["smoothed"]:
+        widths = doc["widths"]
+        parts.append("smoothed: " + ", ".join(f"T {t} priced and verified at width "
+                                              f"{widths[t - 1]}" for t in doc["smoothed"])
+                     + " (cheaper twice; mtpkit tune --refresh measures again)")
+    return "; ".join(parts)
+
+
+def progress_bar(file: Any = None) -> Progress:
+    """A measurement shown on stderr: what is measured and why, at most how long (the budget)
+    before anything runs, then a bar with the plan's seconds left (on a terminal; elsewhere,
+    in a log, one line with the plan), then how it went."""
+    out = sys.stderr if file is None else file
+    terminal = hasattr(out, "isatty") and out.isatty()
+    state: dict[str, Any] = {}
+
+    def show(tick: Tick) -> None:
+        bar = state.get("bar")
+        if tick.phase == "start":
+            click.echo("measuring this machine's verify costs for --depth auto (once per "
+                       "bundle, dtype and versions; cached): at most about "
+                       f"{tick.budget_s:.0f} s", file=out)
+            if terminal:  # the ETA is the plan's, not a rate's: the bar shows it as its item
+                bar = state["bar"] = click.progressbar(
+                    length=1000, label="  verify costs", file=out, show_eta=False, width=30,
+                    item_show_func=lambda item: item)
+                bar.__enter__()
+        elif tick.phase == "plan" and not terminal:
+            click.echo(f"  verify costs: about {tick.total_s:.0f} s in all ({tick.what})",
+                       file=out)
+        elif tick.phase == "done":
+            if bar is not None:
+                bar.update(1000 - bar.pos, "done")
+                bar.render_finish()
+            assert tick.curve is not None
+            click.echo(f"  {how_measured(tick.curve)}", file=out)
+        elif bar is not None:  # "plan" or "step"
+            state["planned"] = state.get("planned") or tick.phase == "plan"
+            left = (f"{tick.eta_s:.0f} s left" if state["planned"]
+                    else f"at most {tick.eta_s:.0f} s left")
+            bar.current_item = f"{tick.what}: {left}"
+            moved = max(min(int(1000 * tick.done_s / max(tick.total_s, 1e-9)), 1000) - bar.pos, 0)
+            if moved:
+                bar.update(moved)
+            else:
+                bar.render_progress()
+
+    return show
 
 
 def _pick_lines(found: list[dict[str, Any]]) -> list[str]:
@@ -70,6 +149,8 @@ def render_text(doc: dict[str, Any]) -> str:
              "     T   c(T) ms   c(T)/c(1)   cheapest width"]
     lines += [f"  {t:>4}  {c:>8.2f}  {r:>10.2f}  {w:>15}" for t, (c, r, w) in
               enumerate(zip(ms, doc["ratios"], doc["widths"], strict=True), 1)]
+    if note := how_measured(doc):
+        lines.append(f"  {note}")
     lines.append(f"  plain step {1000 * doc['plain']:.2f} ms (pipelined), head draft step "
                  + (f"{1000 * doc['draft']:.2f} ms" if doc["picks"] else "- (no MTP head)"))
     if doc["picks"]:
@@ -84,20 +165,31 @@ def render_text(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def summary(runner: Runner, draft: str | None = None) -> str:
-    """One line for `serve --depth auto` at start-up (measures the curve once, or reads it)."""
-    curve = runner.costs()
+def summary(runner: Runner, draft: str | None = None, verbose: bool = False,
+            progress: Progress | None = None) -> str:
+    """What `serve --depth auto` says at start-up (measures the curve once, telling `progress`,
+    or reads it): one short line; with `verbose`, the curve's ratios and the first picks."""
+    key = cache_key(runner.root, runner.load_options) if runner.root is not None else None
+    fresh = key is None or cached(key) is None
+    curve = runner.costs(progress=progress)
+    if not verbose:
+        path = _cache_file(curve.key)
+        where = (f"measured now, cached in {path}" if fresh and path is not None else
+                 f"from the cache {path}" if path is not None else "measured now")
+        return (f"depth auto: chosen per round from this machine's costs ({where}; --verbose "
+                "or mtpkit tune shows them)")
     ratios = curve.ratios()
     shown = " ".join(f"{t}:{ratios[t - 1]:.2f}" for t in (2, 4, 8, 16) if t <= len(ratios))
+    note = f"; {how_measured(curve)}" if how_measured(curve) else ""
     if runner.draft_source("auto", draft) == "lookup":
         why = "no MTP head, " if runner.head is None else ""
         return (f"depth auto: {why}context lookup drafts chosen per round from this machine's "
                 f"costs (verify c(T)/c(1) {shown}; c(1) {1000 * curve.verify[0]:.2f} ms, plain "
-                f"step {1000 * curve.plain:.2f} ms; mtpkit tune shows more)")
+                f"step {1000 * curve.plain:.2f} ms{note}; mtpkit tune shows more)")
     starts = ", ".join(f"a_1 {100 * p['acceptance']:.0f}% -> "
                        + (f"d{p['depth']}" if p["depth"] else "plain")
                        for p in picks(curve, runner.policy("auto")[0]))
     return (f"depth auto: chosen per round from this machine's costs (verify c(T)/c(1) {shown}; "
             f"c(1) {1000 * curve.verify[0]:.2f} ms, plain step {1000 * curve.plain:.2f} ms, head "
-            f"draft {1000 * curve.draft:.2f} ms; starts at {starts}; mtpkit tune shows more)")
-
+            f"draft {1000 * curve.draft:.2f} ms; starts at {starts}{note}; mtpkit tune shows "
+            "more)")
