@@ -25,7 +25,7 @@ from mtpkit.loaders.norms import DESCRIPTIONS, NormDecision, decide
 from mtpkit.loaders.quant import SIDECAR_POLICIES
 from mtpkit.loaders.safetensors_header import TensorInfo
 from mtpkit.loaders.tensor_data import read_small
-from mtpkit.loaders.weights import Weights
+from mtpkit.loaders.weights import SIDECAR_NAMES, Weights
 
 # Values MTPLX reads as "sidecar norms are stored zero-centred; add +1 when loading".
 DELTA_ENCODINGS = {"delta", "delta_plus_one", "mlx_delta"}
@@ -44,6 +44,7 @@ class MTPLayout:
     num_experts: int | None = None
     norm_encoding: str | None = None
     norms: NormDecision | None = None  # the head's norm convention and its evidence
+    stray: str | None = None  # the head was found in this file, a name no runtime looks for
     findings: list[Finding] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -66,8 +67,28 @@ def _canonical(name: str, fam: Family, cfg: ModelConfig, in_sidecar: bool) -> st
     return found
 
 
+def _is_head(names: list[str], fam: Family, cfg: ModelConfig) -> bool:
+    """Every tensor is part of an MTP head and one of them is the head's own (a role such as
+    fc or norm, or a decoder layer under mtp.), so a stray adapter or trunk copy is not one."""
+    canon = [_canonical(n, fam, cfg, True) for n in names]
+    return bool(canon) and all(canon) and any(
+        c.startswith(("mtp.layers.", *(f"mtp.{r}." for r in HEAD_ROLES))) for c in canon if c)
+
+
+def _adopt_stray(weights: Weights, fam: Family, cfg: ModelConfig) -> str | None:
+    """The first stray safetensors file whose tensors are a head, read as the sidecar."""
+    for name, header in sorted(weights.strays.items()):
+        if _is_head(list(header.tensors), fam, cfg):
+            weights.adopt(name)
+            return name
+    return None
+
+
 def collect(weights: Weights, fam: Family, cfg: ModelConfig) -> MTPLayout:
     layout = MTPLayout(declared_layers=cfg.num_mtp_layers)
+    if weights.sidecar_file is None and not any(
+            canonical_mtp_name(n, fam, cfg.text) for n in weights.trunk):
+        layout.stray = _adopt_stray(weights, fam, cfg)
     seen = {"trunk": False, "sidecar": False}
     for scope, tensors in (("trunk", weights.trunk), ("sidecar", weights.sidecar)):
         for name, info in tensors.items():
@@ -99,6 +120,11 @@ def check(layout: MTPLayout, weights: Weights, fam: Family, cfg: ModelConfig, ki
                     "declares no MTP layers (mtp_num_hidden_layers / num_nextn_predict_layers), "
                     "so runtimes will not build the head", "config.json", fixable=True,
                     hint="set mtp_num_hidden_layers (mtpkit doctor --fix)"))
+    if layout.stray is not None:
+        layout.findings.append(finding(
+            "mtp.stray_sidecar", f"the MTP head is in {layout.stray}, a file MTP runtimes do not "
+            f"look for ({', '.join(SIDECAR_NAMES)} or config mlx_lm_extra_tensors.mtp_file), so "
+            "they run without it", layout.stray))
     _check_placement(layout, weights, kind)
     _check_complete(layout, fam)
     _check_experts(layout, cfg, fam, kind)

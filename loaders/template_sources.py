@@ -1,6 +1,8 @@
 """Where a missing or broken chat template can be restored from, in order: what the user
 names (--template-from), the original model in the local Hugging Face cache, GGUF metadata,
-and last a plain template for a chat format the special tokens identify unambiguously."""
+and last a plain template for a chat format the special tokens identify unambiguously (for
+ChatML with `<think>` tokens, one with Qwen3's thinking switch). A plain template lacks what the
+model's own had (tools, often the thinking switch): fallback_gaps() says what, as a warning."""
 
 from __future__ import annotations
 
@@ -8,11 +10,32 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mtpkit.loaders.bundle import BundleView
-from mtpkit.loaders.chat_formats import identify
+from mtpkit.loaders.chat_formats import FORMATS, identify
 from mtpkit.loaders.config import read_json
+from mtpkit.loaders.findings import Finding, finding
 from mtpkit.loaders.gguf_header import check_gguf
 from mtpkit.loaders.source import REPO_ID
 from mtpkit.loaders.templates import locate
+
+# ChatML with Qwen3's thinking switch: enable_thinking=false closes an empty think block in the
+# generation prompt; otherwise the model opens <think> itself.
+CHATML_THINKING = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+THINK_TOKENS = ("<think>", "</think>")
+# Special tokens that show a model was trained to call tools (Qwen/Hermes, Llama 3.1, Mistral,
+# Phi, Gemma 3n / FunctionGemma).
+TOOL_TOKENS = ("<tool_call>", "<|python_tag|>", "[TOOL_CALLS]", "<|tool_call|>",
+               "<start_function_call>")
+# Every template mtpkit restores without a source: the copy's doctor recognises them by text.
+FALLBACKS = {CHATML_THINKING: "plain chatml template with a thinking switch",
+             **{f.template: f"plain {f.name} template" for f in FORMATS}}
 
 
 @dataclass(frozen=True)
@@ -103,7 +126,34 @@ def find_template(view: BundleView, template_from: Path | None = None) -> FoundT
         if text:
             return FoundTemplate(text, f"GGUF metadata of {gguf.name}")
     fmt = identify(view.tokenizer.vocab)
-    if fmt is not None:
-        return FoundTemplate(fmt.template, f"plain {fmt.name} template (identified from the "
-                             "tokenizer's special tokens)")
-    return None
+    if fmt is None:
+        return None
+    text = fmt.template
+    if fmt.name == "chatml" and all(t in view.tokenizer.vocab for t in THINK_TOKENS):
+        text = CHATML_THINKING  # the model reasons in <think>: keep its switch
+    return FoundTemplate(text, f"{FALLBACKS[text]} (identified from the tokenizer's special "
+                         "tokens)")
+
+
+def fallback_gaps(view: BundleView) -> list[Finding]:
+    """A warning where the bundle's template is one of mtpkit's plain fallbacks and lacks what
+    the tokenizer shows the model uses: a thinking switch (`<think>` tokens), tool calls (tool
+    tokens). A restored template that renders is otherwise reported OK while chat requests
+    silently lose thinking control and tools."""
+    name = FALLBACKS.get(view.template.text or "")
+    if name is None:
+        return []
+    vocab = view.tokenizer.vocab
+    lacks = []
+    if all(t in vocab for t in THINK_TOKENS) and not view.template.thinking:
+        lacks.append("no thinking switch (enable_thinking), though the tokenizer has "
+                     "<think>/</think>")
+    tools = [t for t in TOOL_TOKENS if t in vocab]
+    if tools and "tools" not in (view.template.text or ""):
+        lacks.append(f"no tool calls, though the tokenizer has {', '.join(tools)}")
+    if not lacks:
+        return []
+    where = view.template.source or "chat_template.jinja"
+    return [finding("template.fallback", f"{where} is mtpkit's {name}: it has "
+                    + " and ".join(lacks), where,
+                    fixable=not tools and "chatml" in name)]

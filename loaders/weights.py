@@ -2,8 +2,11 @@
 
 Trunk: mlx-lm loads every `model*.safetensors` by glob; transformers and MTP runtimes follow
 `model.safetensors.index.json`. Both views are checked against each other. Sidecar: MTPLX's
-lookup order (config `mlx_lm_extra_tensors.mtp_file`, then the usual file names). No path from
-the bundle's own files is trusted to stay inside the bundle.
+lookup order (config `mlx_lm_extra_tensors.mtp_file`, then the usual file names). Where none
+of those is present, every other safetensors file a loader may open (the audit's set) is a
+candidate stray sidecar: a head saved under a name no runtime looks for (loaders/mtp.py decides
+whether its tensors are a head). No path from the bundle's own files is trusted to stay inside
+the bundle.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from pathlib import Path
 
 from mtpkit.loaders.config import ModelConfig, read_json
 from mtpkit.loaders.findings import Finding, finding
-from mtpkit.loaders.paths import bundle_file, plain, vet
+from mtpkit.loaders.paths import bundle_file, loaded_names, plain, vet
 from mtpkit.loaders.safetensors_header import SafetensorsHeader, TensorInfo, read_header
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -33,6 +36,18 @@ class Weights:
     sidecar: dict[str, TensorInfo] = field(default_factory=dict)
     index: dict[str, str] | None = None
     findings: list[Finding] = field(default_factory=list)
+    # Without a known sidecar: the headers of the other safetensors files a loader may open,
+    # which may hold a head under a name runtimes do not look for (see adopt()).
+    strays: dict[str, SafetensorsHeader] = field(default_factory=dict)
+
+    def adopt(self, name: str) -> None:
+        """Read stray `name` as the sidecar: the head is diagnosed (and repaired) from it,
+        instead of being reported missing while it sits in the folder."""
+        header = self.strays.pop(name)
+        self.sidecar_file = name
+        self.headers[name] = header
+        self.findings.extend(header.findings)
+        self.sidecar.update(header.tensors)
 
 
 def _read_index(root: Path, out: Weights) -> None:
@@ -123,6 +138,20 @@ def _sidecar_name(root: Path, config: ModelConfig, out: Weights) -> str | None:
     return None
 
 
+def _read_strays(root: Path, out: Weights) -> None:
+    """Headers of the safetensors files no reader picks up (not a trunk shard, not a known
+    sidecar name), among those the audit vets; a file it refuses is never opened here."""
+    known = {*out.trunk_files, *(out.index or {}).values(), *SIDECAR_NAMES}
+    for name in loaded_names(root):
+        if not name.endswith(".safetensors") or name in known or fnmatchcase(name, TRUNK_GLOB):
+            continue
+        target, problem = vet(root, name)
+        if target is not None and problem is None:
+            header = read_header(target, label=name)
+            if header.readable and header.tensors:
+                out.strays[name] = header
+
+
 def _check_index(out: Weights) -> None:
     if out.index is None:
         return
@@ -160,4 +189,6 @@ def read_weights(root: Path, config: ModelConfig) -> Weights:
         out.findings.append(finding("files.missing_weights", "no model*.safetensors files",
                                     str(root.name)))
     _check_index(out)
+    if out.sidecar_file is None:
+        _read_strays(root, out)
     return out

@@ -112,7 +112,7 @@ def test_shifted_twice_is_found_and_fixed(bundle_copy, tmp_path: Path, built, ga
 def test_correct_sidecar_is_left_untouched(built, tmp_path: Path) -> None:
     path = built("qwen3_5", ABSOLUTE, gains="real")
     result = repair(path, tmp_path / "fixed")
-    assert not any(a.code == "mtp.norm_encoding" for a in result.applied)
+    assert not any(a["code"] == "mtp.norm_encoding" for a in result.applied)
     assert (tmp_path / "fixed" / "mtp.safetensors").read_bytes() == \
         (path / "mtp.safetensors").read_bytes()
 

@@ -10,6 +10,7 @@ from mtpkit import __version__
 from mtpkit.loaders.bundle import BundleView, open_bundle
 from mtpkit.loaders.findings import SEVERITY_ORDER, Finding, finding
 from mtpkit.loaders.source import NotABundle
+from mtpkit.loaders.template_sources import fallback_gaps
 from mtpkit.verify.deep import Progress, deep_scan
 
 
@@ -31,6 +32,10 @@ def report(target: str | Path, deep: bool = False,
         findings = [finding("files.missing_config", str(exc), str(target), hint=exc.hint)]
         return _document(str(target), deep, None, findings)
     findings = list(view.findings)
+    gaps = fallback_gaps(view)  # a restored plain template that lacks what the model uses
+    if gaps:
+        findings = sorted([*findings, *gaps],
+                          key=lambda f: (SEVERITY_ORDER[f.severity], f.code, f.location))
     if deep:
         if on_open:
             on_open(view)
@@ -84,13 +89,26 @@ def _describe(bundle: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _repair_lines(applied: list[dict[str, str]]) -> list[str]:
+    """What --fix did. Finding repairs are "fixed"; changes to the files that no finding asked
+    for (convert/repair.py's repair.* notes) are named as such, so "copied as is" is said only
+    when every file of the copy is the source's, byte for byte."""
+    if not applied:
+        return ["  fixed     nothing to repair; copied as is (every file byte for byte)"]
+    fixes = [a for a in applied if not a["code"].startswith("repair.")]
+    lines = [f"  fixed     {a['code']}: {a['action']}" for a in fixes] or [
+        "  fixed     nothing to repair"]
+    lines += [f"  {a['code'].removeprefix('repair.'):<9} {a['action']}" for a in applied
+              if a["code"].startswith("repair.")]
+    return lines
+
+
 def render_text(doc: dict[str, Any]) -> str:
     lines = [f"mtpkit doctor {doc['target']}" + (" --deep" if doc["deep"] else "")]
     if "repair" in doc:
         fix = doc["repair"]
         lines.append(f"  repaired {fix['source']} -> {fix['out']} (source untouched)")
-        lines += [f"  fixed     {a['code']}: {a['action']}" for a in fix["applied"]] or [
-            "  fixed     nothing to repair; copied as is"]
+        lines += _repair_lines(fix["applied"])
         lines.append("  the copy:")
     if doc["bundle"]:
         lines += ["  " + line for line in _describe(doc["bundle"])]
