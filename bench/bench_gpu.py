@@ -33,6 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import save, summary  # noqa: E402
 
+from mtpkit.verify.run import mean_by_position  # noqa: E402
+
 RATES = (0.73, 0.48, 0.32)
 
 
@@ -293,7 +295,7 @@ def oracle_decoding(runner, tokens: int, runs: int) -> dict:
             row["speedup_paired"] = statistics.median(
                 t / r0.stats.decode_tps for t, r0 in zip(tps, runs_of[0], strict=True))
         if depth not in (0, "auto"):
-            a = [statistics.mean(col) for col in zip(*accept, strict=True)]
+            a = mean_by_position(accept)
             row["acceptance_by_depth"] = a
             fixed = depth * curve.draft + curve.verify[depth]  # a forced depth never pads
             row["ideal_speedup"] = (1 + sum(RATES[:depth])) / (fixed / plain_s)

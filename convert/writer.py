@@ -49,14 +49,16 @@ class OutputExists(Exception):
 def claim_output(out: Path, source: Path, force: bool) -> None:
     """Refuse, before any work, an output that is its source, lies inside it or holds it (links
     resolved; for a Hugging Face cache snapshot, the cached repo its links point into):
-    replacing OUT would delete the source, writing inside it would change it. Then refuse an
-    existing OUT unless `force`."""
+    replacing OUT would delete the source, writing inside it would change it. Then put back
+    what a killed earlier run left beside OUT (_recover) and refuse an existing OUT unless
+    `force`."""
     target, origin = out.resolve(), source.resolve()
     area = trusted_base(origin) if origin.is_dir() else origin
     if target == origin or origin.is_relative_to(target) or target.is_relative_to(area):
         raise UserError("output.overlaps_source", f"{out} is {source} or overlaps it ({target} vs "
                         f"{origin}); the source is never modified",
                         "write the output to a folder outside the source, e.g. a sibling")
+    _recover(target)
     if target.exists() and not force:
         raise OutputExists(f"{target} already exists")
 
@@ -328,9 +330,6 @@ def staged_output(out: Path, source: Path, force: bool = False) -> Iterator[Path
     next run writing `out` puts the previous one back)."""
     claim_output(out, source, force)
     out = out.resolve()
-    _recover(out)
-    if out.exists() and not force:  # put back by _recover
-        raise OutputExists(f"{out} already exists")
     out.parent.mkdir(parents=True, exist_ok=True)
     stage = _leftover(out, STAGE, str(uuid.uuid4().int % 10**12))
     stage.mkdir()

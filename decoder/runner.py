@@ -17,7 +17,7 @@ from mlx_lm.utils import dequantize_model, load_model
 
 from mtpkit.decoder import distributed, kernels, sharding
 from mtpkit.decoder.context import check_prompt, context_of
-from mtpkit.decoder.costs import CostCurve, costs_for
+from mtpkit.decoder.costs import CostCurve, Progress, costs_for
 from mtpkit.decoder.head import Contract, MTPHead
 from mtpkit.decoder.policy import DepthPolicy, PaidCosts
 from mtpkit.decoder.prefix import CachedSession, PrefixCache
@@ -30,7 +30,7 @@ from mtpkit.decoder.trunk import Trunk
 from mtpkit.loaders.arrays import mtp_arrays
 from mtpkit.loaders.bundle import BundleView, open_bundle
 from mtpkit.loaders.families import is_shifted_norm
-from mtpkit.loaders.findings import UserError
+from mtpkit.loaders.findings import UserError, root_rank
 from mtpkit.loaders.mtp import DELTA_ENCODINGS
 from mtpkit.loaders.norms import ABSOLUTE, reencode
 from mtpkit.loaders.templates import render, unsafe_reach
@@ -43,6 +43,11 @@ MAX_AUTO_DEPTH = 8  # deepest round --depth auto considers (the cost curve cover
 # text and chat prompts (checked when used), a stale manifest is reported by doctor, and a
 # declared-but-missing head still allows plain decoding.
 NON_BLOCKING = ("template.", "tokenizer.", "manifest.", "mtp.missing")
+# A chat prompt on a bundle without a usable template (none, unsafe, or not rendering): refused
+# by Runner.render, the one place every entry (generate, serve, the Python API) goes through.
+NO_TEMPLATE = "the bundle has no usable chat template, so a chat prompt cannot be rendered"
+NO_TEMPLATE_HINT = ("send the prompt as plain text (generate --raw; serve: /v1/completions), or "
+                    "restore a template: mtpkit doctor BUNDLE --fix --out DIR")
 
 
 @dataclass
@@ -134,10 +139,11 @@ class Runner:
         self._costs: CostCurve | None = None
         self.paid = PaidCosts()  # what rounds and plain steps really cost here (policy.py)
 
-    def costs(self, refresh: bool = False) -> CostCurve:
-        """This machine's cost curve for this runner (measured once, cached per bundle)."""
+    def costs(self, refresh: bool = False, progress: Progress | None = None) -> CostCurve:
+        """This machine's cost curve for this runner (measured once, cached per bundle).
+        progress: told how a measurement goes (decoder/costs.py's Tick); nothing is printed."""
         if self._costs is None or refresh:
-            self._costs = costs_for(self, refresh)
+            self._costs = costs_for(self, refresh, progress)
             self.paid = PaidCosts()
         return self._costs
 
@@ -192,9 +198,8 @@ class Runner:
 
     def render(self, messages: list[dict[str, Any]], **template_options: Any) -> str:
         """The chat prompt text (sandboxed render of the bundle's template)."""
-        if self.template is None:
-            raise UserError("template.missing", "chat messages given but the bundle has no chat "
-                            "template", "mtpkit doctor BUNDLE --fix --out DIR restores one")
+        if self.template is None:  # never sent as raw text instead: every entry refuses
+            raise UserError("template.missing", NO_TEMPLATE, NO_TEMPLATE_HINT)
         return render(self.template, messages, self.special, **template_options)
 
     def stream(self, prompt: Prompt, max_tokens: int = 256, temperature: float = 0.0,
@@ -280,11 +285,10 @@ def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None
     ranks (decoder/distributed.py).
     """
     view = open_bundle(path)
-    # Refused before mlx-lm opens or builds anything. A file no loader may open (a FIFO, a
-    # link outside) is named first: it is the root cause of whatever it leaves missing (the
-    # shards that would have said "MLX bundle" included).
-    blocking = [f for f in view.errors if not f.code.startswith(NON_BLOCKING)]
-    blocking.sort(key=lambda f: f.code not in ("files.not_regular", "index.path_escape"))
+    # Refused before mlx-lm opens or builds anything, root cause first (a file no loader may
+    # open leaves shards missing, the shards that would have said "MLX bundle" included).
+    blocking = sorted((f for f in view.errors if not f.code.startswith(NON_BLOCKING)),
+                      key=root_rank)
     if view.kind != "mlx" and not (blocking and blocking[0].code in (
             "files.not_regular", "index.path_escape")):
         raise UserError("load.not_converted", f"{path} is a Hugging Face checkpoint, not an MLX "
@@ -293,6 +297,9 @@ def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None
         first = blocking[0]
         raise UserError(first.code, f"{path}: {first.message}", first.hint or
                         "mtpkit doctor BUNDLE shows every finding")
+    # never runs bundle code (auto_map); a file transformers chokes on is one UserError, before
+    # the weights load
+    tokenizer = load_wrapper(view.root, view.tokenizer, str(path)) if view.tokenizer.kind else None
     contract = _contract(view, {"hidden_feed": hidden_feed, "next_hidden": next_hidden,
                                 "concat_order": concat_order})
     group = sharding.join(shard) if shard is not None else None
@@ -327,8 +334,6 @@ def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None
     if traced:  # where the host's graph building bounds a verify pass (a GPU)
         trunk.use_traced()
     mx.eval(model.parameters(), head.parameters() if head is not None else [])
-    # never runs bundle code (auto_map); a file transformers chokes on is one UserError
-    tokenizer = load_wrapper(view.root, view.tokenizer, str(path)) if view.tokenizer.kind else None
     options = {"dequantize": flat, "dtype": dtype, "contract": contract.to_dict(),
                "traced": traced}
     if group is not None:
@@ -343,6 +348,6 @@ def safe_template(view: BundleView) -> str | None:
     """The bundle's chat template, or None where it is unsafe or does not render (doctor
     reports why; such a template is never rendered)."""
     template = view.template.text
-    if template is not None and (unsafe_reach(template) or not view.template.renders):
+    if template is not None and (not view.template.renders or unsafe_reach(template)):
         return None
     return template

@@ -8,7 +8,11 @@ from typing import Any
 
 
 def shares(accepted: list[int], proposed: list[int]) -> list[float]:
-    return [a / p if p else 0.0 for a, p in zip(accepted, proposed, strict=True)]
+    """Kept share per draft position, up to the deepest position ever drafted: a position
+    never drafted has no acceptance (not 0%), so an answer decoded plain reports none."""
+    drafted = [i for i, p in enumerate(proposed) if p]
+    n = drafted[-1] + 1 if drafted else 0
+    return [a / p if p else 0.0 for a, p in zip(accepted[:n], proposed[:n], strict=True)]
 
 
 @dataclass
@@ -63,8 +67,15 @@ class Stats:
 
     @property
     def acceptance_by_depth(self) -> list[float]:
-        """Share of rounds proposing a draft at position i whose draft i was kept."""
+        """Share of rounds proposing a draft at position i whose draft i was kept (positions
+        never drafted left out)."""
         return shares(self.accepted, self.proposed)
+
+    @property
+    def drafted_depth(self) -> int:
+        """The deepest draft position any round verified; 0: the answer was decoded plain
+        (whatever depth was allowed)."""
+        return len(self.acceptance_by_depth)
 
     def rounds(self) -> dict[str, list]:
         """The timeline as columns: seconds since the first round, tokens committed by the end
@@ -83,8 +94,8 @@ class Stats:
         """What the cost curve and this generation's acceptance predict over plain decoding
         (tokens after the first, each worth one plain step, over the predicted seconds)."""
         n = self.generated_tokens - 1
-        if not self.depths or self.predicted_s <= 0 or n <= 0:
-            return None
+        if not self.depths or self.predicted_s <= 0 or n <= 0 or not self.verify_calls:
+            return None  # nothing speculated: no speedup to predict
         return n * self.plain_s / self.predicted_s
 
     @property
@@ -100,6 +111,7 @@ class Stats:
         return {
             "depth": self.depth, "prompt_tokens": self.prompt_tokens,
             "generated_tokens": self.generated_tokens, "verify_calls": self.verify_calls,
+            "drafted_depth": self.drafted_depth,
             "acceptance_by_depth": self.acceptance_by_depth, "mean_accepted": self.mean_accepted,
             "bonus": self.bonus, "corrections": self.corrections, "ttft_s": self.ttft_s,
             "prefill_tps": self.prefill_tps, "decode_tps": self.decode_tps,

@@ -7,6 +7,11 @@ from dataclasses import asdict, dataclass
 from mtpkit.schemas import finding_codes
 
 SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
+# Which findings cause which: a file no loader may open leaves weights missing, a damaged
+# shard leaves modules incomplete, a wrong config contradicts the tensors; an entry that
+# refuses a bundle names the earliest cause, not its consequences.
+ROOT_ORDER = ("files.not_regular", "index.path_escape", "files.", "index.", "safetensors.",
+              "config.", "tokenizer.", "quant.", "mtp.", "template.", "manifest.", "weights.")
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,12 @@ def finding(
         hint=hint or entry["hint"],
         fixable=entry["fixable"] if fixable is None else fixable,
     )
+
+
+def root_rank(f: Finding) -> int:
+    """Sort key putting root causes first (ROOT_ORDER)."""
+    return next((i for i, prefix in enumerate(ROOT_ORDER) if f.code.startswith(prefix)),
+                len(ROOT_ORDER))
 
 
 class UserError(Exception):

@@ -14,6 +14,7 @@ here, and clients reach an exposed server under names it cannot know."""
 
 from __future__ import annotations
 
+import errno
 import hmac
 import ipaddress
 import json
@@ -60,6 +61,27 @@ def check_bind(host: str, api_key: str | None) -> None:
         raise UserError("serve.exposed", f"refusing to bind {host} without an API key",
                         f"set {KEY_ENV}, pass --api-key-file PATH or --api-key KEY, or bind "
                         "127.0.0.1")
+
+
+def _bind_error(host: str, port: int, exc: OSError) -> UserError:
+    if exc.errno == errno.EADDRINUSE:
+        return UserError("serve.port_in_use", f"{host}:{port} is already in use",
+                         "stop the server that holds it, or pass --port N (another port)")
+    return UserError("serve.bind", f"cannot listen on {host}:{port}: {exc.strerror or exc}",
+                     "pass --host 127.0.0.1 or an address of this machine, and a free --port")
+
+
+def check_port(host: str, port: int) -> None:
+    """Bind (and free) the address as the server will, before the slow load: a port in use is
+    one line now, not a traceback minutes later. The server's own bind says the same if the
+    port is taken in between."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as HTTPServer binds
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise _bind_error(host, port, exc) from None
 
 
 def api_key_from(given: str | None, path: Path | None,
@@ -478,7 +500,10 @@ class Server(ThreadingHTTPServer):
         self.address_family = family
         self._requests: set[threading.Thread] = set()
         self._requests_lock = threading.Lock()
-        super().__init__((host, port), Handler)
+        try:
+            super().__init__((host, port), Handler)
+        except OSError as exc:
+            raise _bind_error(host, port, exc) from None
 
     def serve_forever(self, poll_interval: float = 0.5) -> None:
         http = threading.Thread(target=super().serve_forever, args=(poll_interval,),

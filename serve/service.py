@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mtpkit.decoder.prefix import PrefixCache, supported
-from mtpkit.decoder.runner import Depth, Result, Runner
+from mtpkit.decoder.runner import NO_TEMPLATE, Depth, Result, Runner
 from mtpkit.decoder.state import trimmable
 from mtpkit.loaders.findings import UserError
 from mtpkit.loaders.templates import RENDER_ERRORS, describe_failure
@@ -67,7 +67,8 @@ def usage(result: Result, draft: str | None = None, cached: bool = False) -> dic
     return {"prompt_tokens": prompt, "completion_tokens": len(result.tokens),
             "total_tokens": prompt + len(result.tokens),
             "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
-            "mtp": {"depth": s.depth, "acceptance_by_depth": s.acceptance_by_depth,
+            "mtp": {"depth": s.depth, "drafted_depth": s.drafted_depth,
+                    "acceptance_by_depth": s.acceptance_by_depth,
                     "mean_accepted": s.mean_accepted, "verify_calls": s.verify_calls,
                     "decode_tps": s.decode_tps, "ttft_s": s.ttft_s,
                     "prefill_tps": s.prefill_tps, "peak_memory_bytes": s.peak_memory_bytes,
@@ -136,9 +137,9 @@ class Service:
                                    f"(size {vocab}: ids 0 to {vocab - 1})", "prompt")
         if not req.chat:
             return self.runner.encode(req.prompt), False
-        if self.runner.template is None:
-            raise RequestError(400, "this model has no usable chat template; use /v1/completions",
-                               "messages")
+        if self.runner.template is None:  # Runner.render's rule, as a 400 before any work
+            raise RequestError(400, f"{NO_TEMPLATE}; use /v1/completions", "messages",
+                               code="template.missing")
         options: dict[str, Any] = {}
         if req.enable_thinking is not None:
             options["enable_thinking"] = req.enable_thinking

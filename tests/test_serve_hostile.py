@@ -341,3 +341,29 @@ def test_json_built_to_break_the_parser_is_a_400(runner: Runner) -> None:
         brackets = b'{"prompt": "' + b"[{" * 100 + b'", "max_tokens": 2}'  # in a string: text
         assert call(url, "POST", "/v1/completions", brackets)[0] == 200
         assert call(url, "GET", "/health")[0] == 200
+
+
+def test_a_port_in_use_is_one_line_before_loading(built: Any) -> None:
+    """`serve` on a taken port: one line with its code before the bundle loads (it was an
+    OSError traceback after loading), and the same from the server's own bind."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        start = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "mtpkit.cli", "serve",
+                               str(built("qwen3_5")), "--port", str(port)],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.startswith("error [serve.port_in_use]"), proc.stderr
+        assert "Traceback" not in proc.stderr and "--port" in proc.stderr
+        assert "measuring" not in proc.stderr and "serving" not in proc.stderr
+        assert time.monotonic() - start < 60
+        with pytest.raises(UserError, match="already in use") as caught:
+            Server(Service(mtpkit.load(built("llama"), dtype="float32"), "b", 0, 16), "127.0.0.1",
+                   port, None)
+        assert caught.value.code == "serve.port_in_use"

@@ -125,6 +125,13 @@ def _merged(runs: list[dict[str, int]]) -> dict[str, int] | None:
     return {str(d): total[d] for d in sorted(total)} or None
 
 
+def mean_by_position(rows: list[list[float]]) -> list[float]:
+    """Per draft position, the mean over the runs that drafted it (a run reports only the
+    positions it drafted, so rows differ in length)."""
+    return [statistics.mean(v for v in col if v is not None)
+            for col in zip_longest(*rows, fillvalue=None)]
+
+
 def _sources(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
     """Per-source telemetry summed over runs: rounds, drafts proposed and kept per position,
     and the acceptance they make (None: no run reported any)."""
@@ -151,8 +158,7 @@ def _speed_row(answers: dict[str, list[Answer]], drop: int) -> dict[str, Any]:
             "ttft_s": percentiles([a.ttft_s for a in runs if a.ttft_s is not None]),
             "prefill_tps": percentiles([a.prefill_tps for a in runs if a.prefill_tps]),
             "tokens": [a.tokens for a in runs],
-            "acceptance_by_depth": [statistics.mean(c) for c in zip(*accept, strict=False)]
-            if accept else None,
+            "acceptance_by_depth": mean_by_position(accept) if accept else None,
             "peak_memory_bytes": max((a.peak_memory_bytes or 0 for a in runs), default=0) or None,
             "depths": _merged([a.mtp["depths"] for a in runs if a.mtp and a.mtp.get("depths")]),
             "predicted_speedup": statistics.median(predicted) if predicted else None,
