@@ -101,6 +101,9 @@ DRAFT_HELP = ("Draft source: the MTP head, the context (tokens that followed an 
               "depth, lookup for a bundle without a head.")
 
 
+KEEP_QUANTIZED_HELP = ("Run a quantized bundle's quantized matmuls as mlx-lm does (on MLX's CPU "
+                      "backend they run dequantized by default: faster, but greedy text can "
+                      "differ from mlx-lm's on the same bundle).")
 PROMPT_HELP = ("Refuse a prompt of more than N tokens (error prompt.too_long; serve: a 400, before "
                "any model work). Default: the model's context from config.json "
                "(max_position_embeddings or its family's name for it; no bound where it "
@@ -328,6 +331,7 @@ def convert(src: str, out: Path, quantize: bool, q_bits: int | None, q_group_siz
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
               help="Cast weights (float32: verify passes round like single steps, so greedy "
                    "output stays identical to plain even at near-ties).")
+@click.option("--keep-quantized", is_flag=True, help=KEEP_QUANTIZED_HELP)
 @click.option("--rollback", type=click.Choice(["record", "replay"]), default="record",
               show_default=True, help="How linear-attention state returns to the last kept "
               "token: recorded per verify position, or a snapshot plus replay.")
@@ -340,23 +344,26 @@ def convert(src: str, out: Path, quantize: bool, q_bits: int | None, q_group_siz
 @_leads
 def generate(bundle: str, prompt: str, raw: bool, max_tokens: int, depth: str | int,
              temperature: float, top_p: float, top_k: int, min_p: float, seed: int | None,
-             dtype: str | None, rollback: str, compare: bool, draft: str | None,
-             as_json: bool, max_prompt_tokens: int | None, shard: str | None) -> None:
+             dtype: str | None, keep_quantized: bool, rollback: str, compare: bool,
+             draft: str | None, as_json: bool, max_prompt_tokens: int | None,
+             shard: str | None) -> None:
     """Generate from BUNDLE with the reference MTP decoder (exact: greedy output equals plain)."""
     from mtpkit.decoder.blas import note
     from mtpkit.decoder.compare import Comparison, baseline
     from mtpkit.decoder.distributed import lead
     from mtpkit.decoder.interrupt import first_ctrl_c
-    from mtpkit.decoder.runner import load
+    from mtpkit.decoder.runner import load, numerics_note
     from mtpkit.verify.run import depths_text
     from mtpkit.verify.tune import progress_bar
 
     with _user_errors("OUT"):
-        runner = lead(load(bundle, dtype=dtype, rollback=rollback, shard=shard))
+        runner = lead(load(bundle, "auto" if not keep_quantized else False, dtype=dtype,
+                           rollback=rollback, shard=shard))
         runner.max_prompt_tokens = max_prompt_tokens
         _head_for(runner, draft)
-        if advice := note():
-            click.echo(advice, err=True)
+        for advice in (note(), numerics_note(runner)):
+            if advice:
+                click.echo(advice, err=True)
         # without --raw a chat message, always: a bundle without a usable template is refused
         # (template.missing, as serve's 400), never fed the prompt as raw text instead
         message = prompt if raw else [{"role": "user", "content": prompt}]
@@ -545,6 +552,7 @@ the final chunk carries usage with MTP statistics), POST /v1/messages (Anthropic
 @click.option("--max-tokens", type=click.IntRange(1, 1 << 16), default=4096, show_default=True,
               help="Ceiling on any request's max_tokens.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]))
+@click.option("--keep-quantized", is_flag=True, help=KEEP_QUANTIZED_HELP)
 @click.option("--cache-gb", type=click.FloatRange(0), default=2.0, show_default=True,
               help="Memory bound of the prefix cache (prompt states reused by the prompts that "
               "start with them); 0 turns it off.")
@@ -557,13 +565,13 @@ the final chunk carries usage with MTP statistics), POST /v1/messages (Anthropic
 @_leads
 def serve(bundle: str, host: str, port: int, api_key: str | None, api_key_file: Path | None,
           max_prompt_tokens: int | None, depth_opt: str | int, draft: str | None,
-          max_tokens: int, dtype: str | None, cache_gb: float, max_queue: int, verbose: bool,
-          shard: str | None) -> None:
+          max_tokens: int, dtype: str | None, keep_quantized: bool, cache_gb: float,
+          max_queue: int, verbose: bool, shard: str | None) -> None:
     """Serve BUNDLE over an OpenAI-compatible API with the reference MTP decoder."""
     import os
 
     from mtpkit.decoder.distributed import lead
-    from mtpkit.decoder.runner import load
+    from mtpkit.decoder.runner import load, numerics_note
     from mtpkit.serve.server import Server, api_key_from, check_bind, check_port
     from mtpkit.serve.service import Service
     from mtpkit.verify.tune import progress_bar, summary
@@ -572,9 +580,12 @@ def serve(bundle: str, host: str, port: int, api_key: str | None, api_key_file: 
         api_key = api_key_from(api_key, api_key_file, os.environ)
         check_bind(host, api_key)  # before the (slow) load
         check_port(host, port)
-        runner = lead(load(bundle, dtype=dtype, shard=shard))
+        runner = lead(load(bundle, "auto" if not keep_quantized else False, dtype=dtype,
+                           shard=shard))
         runner.max_prompt_tokens = max_prompt_tokens
         _head_for(runner, draft)
+        if advice := numerics_note(runner):
+            click.echo(advice, err=True)
         if depth_opt == "auto":  # the cost curve now, so that no request pays for it
             click.echo(summary(runner, draft, verbose, progress_bar()), err=True)
         service = Service(runner, Path(bundle).name, depth_opt, max_tokens, draft,

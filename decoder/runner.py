@@ -284,6 +284,9 @@ def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None
     part of the trunk (decoder/sharding.py), the head on rank 0 only, which drives the other
     ranks (decoder/distributed.py).
     """
+    if dequantize is False and dtype is not None:
+        raise UserError("usage", "keeping the quantized weights and casting them to "
+                        f"{dtype} contradict each other", "drop --keep-quantized or --dtype")
     view = open_bundle(path)
     # Refused before mlx-lm opens or builds anything, root cause first (a file no loader may
     # open leaves shards missing, the shards that would have said "MLX bundle" included).
@@ -335,13 +338,23 @@ def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None
         trunk.use_traced()
     mx.eval(model.parameters(), head.parameters() if head is not None else [])
     options = {"dequantize": flat, "dtype": dtype, "contract": contract.to_dict(),
-               "traced": traced}
+               "traced": traced, "dequantized": flat and bool(view.config.quantization)}
     if group is not None:
         options |= {"shard": shard, "ranks": group.size()}
         sharding.barrier(group)
     runner = Runner(trunk, head, tokenizer, safe_template(view), view.tokenizer.special_tokens(),
                     rollback, Path(view.root), options, context_of(view.config.text))
     return distributed.attach(runner, group, shard) if group is not None else runner
+
+
+def numerics_note(runner: Runner) -> str | None:
+    """One line where the numerics are not mlx-lm's on this bundle (its quantized weights run
+    dequantized), so that a greedy text differing from stock mlx-lm is never a surprise."""
+    if not runner.load_options.get("dequantized"):
+        return None
+    return ("note: this quantized bundle runs dequantized (faster on MLX's CPU backend), so its "
+            "greedy text can differ from mlx-lm's on the same bundle; --keep-quantized runs "
+            "mlx-lm's quantized numerics")
 
 
 def safe_template(view: BundleView) -> str | None:
