@@ -629,8 +629,10 @@ Exit codes: 0 every check passed, 1 a check failed or a floor was not met, 2 bad
               "the target's (local: both with --depth auto, the head at a forced depth, lookup "
               "for a bundle without a head).")
 @click.option("--loads", default="code,memo,translation", show_default=True)
-@click.option("--runs", type=click.IntRange(1, 100), default=3, show_default=True)
-@click.option("--max-tokens", type=click.IntRange(16, 1 << 16), default=256, show_default=True)
+@click.option("--runs", type=click.IntRange(1, 100),
+              help="Measured runs per load and mode [default: 3; 1 on a CPU backend].")
+@click.option("--max-tokens", type=click.IntRange(16, 1 << 16),
+              help="Tokens per measured run [default: 256; 128 on a CPU backend].")
 @click.option("--min-accept", type=click.FloatRange(0, 1), help="Fail below this depth-1 acceptance.")
 @click.option("--min-speedup", type=click.FloatRange(0), help="Fail below this MTP speedup.")
 @click.option("--timeout", type=click.FloatRange(0.1), default=60.0, show_default=True,
@@ -645,19 +647,21 @@ Exit codes: 0 every check passed, 1 a check failed or a floor was not met, 2 bad
 @click.option("--shard", type=click.Choice(["tensor", "pipeline"]), help=SHARD_HELP)
 @_leads
 def verify_run(bundle: str | None, endpoint: str | None, api_key: str | None, as_json: bool,
-               stamp: bool, depth_opt: str | int, draft: str | None, loads: str, runs: int,
-               max_tokens: int, min_accept: float | None, min_speedup: float | None,
+               stamp: bool, depth_opt: str | int, draft: str | None, loads: str, runs: int | None,
+               max_tokens: int | None, min_accept: float | None, min_speedup: float | None,
                timeout: float, dtype: str | None, report_path: Path | None,
                compare: Path | None, shard: str | None) -> None:
     """Check BUNDLE (or --endpoint) end to end and measure its speed the honest way."""
+    from mtpkit.decoder.interrupt import first_ctrl_c
     from mtpkit.verify.endpoint import EndpointError, open_endpoint, serving_checks
     from mtpkit.verify.loads import LOADS
-    from mtpkit.verify.local import open_local
+    from mtpkit.verify.local import cpu_backend, open_local
     from mtpkit.verify.record import fingerprint, machine, require_manifest
     from mtpkit.verify.record import stamp as write_stamp
     from mtpkit.verify.report import check_writable, load_earlier
     from mtpkit.verify.report import write as write_report
     from mtpkit.verify.run import Facts, VerifyOptions, run, table
+    from mtpkit.verify.tune import progress_bar
 
     if (bundle is None) == (endpoint is None):
         _fail("usage", "give a BUNDLE or --endpoint URL (not both)", "see mtpkit verify-run --help")
@@ -668,8 +672,6 @@ def verify_run(bundle: str | None, endpoint: str | None, api_key: str | None, as
     chosen = tuple(x.strip() for x in loads.split(",") if x.strip())
     if not chosen or set(chosen) - set(LOADS):
         _fail("usage", f"--loads takes a comma list of {', '.join(LOADS)}", "e.g. --loads code")
-    options = VerifyOptions(depth_opt, chosen, runs, max_tokens, min_accept=min_accept,
-                            min_speedup=min_speedup, draft=draft)
     if compare and not report_path:
         _fail("usage", "--compare overlays an earlier run on --report's page", "add --report PATH")
     with _user_errors("--out"):
@@ -690,17 +692,28 @@ def verify_run(bundle: str | None, endpoint: str | None, api_key: str | None, as
             _fail("endpoint.unreachable", str(exc), "check --endpoint and that the server runs")
         if stamp and view is not None:
             require_manifest(view.root)  # before the (long) run
-        report = run(target, facts, options, progress=lambda s: click.echo(f"verify-run: {s}",
-                                                                           err=True))
-        if endpoint:  # across requests: a second turn over the prefix cache, the Messages API
+        options = VerifyOptions.sized(runs, max_tokens, view is not None and cpu_backend(),
+                                      depth=depth_opt, loads=chosen, min_accept=min_accept,
+                                      min_speedup=min_speedup, draft=draft)
+        # the cost curve before any timed request: no run's TTFT pays for measuring it
+        costs = target.costs(depth_opt, progress_bar()) if view is not None else None
+        stopped = threading.Event()
+        with first_ctrl_c(stopped.set):  # the first Ctrl-C ends after the request in flight
+            report = run(target, facts, options, progress=lambda s: click.echo(
+                f"verify-run: {s}", err=True), stop=stopped.is_set, costs=costs)
+        if report.interrupted:
+            click.echo(f"verify-run: interrupted after {report.interrupted['runs_measured']} of "
+                       f"{report.interrupted['runs_planned']} runs: reporting what was measured "
+                       "(marked incomplete)", err=True)
+        elif endpoint:  # across requests: a second turn over the prefix cache, the Messages API
             report.checks += serving_checks(target, lambda s: click.echo(f"verify-run: {s}",
                                                                          err=True))
         report.record = {"machine": machine(), **({"fingerprint": fingerprint(view)} if view
                                                    else {"endpoint": endpoint})}
         if view is not None and report.speed:
-            report.speed["costs"] = target.costs(depth_opt)
+            report.speed["costs"] = costs or target.costs(depth_opt)
         doc = report.to_dict()
-        if stamp and view is not None:
+        if stamp and view is not None and not report.interrupted:
             write_stamp(view.root, doc)
         if report_path:
             write_report(doc, report_path, earlier, compare and compare.name)

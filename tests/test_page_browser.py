@@ -42,6 +42,26 @@ def browser(profile: Path) -> Iterator[BrowserContext]:
             context.close()
 
 
+# every word of a table's cells (the folded evidence aside) that the layout broke across lines
+# (a word's text range with boxes on two lines): "mod e", "P9 5", "translat ion"
+SPLIT_WORDS = """table => Array.from(table.querySelectorAll('th, td')).flatMap(cell => {
+    const split = [];
+    const walker = document.createTreeWalker(cell, NodeFilter.SHOW_TEXT);
+    for (let n = walker.nextNode(); n; n = walker.nextNode()) {
+        if (n.parentElement.closest('details')) continue;  // the evidence: folded JSON
+        for (const m of n.data.matchAll(/\\S+/g)) {
+            const range = document.createRange();
+            range.setStart(n, m.index);
+            range.setEnd(n, m.index + m[0].length);
+            const lines = new Set(Array.from(range.getClientRects()).filter(
+                r => r.width > 0).map(r => Math.round(r.top)));
+            if (lines.size > 1) split.push(m[0]);
+        }
+    }
+    return split;
+})"""
+
+
 def drawn_share(png: bytes) -> float:
     """Share of the pixels that are not the white background."""
     gray = np.asarray(Image.open(io.BytesIO(png)).convert("L"))
@@ -79,6 +99,18 @@ def test_report_charts_render_labelled_in_chromium(built, tmp_path: Path) -> Non
             assert xs and all(xs), (i, xs)
         assert page.locator("#verdict").inner_text() in ("PASS", "FAIL")
         assert page.locator("#checks tr").count() > 5
+        # issue 34: "1 runs of 256 tokens ... first 64) ." and headers cut mid-word ("mod e")
+        summary = page.locator("#summary").inner_text()
+        assert "1 run of 24 tokens per load and mode (steady decode after the first 64)." \
+            in summary and not re.search(r"\s[.,;]", summary), summary
+        for table in ("#loads", "#checks"):
+            split = page.locator(table).evaluate(SPLIT_WORDS)
+            assert split == [], f"{table}: words broken across lines: {split}"
+        headers = page.locator("#loads th")
+        assert headers.count() == 12
+        for i in range(headers.count()):
+            fits = headers.nth(i).evaluate("th => th.scrollWidth <= th.clientWidth")
+            assert fits, headers.nth(i).inner_text()
     assert requests == [report.as_uri()], "the report fetched something besides itself"
     assert (tmp_path / "report.png").stat().st_size > 10_000
 

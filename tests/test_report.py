@@ -220,3 +220,63 @@ def test_a_failed_write_is_a_user_error_and_leaves_no_file(local_run, tmp_path: 
     with pytest.raises(report_mod.UserError, match="No space left") as err:
         report_mod.write(doc, tmp_path / "r.html")
     assert err.value.code == "report.unwritable" and not (tmp_path / "r.html").exists()
+
+
+def _summary(html: str) -> str:
+    """The run's summary sentence as a reader sees it (tags out, whitespace collapsed)."""
+    p = re.search(r'<p id="summary">(.*?)</p>', html, re.S)
+    assert p, "no summary paragraph"
+    return " ".join(re.sub(r"<[^>]+>", "", p[1]).split())
+
+
+def test_summary_reads_as_a_sentence(local_run) -> None:
+    """Issue 34: "1 runs of 256 tokens ... first 64) ." Now: "1 run", no space before "."."""
+    doc, html, _ = local_run
+    assert "2 runs of 24 tokens per load and mode (steady decode after the first 64)." in \
+        _summary(html)
+    one = copy.deepcopy(doc)
+    one["speed"] |= {"runs": 1, "defaults": "cpu"}
+    text = _summary(report_mod.render(one))
+    assert "1 run of 24 tokens" in text and "1 runs" not in text
+    assert "the defaults for a CPU backend" in text
+    assert not re.search(r"\s[.,;]", text), text
+    compared = _summary(report_mod.render(one, doc, "earlier.json"))
+    assert compared.count(".json (dashed / hollow in the charts).") == 1, compared
+    assert not re.search(r"\s[.,;]", compared), compared
+
+
+def test_summary_says_the_curve_was_measured_before_any_timed_request(local_run) -> None:
+    doc, _, _ = local_run
+    timed = copy.deepcopy(doc)
+    timed["speed"]["costs"] = {"verify": [0.01, 0.02], "plain": 0.01, "draft": 0.005,
+                               "ratios": [1.0, 2.0], "seconds": 12.34, "measured": True}
+    text = _summary(report_mod.render(timed))
+    assert "The cost curve was measured before the first request (12.3 s): no run's TTFT " \
+        "includes it." in text
+
+
+def test_headline_acceptance_is_its_checks_figure() -> None:
+    """Issue 34: the headline read 95.2% (median over loads), the check 96.0% (their mean)."""
+    from mtpkit.verify.run import VerifyOptions, _speed_checks
+
+    tps = {"p50": 10.0, "p95": 11.0, "n": 1}
+    rows = {name: {"plain": {"decode_tps": tps}, "speedup": 1.1,
+                   "mtp": {"decode_tps": tps, "acceptance_by_depth": [a, 0.5]}}
+            for name, a in (("code", 0.940), ("memo", 0.952), ("translation", 0.988))}
+    check = next(c for c in _speed_checks(rows, VerifyOptions(), True, "auto")
+                 if c.name == "acceptance")
+    head = report_mod.headline({"speed": {"loads": rows}})
+    assert f"{100 * head['acceptance_p50']:.1f}%" == "95.2%"
+    assert check.summary.startswith("depth-1 acceptance 95.2% (median over loads)"), check.summary
+
+
+def test_an_interrupted_run_is_marked_incomplete(local_run) -> None:
+    doc, _, _ = local_run
+    cut = copy.deepcopy(doc) | {"incomplete": True,
+                                "interrupted": {"runs_measured": 2, "runs_planned": 6}}
+    validate(cut, "verify_run")
+    html = report_mod.render(cut)
+    banner = re.search(r'<p class="incomplete" id="incomplete">(.*?)</p>', html, re.S)
+    assert banner and "incomplete: interrupted after 2 of 6 runs" in re.sub(r"<[^>]+>", "",
+                                                                          banner[1])
+    assert 'id="incomplete"' not in report_mod.render(doc)

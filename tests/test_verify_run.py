@@ -4,12 +4,21 @@ message and no traceback."""
 from __future__ import annotations
 
 import json
+import os
 import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
 
 from fixtures.fake_servers import running
+from fixtures.serving import interruptible
 from mtpkit.cli import main
 from mtpkit.schemas import validate
 from mtpkit.verify.loads import real_loads
@@ -107,3 +116,89 @@ def test_load_nonces_are_fresh_or_drawn_from_a_seed() -> None:
     drawn = [zen.fresh(first) for _ in range(3)]
     assert drawn == [zen.fresh(second) for _ in range(3)] and len(set(drawn)) == 3
     assert drawn[0] != zen.fresh(random.Random(8))
+
+
+# A real `mtpkit verify-run` on a fixture bundle, as a terminal runs it (Ctrl-C included).
+def _verify_process(bundle: Path, cache: Path, *options: str, stdout: Any = subprocess.PIPE
+                    ) -> subprocess.Popen:
+    """stdout: a file where stderr is read line by line (a full stdout pipe would block it)."""
+    return subprocess.Popen([sys.executable, "-m", "mtpkit.cli", "verify-run", str(bundle),
+                             *options], stdout=stdout, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "MTPKIT_CACHE": str(cache)},
+                            preexec_fn=interruptible)
+
+
+def test_plan_eta_and_cpu_defaults_are_said_before_the_runs(built, tmp_path: Path) -> None:
+    """Issue 34: a default run on a CPU said nothing for half an hour. Now the curve comes
+    first (no run's TTFT pays for it), then the plan with an estimate, then a line per step
+    with the time spent and left; on a CPU backend the defaults are fewer, shorter runs."""
+    from mtpkit.verify.local import cpu_backend
+
+    proc = _verify_process(built("mimo"), tmp_path / "cache", "--loads", "code,memo", "--json")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode in (0, 1), err
+    doc = json.loads(out)
+    validate(doc, "verify_run")
+    runs, tokens = (1, 128) if cpu_backend() else (3, 256)
+    assert (doc["speed"]["runs"], doc["speed"]["max_tokens"]) == (runs, tokens)
+    assert doc["speed"].get("defaults") == ("cpu" if cpu_backend() else None)
+    lines = err.splitlines()
+    curve = next(i for i, s in enumerate(lines) if s.startswith("measuring this machine's"))
+    plan = next(i for i, s in enumerate(lines) if s.startswith("verify-run: plan: "))
+    assert curve < plan < next(i for i, s in enumerate(lines) if s.startswith("verify-run: answer"))
+    said = lines[plan]
+    assert f"2 loads (code, memo) x {runs} run{'s' if runs > 1 else ''} x 2 modes" in said
+    assert f"x {tokens} tokens" in said
+    assert re.search(r"; about \d+ (s|min \d\d s) by this machine's cost curve \(plain step "
+                     r"[\d.]+ ms, prefill [\d.]+ ms a token\)$", said), said
+    assert ("defaults for a CPU backend" in said) == cpu_backend()
+    steps = [s for s in lines if re.match(r"verify-run: (code|memo) run \d", s)]
+    assert len(steps) == 2 * runs
+    for step in steps:
+        assert re.search(r"\[\d of \d\] \(\d+ s in, about \d+ (s|min \d\d s) left\)$", step), step
+    assert doc["speed"]["costs"]["measured"], "measured up front, above, and recorded"
+
+
+def test_first_ctrl_c_reports_what_was_measured_marked_incomplete(built, tmp_path: Path) -> None:
+    """Issue 34: Ctrl-C printed "Aborted!" and wrote nothing. The first Ctrl-C ends after the
+    request in flight; the JSON and the page hold the runs measured, marked incomplete; exit 1."""
+    page, json_out = tmp_path / "r.html", (tmp_path / "out.json").open("w")
+    proc = _verify_process(built("mimo"), tmp_path / "cache", "--loads", "code,memo", "--runs",
+                           "3", "--max-tokens", "400", "--depth", "2", "--json", "--report",
+                           str(page), stdout=json_out)
+    assert proc.stderr is not None
+    seen = []
+    while not any("[2 of 6]" in s for s in seen):  # the first run is measured, the second runs
+        line = proc.stderr.readline()
+        assert line or proc.poll() is None, "".join(seen)
+        seen.append(line)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    json_out.close()
+    out = (tmp_path / "out.json").read_text()
+    assert proc.returncode == 1, err
+    assert "Traceback" not in err and "Aborted!" not in err
+    doc = json.loads(out)
+    validate(doc, "verify_run")
+    measured = doc["interrupted"]["runs_measured"]
+    assert doc["incomplete"] is True and doc["interrupted"]["runs_planned"] == 6
+    assert 1 <= measured < 6 and not doc["passed"]
+    assert f"interrupted after {measured} of 6 runs" in err
+    assert _check(doc, "incomplete")["status"] == "fail"
+    assert sum(len(r["plain"]["tokens"]) for r in doc["speed"]["loads"].values()) == measured
+    html = page.read_text()
+    assert f"incomplete: interrupted after {measured} of 6 runs" in html
+    assert 'id="verdict">FAIL<' in html
+
+
+def test_a_second_ctrl_c_interrupts_at_once(built, tmp_path: Path) -> None:
+    proc = _verify_process(built("mimo"), tmp_path / "cache", "--loads", "code", "--runs", "50",
+                           "--max-tokens", "400", "--depth", "2", stdout=subprocess.DEVNULL)
+    assert proc.stderr is not None
+    while "code run 1/50" not in (line := proc.stderr.readline()):
+        assert line or proc.poll() is None
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=30)  # not the 100 runs left
+    assert proc.returncode != 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from mtpkit.decoder.costs import cache_key, cached
+from mtpkit.decoder.costs import Progress, cache_key, cached
 from mtpkit.decoder.runner import load
 from mtpkit.loaders.bundle import BundleView, open_bundle
 from mtpkit.serve.protocol import Request
@@ -43,15 +43,25 @@ class Local:
                       len(result.tokens), s.prompt_tokens, result.finish_reason,
                       chunks if stream else [], mtp, s.peak_memory_bytes, list(result.tokens))
 
-    def costs(self, depth: int | str) -> dict[str, Any] | None:
-        """The cost curve document `mtpkit tune --json` prints, where depth auto measured it
-        or the cache holds it (a forced depth never measures it only for a report)."""
+    def costs(self, depth: int | str, progress: Progress | None = None) -> dict[str, Any] | None:
+        """The cost curve document `mtpkit tune --json` prints, where depth auto measures it
+        or the cache holds it (a forced depth never measures it only for a report). verify-run
+        asks before its first request, so no timed run pays for the measurement (the first
+        MTP run's TTFT did); progress: told how a measurement goes."""
         runner = self.service.runner
         if runner.root is None:
             return None
         if depth != "auto" and cached(cache_key(runner.root, runner.load_options)) is None:
             return None
-        return report(runner, str(runner.root))
+        return report(runner, str(runner.root), progress=progress)
+
+
+def cpu_backend() -> bool:
+    """Does MLX run on the CPU here? verify-run then measures fewer, shorter runs by default:
+    a decode step there costs ten times a GPU's, and the full default took half an hour."""
+    import mlx.core as mx
+
+    return mx.default_device().type == mx.DeviceType.cpu
 
 
 def open_local(bundle: str, dtype: str | None = None,
@@ -69,4 +79,6 @@ def open_local(bundle: str, dtype: str | None = None,
             "source": t.source, "thinking_switch": t.thinking,
             "generation_prompt_opens_reasoning": t.opens_reasoning})
     service = Service(runner, view.root.name, 0, 1 << 16)
-    return Local(service), Facts("bundle", str(view.root), template, t.thinking, True), view
+    count = (lambda text: len(runner.encode(text))) if runner.tokenizer is not None else None
+    return (Local(service), Facts("bundle", str(view.root), template, t.thinking, True, count),
+            view)

@@ -35,7 +35,8 @@ def _template() -> jinja2.Template:
     env = jinja2.Environment(autoescape=True, trim_blocks=True, lstrip_blocks=True)
     env.filters |= {"num": _fmt, "pct": lambda v: _fmt(v, ".1f", 100, "%"),
                     "ms": lambda v: _fmt(v, ".0f", 1000, " ms"),
-                    "mib": lambda v: _fmt(v or None, ",.0f", 2**-20, " MiB")}
+                    "mib": lambda v: _fmt(v or None, ",.0f", 2**-20, " MiB"),
+                    "plural": lambda n, word: f"{n} {word}" + ("" if n == 1 else "s")}
     return env.from_string(source)
 
 
