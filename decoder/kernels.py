@@ -12,7 +12,7 @@ Layouts: MLX affine quantization, 4 or 8 bits, groups of 32, 64 or 128 (what mtp
 writes); x in float16, bfloat16 or float32. Float weights keep MLX's matmul: on an H100 a kernel
 of this shape was no faster than cuBLAS on the device, and each call costs the host ~19 us to
 build (SmolLM2 bf16, 211 calls: a verify pass's build time went from 1.7 to 5.7 ms), more than
-cuBLAS's hand-off saved (BENCHMARKS.md, "GPU").
+cuBLAS's hand-off saved (docs/benchmarks-history.md, "GPU").
 """
 
 from __future__ import annotations

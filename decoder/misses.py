@@ -5,7 +5,7 @@ A one-layer head sees the trunk hidden at t and the token at t+1. To copy a span
 already shown it must find the earlier occurrence through keys built from the trunk's final
 hidden, whose current-token signal is weak, so small trunks' greedy loops (the same line again
 and again) are missed although a lookup in the context would draft them. Counting those misses
-says how much of the gap is copying (BENCHMARKS.md, issue 5).
+says how much of the gap is copying (docs/benchmarks-history.md, issue 5).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ On MLX's CPU backend:
 A verify pass multiplies K+1 rows by every weight matrix. OpenBLAS serves one row with gemv
 (memory-bound), but x @ W.T with 2-16 rows goes through its sgemm path, which on this machine
 costs ~25% more than one row per matrix; the same product computed as (W @ x.T).T costs ~5%
-more (BENCHMARKS.md, "Verify cost"). One row and long inputs (prefill, training) keep mlx-lm's
+more (docs/benchmarks-history.md, "Verify cost"). One row and long inputs (prefill, training) keep mlx-lm's
 own x @ W.T, so plain decoding runs exactly the stock graph.
 
 On a CUDA GPU, quantized linears and tied quantized output projections take 2..FEW_ROWS rows

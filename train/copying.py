@@ -7,7 +7,7 @@ attend to — but it must find it through the trunk's final hidden, whose curren
 weak, and cross-entropy alone teaches that slowly. So, where a 3-token lookup in the window finds
 the trunk's target, one group of query heads (those sharing the first key/value head) is also
 trained to put its attention on that position. On SmolLM2 (472 steps on 448 cached rollouts)
-held-out code acceptance went 23.8% -> 32.6% (BENCHMARKS.md, issue 5).
+held-out code acceptance went 23.8% -> 32.6% (docs/benchmarks-history.md, issue 5).
 """
 
 from __future__ import annotations

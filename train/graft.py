@@ -113,7 +113,7 @@ def _loss(head: MTPHead, hidden: mx.array, tokens: mx.array, targets: mx.array,
     """Cross-entropy of the trunk's greedy token at t+2 (an index into the draft vocabulary)
     under the head, averaged over the positions that train. Matching the trunk's argmax is what
     greedy acceptance counts; on SmolLM2 it beat KL to the trunk's full distribution for the
-    same minutes (31.0% vs 22.6% held-out argmax agreement; BENCHMARKS.md). With sources, plus
+    same minutes (31.0% vs 22.6% held-out argmax agreement; docs/benchmarks-history.md). With sources, plus
     copy_weight times the attention-on-the-copy loss (copying.py)."""
     logits, _ = head(hidden, tokens, None, 0, full_vocab=False)
     picked = mx.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
@@ -237,7 +237,7 @@ def learning_rate(peak: float, step: int, done: float) -> float:
     """Linear warm-up from a tenth of the peak over WARMUP_STEPS, then cosine decay to 5% of it
     at the end of the run (`done`: the share of steps or minutes spent). The warm start (the
     trunk's own last layer) survives the first steps; on SmolLM2 the schedule beat a constant
-    rate for the same minutes (BENCHMARKS.md)."""
+    rate for the same minutes (docs/benchmarks-history.md)."""
     if step < WARMUP_STEPS:
         return peak * (0.1 + 0.9 * step / WARMUP_STEPS)
     floor = 0.05 * peak
