@@ -361,14 +361,14 @@ def generate(bundle: str, prompt: str, raw: bool, max_tokens: int, depth: str | 
                            rollback=rollback, shard=shard))
         runner.max_prompt_tokens = max_prompt_tokens
         _head_for(runner, draft)
-        for advice in (note(), numerics_note(runner)):
-            if advice:
-                click.echo(advice, err=True)
         # without --raw a chat message, always: a bundle without a usable template is refused
         # (template.missing, as serve's 400), never fed the prompt as raw text instead
         message = prompt if raw else [{"role": "user", "content": prompt}]
         ids = runner.encode(message)  # as stream would: the bound is checked before any work
         runner.check_prompt(len(ids))
+        for advice in (note(), numerics_note(runner)):  # once the prompt is accepted
+            if advice:
+                click.echo(advice, err=True)
         sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
                     "seed": seed}
         if depth == "auto":  # the cost curve (read, or measured with a bar on stderr)

@@ -145,7 +145,9 @@ def test_service_passes_auto_and_reports_the_choices(built: Callable[..., Path],
         mtp = usage(result)["mtp"]
         if used == "auto":
             assert mtp["depths"] and _rounds(mtp["depths"]) == mtp["verify_calls"]
-            assert mtp["predicted_speedup"] is not None
+            # a prediction where it speculated; an answer auto decoded plain predicts nothing
+            assert (mtp["predicted_speedup"] is None) == (mtp["verify_calls"] == 0)
+            assert mtp["drafted_depth"] == len(mtp["acceptance_by_depth"])
         else:
             assert mtp["depths"] == {} and mtp["predicted_speedup"] is None
             assert mtp["depth"] == used
