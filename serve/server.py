@@ -21,6 +21,7 @@ import json
 import re
 import select
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -521,6 +522,13 @@ class Server(ThreadingHTTPServer):
         get 503, and serve_forever returns; this waits for it."""
         self.worker.stop()
         self._served.wait()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that resets or drops its connection (between keep-alive requests, say) is
+        not an error of the server's: nothing is printed. Anything else is a bug of ours and
+        keeps the standard library's traceback, as the handler's own 500s do."""
+        if not isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
+            super().handle_error(request, client_address)
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         with self._requests_lock:

@@ -10,6 +10,8 @@ import http.client
 import json
 import re
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -142,6 +144,33 @@ def test_shutdown_cancels_the_running_and_refuses_the_waiting(built: Any) -> Non
     assert events[-1]["error"]["message"] == "the server is shutting down"  # not a finish
     assert script.started == [runner.encode("running")]  # the waiting one never ran
     assert script.stopped == [runner.encode("running")]
+
+
+def test_a_client_that_resets_its_connection_prints_nothing(built: Any, capfd: Any) -> None:
+    """A keep-alive client that resets its connection (RST, not FIN) while the server waits for
+    its next request line is not a server error: no traceback on stderr, and the next client is
+    answered. A request that does fail in our code still leaves its traceback."""
+    runner = mtpkit.load(built("llama"), dtype="float32")
+    Script(runner, ["a"])
+    server = Server(Service(runner, "m", 0, 64), "127.0.0.1", 0, None)
+    with serving(server) as (url, _):
+        answered = _post(url, "/completions", {"prompt": "one", "max_tokens": 4})
+        assert answered.getresponse().read() and answered.sock is not None
+        answered.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        answered.sock.close()  # RST while the server's thread reads the next request line
+        raw = socket.create_connection(server.server_address[:2])
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        raw.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # headers cut by the reset
+        raw.close()
+        again = _post(url, "/completions", {"prompt": "two", "max_tokens": 4})
+        assert again.getresponse().status == 200
+    err = capfd.readouterr().err  # server_close waited for the request threads
+    assert "Traceback" not in err and "ConnectionResetError" not in err, err
+    try:
+        raise ValueError("ours")
+    except ValueError:
+        server.handle_error(None, ("127.0.0.1", 1))
+    assert "ValueError: ours" in capfd.readouterr().err
 
 
 @contextmanager
