@@ -43,9 +43,8 @@ from mtpkit.serve.protocol import (
     load_json,
     parse,
 )
-from mtpkit.serve.queue import Gone, QueueFull
 from mtpkit.serve.service import Service, tool_calls, usage
-from mtpkit.serve.worker import Handoff, Worker
+from mtpkit.serve.worker import Gone, QueueFull, Ticket
 
 SOCKET_TIMEOUT_S = 120
 ARRIVAL = "X-Mtpkit-Arrival"  # response header: the request's arrival number
@@ -176,7 +175,7 @@ class Handler(BaseHTTPRequestHandler):
 
     streaming = False  # the SSE headers are out: an error can no longer change the status
     api = "openai"  # whose error shape this request gets
-    job: Handoff | None = None  # the request's generation, once admitted
+    job: Ticket | None = None  # the request's generation, once admitted
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (stdlib signature)
         if self.server.verbose:
@@ -266,7 +265,7 @@ class Handler(BaseHTTPRequestHandler):
             raise RequestError(413, f"request body over {MAX_BODY_BYTES} bytes")
         return self.rfile.read(length)
 
-    def _admit(self, req: Any) -> Handoff:
+    def _admit(self, req: Any) -> Ticket:
         """Admit `req` to the queue; request errors and a full queue surface here, before any
         status is sent. Its generation runs on the server's worker (serve/worker.py)."""
         self.job = self.server.worker.submit(self.server.service.deltas(req, self._gone))
@@ -284,7 +283,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _arrival(self) -> dict[str, str]:
         """The request's arrival number (its place in the first-in first-out order)."""
-        return {ARRIVAL: str(self.job.ticket.number)} if self.job is not None else {}
+        return {ARRIVAL: str(self.job.number)} if self.job is not None else {}
 
     def _start_stream(self) -> None:
         self.send_response(200)
@@ -495,7 +494,7 @@ class Server(ThreadingHTTPServer):
                  verbose: bool = False) -> None:
         check_bind(host, api_key)
         self.service, self.api_key, self.verbose = service, api_key, verbose
-        self.worker = Worker(service.queue)
+        self.worker = service.queue  # its line, and the worker that serves it
         self._served = threading.Event()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.address_family = family

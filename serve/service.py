@@ -1,7 +1,7 @@
 """One loaded bundle answering requests: chat rendering (thinking switch, tools), the reasoning
 channel, stop sequences, tool calls, usage with MTP statistics, the prefix cache and metrics.
 One generation at a time (MLX state is not shared across threads), in arrival order
-(serve/queue.py); a generation whose client went away ends at the next round."""
+(serve/worker.py); a generation whose client went away ends at the next round."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from mtpkit.loaders.templates import RENDER_ERRORS, describe_failure
 from mtpkit.serve.channels import OPEN, ChannelSplitter, StopScanner
 from mtpkit.serve.metrics import Metrics
 from mtpkit.serve.protocol import Request, RequestError
-from mtpkit.serve.queue import FairQueue, Ticket
+from mtpkit.serve.worker import Ticket, Worker
 
 MAX_QUEUE = 16  # requests that may wait behind the running one by default
 
@@ -79,32 +79,6 @@ def usage(result: Result, draft: str | None = None, cached: bool = False) -> dic
                     "sources": s.to_dict()["sources"]}}
 
 
-class Job:
-    """An admitted request: iterate for its deltas (the first waits for its turn); close()
-    ends it and gives up its place, whether it started or not. `cancelled`: its client went
-    away (seen while it waited or between rounds)."""
-
-    def __init__(self, ticket: Ticket, gone: Callable[[], bool] | None) -> None:
-        self.ticket, self._gone = ticket, gone
-        self.cancelled = False
-        self.deltas: Iterator[Delta] = iter(())
-
-    def gone(self) -> bool:
-        if not self.cancelled and self._gone is not None:
-            self.cancelled = self._gone()
-        return self.cancelled
-
-    def __iter__(self) -> Job:
-        return self
-
-    def __next__(self) -> Delta:
-        return next(self.deltas)
-
-    def close(self) -> None:
-        getattr(self.deltas, "close", lambda: None)()
-        self.ticket.leave()
-
-
 class Service:
     """depth: the default of requests that name none: "auto" (chosen per round from this
     machine's measured costs, decoder/policy.py) or a number (0: plain decoding). draft: the
@@ -119,7 +93,7 @@ class Service:
         caches = runner.trunk.make_cache()
         self.prefix = PrefixCache(cache_bytes) if cache_bytes > 0 and supported(caches) else None
         self.trimmable = trimmable(caches)
-        self.queue = FairQueue(max_queue)
+        self.queue = Worker(max_queue)  # the line of requests, and the worker serving it
         prefix = self.prefix
         self.metrics = Metrics(lambda: self.queue.depth, lambda: int(self.queue.running is not None),
                                lambda: prefix.nbytes if prefix else 0,
@@ -176,7 +150,7 @@ class Service:
                      min(len(ids), len(other)))
         return [agree] if 0 < agree < len(ids) else []
 
-    def deltas(self, req: Request, gone: Callable[[], bool] | None = None) -> Job:
+    def deltas(self, req: Request, gone: Callable[[], bool] | None = None) -> Ticket:
         """The prompt is prepared and the request admitted to the queue here, before the first
         delta is asked for, so that a request error or a full queue (QueueFull) is raised
         while the HTTP layer can still answer it with a status. gone(): the client went away
@@ -193,9 +167,9 @@ class Service:
                                code=err.code) from None
         depth = self.depth if req.depth is None else req.depth
         marks = self._turn_end(req, ids)
-        job = Job(self.queue.enter(), gone)
-        job.deltas = self._generate(req, ids, opened, depth, draft, marks, job.ticket, job.gone)
-        return job
+        ticket = self.queue.enter(gone)
+        ticket.deltas = self._generate(req, ids, opened, depth, draft, marks, ticket, ticket.gone)
+        return ticket
 
     def _generate(self, req: Request, ids: list[int], opened: bool, depth: Depth,
                   draft: str | None, marks: list[int], ticket: Ticket,

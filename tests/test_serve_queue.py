@@ -18,9 +18,10 @@ import pytest
 import mtpkit
 from fixtures.fake_servers import in_thread
 from fixtures.serving import Script, until
-from mtpkit.serve.queue import FairQueue, Gone, QueueFull
 from mtpkit.serve.server import Server
 from mtpkit.serve.service import Service
+from mtpkit.serve.worker import Gone, QueueFull
+from mtpkit.serve.worker import Worker as FairQueue
 
 
 def test_tickets_take_turns_in_the_order_they_entered() -> None:
