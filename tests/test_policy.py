@@ -5,9 +5,11 @@ decoding whatever it chooses."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -177,7 +179,8 @@ def test_auto_reports_what_rounds_and_plain_stretches_paid(qwen: Runner) -> None
     they really cost, the policy turns plain."""
     oracle, plain = _oracle(qwen, 3, 120)
     oracle._costs = CostCurve([1e-6] * 16, plain=1e-3, draft=0.0, estimate=True)
-    session = Session(oracle.trunk, oracle.head, SamplingParams(), 8,
+    # rounds really dear, whatever else runs on the machine: plain must win on what is paid
+    session = Session(DearPasses(oracle.trunk), oracle.head, SamplingParams(), 8,
                       policy=oracle.policy("auto", "head")[1])
     tokens = [t for b in generate_ids(session, PROMPT, 120, set()) for t in b]
     assert tokens == plain
@@ -224,6 +227,22 @@ def test_plain_decoding_is_timed_once_per_runner(qwen: Runner) -> None:
     given = Runner(oracle.trunk, oracle.head, None)
     given._costs = gpu_like()
     assert given.policy("auto", "head")[1].calibration() == 0
+
+
+class DearPasses:
+    """A trunk whose passes over more than one token take 40 ms more (a verify pass that
+    costs more per token than plain steps on any machine, however loaded)."""
+
+    def __init__(self, trunk: Any) -> None:
+        self.trunk = trunk
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.trunk, name)
+
+    def __call__(self, tokens: Any, cache: Any, **kwargs: Any) -> Any:
+        if tokens.shape[1] > 1:
+            time.sleep(0.04)
+        return self.trunk(tokens, cache, **kwargs)
 
 
 def _oracle(runner: Runner, wrong_every: int, n: int) -> tuple[Runner, list[int]]:
