@@ -33,17 +33,10 @@ from urllib.parse import urlsplit
 
 from mtpkit.decoder.interrupt import first_ctrl_c
 from mtpkit.loaders.findings import UserError
-from mtpkit.serve import anthropic, page
+from mtpkit.serve import anthropic, openai, page
 from mtpkit.serve.metrics import CONTENT_TYPE
-from mtpkit.serve.protocol import (
-    MAX_BODY_BYTES,
-    RequestError,
-    completion_id,
-    envelope,
-    load_json,
-    parse,
-)
-from mtpkit.serve.service import Service, tool_calls, usage
+from mtpkit.serve.protocol import MAX_BODY_BYTES, RequestError, load_json, parse
+from mtpkit.serve.service import Service
 from mtpkit.serve.worker import Gone, QueueFull, Ticket
 
 SOCKET_TIMEOUT_S = 120
@@ -325,8 +318,7 @@ class Handler(BaseHTTPRequestHandler):
             getattr(self, route)()
 
     def _models(self) -> None:
-        self._json(200, {"object": "list", "data": [
-            {"id": self.server.service.model_id, "object": "model", "owned_by": "mtpkit"}]})
+        self._json(200, openai.models(self.server.service.model_id))
 
     def _health(self) -> None:
         self._json(200, {"status": "ok"})
@@ -373,11 +365,19 @@ class Handler(BaseHTTPRequestHandler):
             self.server.service.metrics.requests.labels(name, outcome).inc()
 
     def _openai(self, body: Any, chat: bool) -> None:
-        req = parse(body, chat, self.server.service.max_tokens)
-        if req.stream:
-            self._stream(req)
-        else:
-            self._complete(req)
+        service = self.server.service
+        req = parse(body, chat, service.max_tokens)
+        job = self._admit(req)
+        try:
+            if req.stream:
+                self._start_stream()
+                for data in openai.chunks(req, service.model_id, job):
+                    self._sse(data)
+                return
+            doc = openai.completion(req, service.model_id, job)
+        finally:
+            job.close()
+        self._json(200, doc, headers=self._arrival())
 
     def _anthropic(self, body: Any, _chat: bool) -> None:
         service = self.server.service
@@ -401,83 +401,6 @@ class Handler(BaseHTTPRequestHandler):
                                                       content, d), headers=self._arrival())
         finally:
             job.close()
-
-    def _complete(self, req: Any) -> None:
-        service = self.server.service
-        reasoning = content = ""
-        last = None
-        job = self._admit(req)
-        try:
-            for delta in job:
-                reasoning += delta.reasoning
-                content += delta.content
-                last = delta if delta.result is not None else last
-        finally:
-            job.close()
-        assert last is not None and last.result is not None
-        result = last.result
-        doc = envelope(completion_id(req.chat), service.model_id, req.chat, chunk=False)
-        if req.chat:
-            message: dict[str, Any] = {"role": "assistant", "content": content}
-            if reasoning:
-                message["reasoning_content"] = reasoning
-            calls = []
-            if req.tools:
-                message["content"], calls = tool_calls(content)
-                if calls:
-                    message["tool_calls"] = calls
-            choice = {"index": 0, "message": message,
-                      "finish_reason": "tool_calls" if calls else result.finish_reason}
-        else:
-            choice = {"index": 0, "text": content, "finish_reason": result.finish_reason}
-        self._json(200, doc | {"choices": [choice],
-                               "usage": usage(result, last.draft, last.cached)},
-                   headers=self._arrival())
-
-    def _stream(self, req: Any) -> None:
-        cid = completion_id(req.chat)
-        job = self._admit(req)
-        try:
-            self._start_stream()
-            self._chunks(req, cid, job)
-        finally:
-            job.close()
-
-    def _chunks(self, req: Any, cid: str, deltas: Any) -> None:
-        service = self.server.service
-        held = ""  # with tools, content is held back until the calls in it are known
-
-        def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-            body = {"index": 0, "delta": delta, "finish_reason": finish} if req.chat else \
-                {"index": 0, "text": delta.get("content", ""), "finish_reason": finish}
-            return envelope(cid, service.model_id, req.chat, chunk=True) | {"choices": [body]}
-
-        if req.chat:
-            self._sse(chunk({"role": "assistant", "content": ""}))
-        for d in deltas:
-            delta: dict[str, Any] = {}
-            if d.reasoning:
-                delta["reasoning_content"] = d.reasoning
-            if req.tools:
-                held += d.content
-            elif d.content:
-                delta["content"] = d.content
-            if delta:
-                self._sse(chunk(delta))
-            if d.result is not None:
-                finish = d.result.finish_reason
-                if req.tools:
-                    content, calls = tool_calls(held)
-                    last: dict[str, Any] = {"content": content} if content else {}
-                    if calls:
-                        last["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
-                        finish = "tool_calls"
-                    self._sse(chunk(last, finish))
-                else:
-                    self._sse(chunk({}, finish))
-                self._sse(envelope(cid, service.model_id, req.chat, chunk=True)
-                          | {"choices": [], "usage": usage(d.result, d.draft, d.cached)})
-        self._sse("[DONE]")
 
 
 class Server(ThreadingHTTPServer):
