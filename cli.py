@@ -10,7 +10,6 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import click
 
@@ -18,9 +17,6 @@ from mtpkit import __version__
 from mtpkit.convert.sidecar import POLICIES, SidecarOptions
 from mtpkit.convert.trunk import MODES, RECIPES, QuantOptions, parse_override
 from mtpkit.verify import doctor as doctor_mod
-
-if TYPE_CHECKING:
-    from mtpkit.decoder.runner import Runner
 
 EXAMPLES_CONVERT = """
 \b
@@ -84,16 +80,15 @@ Exit codes: 0 written, 2 bad input or usage.
 """
 
 
-def _depth(value: str) -> str | int:
-    if value == "auto":
-        return value
+def _depth(value: str) -> str | int | None:
+    """--depth as typed, checked as every entry checks a depth (decoder/options.py)."""
+    from mtpkit.decoder.options import OptionError, depth_option
+
     try:
-        depth = int(value)
-    except ValueError:
-        raise click.BadParameter("auto or an integer 0-16") from None
-    if not 0 <= depth <= 16:
-        raise click.BadParameter("auto or an integer 0-16")
-    return depth
+        return depth_option(int(value) if value.lstrip("-").isdigit() else value)
+    except OptionError as exc:
+        _fail(exc.code, exc.say("--depth"), exc.hint)
+        return None
 
 
 DRAFT_HELP = ("Draft source: the MTP head, the context (tokens that followed an earlier match; "
@@ -128,13 +123,6 @@ def _leads(command: Callable[..., None]) -> Callable[..., None]:
             command(*args, **kwargs)
 
     return run
-
-
-def _head_for(runner: Runner, draft: str | None) -> None:
-    """--draft head|both on a bundle without a head: a usage error."""
-    if runner.head is None and draft in ("head", "both"):
-        _fail("usage", f"--draft {draft} drafts with an MTP head; this bundle has none",
-              "use --draft lookup (context drafts) or --depth 0 (plain decoding)")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -218,12 +206,15 @@ def _as_command(ctx: click.Context) -> str:
 def _user_errors(out_flag: str) -> Iterator[None]:
     """Turn bad-input exceptions into one-line errors with their code and a hint (exit 2)."""
     from mtpkit.convert.writer import OutputExists
+    from mtpkit.decoder.options import OptionError
     from mtpkit.loaders.findings import UserError
     from mtpkit.loaders.source import NotABundle
     from mtpkit.loaders.template_sources import TemplateSourceError
 
     try:
         yield
+    except OptionError as exc:  # a decoding option, named as this command spells it
+        _fail(exc.code, exc.say("--" + exc.option.replace("_", "-")), exc.hint)
     except NotABundle as exc:
         _fail("files.missing_config", str(exc), exc.hint)
     except OutputExists as exc:
@@ -360,7 +351,7 @@ def generate(bundle: str, prompt: str, raw: bool, max_tokens: int, depth: str | 
         runner = lead(load(bundle, "auto" if not keep_quantized else False, dtype=dtype,
                            rollback=rollback, shard=shard))
         runner.max_prompt_tokens = max_prompt_tokens
-        _head_for(runner, draft)
+        source = runner.draft_source(depth, draft)
         # without --raw a chat message, always: a bundle without a usable template is refused
         # (template.missing, as serve's 400), never fed the prompt as raw text instead
         message = prompt if raw else [{"role": "user", "content": prompt}]
@@ -374,7 +365,7 @@ def generate(bundle: str, prompt: str, raw: bool, max_tokens: int, depth: str | 
         if depth == "auto":  # the cost curve (read, or measured with a bar on stderr)
             runner.costs(progress=progress_bar())
         # the warm-up (--compare) runs at the deepest depth
-        deepest = runner.policy(depth, runner.draft_source(depth, draft))[0]
+        deepest = runner.policy(depth, source)[0]
         plain = baseline(runner, ids, max_tokens, deepest, **sampling) if compare else None
         result = None
         interrupted = threading.Event()
@@ -583,7 +574,7 @@ def serve(bundle: str, host: str, port: int, api_key: str | None, api_key_file: 
         runner = lead(load(bundle, "auto" if not keep_quantized else False, dtype=dtype,
                            shard=shard))
         runner.max_prompt_tokens = max_prompt_tokens
-        _head_for(runner, draft)
+        source = runner.draft_source(depth_opt, draft)
         if advice := numerics_note(runner):
             click.echo(advice, err=True)
         if depth_opt == "auto":  # the cost curve now, so that no request pays for it
@@ -592,7 +583,7 @@ def serve(bundle: str, host: str, port: int, api_key: str | None, api_key_file: 
                           cache_bytes=int(cache_gb * (1 << 30)) if shard is None else 0,
                           max_queue=max_queue)  # sharded: no prefix cache (followers hold none)
         server = Server(service, host, port, api_key, verbose)
-    drafts = f", drafts {runner.draft_source(depth_opt, draft)}" if depth_opt != 0 else ""
+    drafts = f", drafts {source}" if depth_opt != 0 else ""
     click.echo(f"serving {bundle} on http://{host}:{server.server_address[1]}/v1 "
                f"(MTP depth {depth_opt}){drafts}; chat page at /", err=True)
     try:
@@ -687,7 +678,7 @@ def verify_run(bundle: str | None, endpoint: str | None, api_key: str | None, as
                 from mtpkit.decoder.distributed import lead
 
                 target, facts, view = open_local(bundle, dtype, shard)
-                _head_for(lead(target.service.runner), draft)
+                lead(target.service.runner).draft_source(depth_opt, draft)
         except EndpointError as exc:
             _fail("endpoint.unreachable", str(exc), "check --endpoint and that the server runs")
         if stamp and view is not None:

@@ -16,6 +16,9 @@ head accepts (bench_decode.py measures a real grafted head).
    plain step).
 4. (--parts breakdown) where a pass's time goes: host build, hand-off, device, per arm.
 5. (--parts threads) a generation on a thread of its own against one on the thread that traced.
+6. (--parts sampled) the traced oracle at temperature 0 and sampled (--sampling, default
+   t=0.6 / top_p 0.95 / top_k 20: code settings), plain and depth 3, arms interleaved: the
+   sampled speedup (over sampled plain) beside the greedy one (over greedy plain).
 
     python bench/bench_gpu.py [--smollm2 BUNDLE] [--tokens 256] [--runs 3]
 """
@@ -322,6 +325,42 @@ def oracle_decoding(runner, tokens: int, runs: int) -> dict:
     return rows
 
 
+def sampled_decoding(runner, tokens: int, runs: int, sampling: dict, depth: int = 3) -> dict:
+    """Greedy and sampled arms, plain and at `depth`, interleaved run by run on the oracle:
+    each mode's speedup over its own plain decoding, and their ratio (issue 32's target: the
+    sampled speedup at least 0.95x the greedy one)."""
+    import numpy as np
+
+    mtp, prompt, _, _ = with_oracle(runner, tokens)
+    modes = {"greedy": {}, "sampled": sampling}
+    arms = [(mode, d) for mode in modes for d in (0, depth)]
+    for mode, d in arms:  # warm-up
+        mtp.generate(prompt, tokens, depth=d, seed=0, **modes[mode])
+    tps: dict = {arm: [] for arm in arms}
+    accept: dict = {arm: [] for arm in arms}
+    for run in range(runs):
+        for mode, d in arms:
+            mtp.head.rng = np.random.default_rng(run)
+            result = mtp.generate(prompt, tokens, depth=d, seed=run, **modes[mode])
+            tps[(mode, d)].append(result.stats.decode_tps)
+            accept[(mode, d)].append(result.stats.acceptance_by_depth)
+    rows: dict = {"sampling": sampling, "depth": depth}
+    for mode in modes:
+        plain, mtp_tps = tps[(mode, 0)], tps[(mode, depth)]
+        rows[mode] = {"plain_tps": summary(plain), "mtp_tps": summary(mtp_tps),
+                      "speedup": statistics.median(mtp_tps) / statistics.median(plain),
+                      "speedup_paired": statistics.median(
+                          m / p for m, p in zip(mtp_tps, plain, strict=True)),
+                      "acceptance_by_depth": mean_by_position(accept[(mode, depth)])}
+        print("sampled part", mode, f"plain {statistics.median(plain):.1f} tok/s, depth "
+              f"{depth} {statistics.median(mtp_tps):.1f} tok/s, {rows[mode]['speedup']:.2f}x",
+              rows[mode]["acceptance_by_depth"], flush=True)
+    rows["sampled_over_greedy_speedup"] = rows["sampled"]["speedup"] / rows["greedy"]["speedup"]
+    print(f"sampled speedup / greedy speedup: {rows['sampled_over_greedy_speedup']:.2f}",
+          flush=True)
+    return rows
+
+
 def fresh_threads(runner, tokens: int, runs: int) -> dict:
     """A generation on the thread that traced its passes against one on a thread of its own,
     as `mtpkit serve` ran each request (on its connection's thread) before the worker
@@ -376,6 +415,8 @@ def main() -> None:
     ap.add_argument("--bounded", choices=["0", "1"], default="1")
     ap.add_argument("--arms", default="stock,ours,traced",
                     help="breakdown arms: stock (MLX's ops), ours (kernel, bounded), traced")
+    ap.add_argument("--sampling", default="0.6,0.95,20",
+                    help="temperature,top_p,top_k of the sampled part")
     ap.add_argument("--traced", choices=["0", "1"], default="1",
                     help="verify passes traced once per shape (decoder/traced.py)")
     args = ap.parse_args()
@@ -409,7 +450,7 @@ def main() -> None:
     parts = set(args.parts.split(","))
     out: dict = {"rates": RATES, "tokens": args.tokens, "runs": args.runs,
                  "device": mx.device_info() if hasattr(mx, "device_info") else {}}
-    if parts & {"q4", "oracle", "threads"}:
+    if parts & {"q4", "oracle", "threads", "sampled"}:
         runner = Runner(Trunk(llama8b(4, args.small)), None, None)
         if "q4" in parts:
             out["llama8b_4bit"] = curves(runner, "8B 4-bit")
@@ -420,6 +461,12 @@ def main() -> None:
                 runner.trunk.use_traced(arm == "traced")
                 print("oracle arm", arm, flush=True)
                 out["oracle_8b_4bit"][arm] = oracle_decoding(runner, args.tokens, args.runs)
+        if "sampled" in parts:
+            runner.trunk.use_traced()
+            t, top_p, top_k = args.sampling.split(",")
+            out["sampled_8b_4bit"] = sampled_decoding(
+                runner, args.tokens, args.runs,
+                {"temperature": float(t), "top_p": float(top_p), "top_k": int(top_k)})
         if "threads" in parts:
             runner.trunk.use_traced()
             out["threads_8b_4bit"] = fresh_threads(runner, args.tokens, args.runs)

@@ -1,47 +1,58 @@
-"""Leviathan/Chen acceptance: which drafts to keep and which token to emit after them.
+"""Leviathan/Chen acceptance on the device: which drafts to keep and which token to emit.
 
-A pure function over processed distributions, so its exactness can be tested on its own and the
-decoder cannot apply a different rule in different places.
+Pure functions of the round's arrays, so their exactness can be tested on their own and the
+decoder cannot apply a different rule in different places. Everything stays lazy: the host
+reads one small array per round (the drafts, the kept count and the emitted token).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import mlx.core as mx
 
-import numpy as np
-
-from mtpkit.decoder.sampling import draw
+from mtpkit.decoder.sampling import Candidates
 
 
-@dataclass(frozen=True)
-class Verdict:
-    accepted: int  # how many drafts were kept
-    token: int  # the correction (after a rejection) or the bonus (all kept)
-
-    def bonus(self, depth: int) -> bool:
-        return self.accepted == depth
+def kept_prefix(accepted: mx.array) -> mx.array:
+    """How many leading entries of a boolean row are true."""
+    return mx.cumprod(accepted.astype(mx.int32)).sum()
 
 
-def accept_greedy(drafts: list[int], targets: list[int]) -> Verdict:
-    """Temperature 0: keep drafts while they equal the target's argmax; emit the next argmax."""
-    n = 0
-    while n < len(drafts) and drafts[n] == targets[n]:
-        n += 1
-    return Verdict(n, targets[n])
+def accept_greedy(drafts: mx.array, targets: mx.array) -> mx.array:
+    """Temperature 0: keep drafts (K,) while they equal the target's argmax (K+1,); emit the
+    next argmax. Returns [kept, token]."""
+    kept = kept_prefix(drafts == targets[:drafts.shape[0]])
+    return _verdict(kept, targets[kept])
 
 
-def accept_sampled(drafts: list[int], q: np.ndarray, p: np.ndarray,
-                   rng: np.random.Generator) -> Verdict:
-    """q: (K, V) drafter distributions the drafts were drawn from; p: (K+1, V) target's.
+def accept_sampled(drafts: mx.array, q: Candidates | None, p: Candidates,
+                   key: mx.array) -> mx.array:
+    """drafts (K,) drawn from q's K rows; p: the target's K+1 rows. Keep draft i with
+    probability min(1, p_i(x)/q_i(x)); on the first rejection emit a token from
+    normalize(max(0, p_i - q_i)); when all K are kept emit a bonus token from p_{K+1}.
+    Returns [kept, token]."""
+    depth = drafts.shape[0]
+    u_key, draw_key = mx.random.split(key)
+    if depth == 0 or q is None:
+        return _verdict(mx.array(0), p[:1].draw(draw_key)[0])
+    ratio = mx.random.uniform(shape=(depth,), key=u_key) * q.at(drafts) < p[:depth].at(drafts)
+    kept = kept_prefix(ratio)
+    residual = mx.maximum(p.probs[:depth] - q.on(p[:depth]), 0.0)
+    mass = residual.sum(axis=-1, keepdims=True)
+    # p == q up to rounding: the draft could not have been rejected; p keeps the row a law
+    residual = mx.where(mass > 0, residual, p.probs[:depth])
+    rows = Candidates(mx.concatenate([residual, p.probs[depth:depth + 1]]),
+                      None if p.ids is None else p.ids[:depth + 1])
+    return _verdict(kept, _row(rows, kept).draw(draw_key)[0])
 
-    Keep draft i with probability min(1, p_i(x)/q_i(x)); on the first rejection emit a token
-    from normalize(max(0, p_i - q_i)); when all K are kept emit a bonus token from p_{K+1}.
-    """
-    for i, x in enumerate(drafts):
-        if rng.random() * q[i, x] < p[i, x]:
-            continue
-        residual = np.maximum(p[i] - q[i], 0.0)
-        if residual.sum() <= 0.0:  # p == q up to rounding: the draft could not have been rejected
-            residual = p[i]
-        return Verdict(i, draw(residual / residual.sum(), rng))
-    return Verdict(len(drafts), draw(p[len(drafts)], rng))
+
+def _row(rows: Candidates, index: mx.array) -> Candidates:
+    """One row chosen by a device index, without a host read."""
+    pick = index.reshape(1, 1)
+    probs = mx.take_along_axis(rows.probs, mx.broadcast_to(pick, (1, rows.probs.shape[1])), 0)
+    ids = (None if rows.ids is None else
+           mx.take_along_axis(rows.ids, mx.broadcast_to(pick, (1, rows.ids.shape[1])), 0))
+    return Candidates(probs, ids)
+
+
+def _verdict(kept: mx.array, token: mx.array) -> mx.array:
+    return mx.stack([kept.astype(mx.int32), token.astype(mx.int32)])

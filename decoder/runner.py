@@ -19,11 +19,11 @@ from mtpkit.decoder import distributed, kernels, sharding
 from mtpkit.decoder.context import check_prompt, context_of
 from mtpkit.decoder.costs import CostCurve, Progress, costs_for
 from mtpkit.decoder.head import Contract, MTPHead
+from mtpkit.decoder.options import DecodeOptions, Depth, Source
 from mtpkit.decoder.policy import DepthPolicy, PaidCosts
 from mtpkit.decoder.prefix import CachedSession, PrefixCache
 from mtpkit.decoder.rows import use_few_rows_linears, use_kernel_linears
-from mtpkit.decoder.sampling import SamplingParams
-from mtpkit.decoder.session import DRAFTS, Session, Stopped, generate_ids
+from mtpkit.decoder.session import Session, Stopped, generate_ids
 from mtpkit.decoder.shapes import bounded_by_default
 from mtpkit.decoder.stats import Stats
 from mtpkit.decoder.trunk import Trunk
@@ -37,7 +37,6 @@ from mtpkit.loaders.templates import render, unsafe_reach
 from mtpkit.loaders.tokenizer import load_wrapper
 
 Prompt = str | list[int] | list[dict[str, Any]]
-Depth = int | str | None
 MAX_AUTO_DEPTH = 8  # deepest round --depth auto considers (the cost curve covers 16 rows)
 # Findings that do not stop the weights from running: the template and tokenizer only matter for
 # text and chat prompts (checked when used), a stale manifest is reported by doctor, and a
@@ -147,19 +146,10 @@ class Runner:
             self.paid = PaidCosts()
         return self._costs
 
-    def draft_source(self, depth: Depth, draft: str | None) -> str:
-        """The draft source for a depth argument: as asked, else (None) the head and the
-        context together under --depth auto, the head at a forced depth, and the context alone
-        for a bundle without a head."""
-        if draft is not None:
-            if draft not in DRAFTS:
-                raise ValueError(f"draft must be one of {', '.join(DRAFTS)}")
-            if draft == "head" and self.head is None:
-                raise ValueError("draft='head' needs an MTP head; this bundle has none")
-            return draft
-        if self.head is None:
-            return "lookup"
-        return "both" if depth == "auto" else "head"
+    def draft_source(self, depth: Depth, draft: str | None) -> Source:
+        """The draft source for a depth and draft argument on this bundle (checked as every
+        entry checks it: decoder/options.py)."""
+        return DecodeOptions.of(depth, draft).source(self.head is not None)
 
     def policy(self, depth: Depth, draft: str = "head") -> tuple[int, DepthPolicy | None]:
         """(deepest depth, policy or None) for a depth argument: a number forces that depth;
@@ -174,8 +164,7 @@ class Runner:
                                                paid=self.paid)
         if depth is None:
             return (self.head.blocks if self.head is not None else 0), None
-        if not isinstance(depth, int) or depth < 0:
-            raise ValueError("depth must be 'auto' or an integer >= 0")
+        assert isinstance(depth, int)  # checked: DecodeOptions
         return depth, None
 
     def encode(self, prompt: Prompt, **template_options: Any) -> list[int]:
@@ -217,14 +206,15 @@ class Runner:
         and between prefill chunks; true ends the generation there (a stop sequence seen, a
         client gone), result and all (cut in the prefill: no tokens). A prompt over the
         runner's bound is refused first (UserError prompt.too_long)."""
-        draft = self.draft_source(depth, draft)
-        depth, policy = self.policy(depth, draft)
+        options = DecodeOptions.of(depth, draft, temperature, top_p, top_k, min_p, seed)
+        draft = options.source(self.head is not None)
+        depth, policy = self.policy(options.depth, draft)
         ids = self.encode(prompt)
         if not ids:
             raise ValueError("empty prompt")
         self.check_prompt(len(ids))
-        params = SamplingParams(temperature, top_p, top_k, min_p)
-        args = (self.trunk, self.head, params, depth, seed, self.rollback, policy)
+        args = (self.trunk, self.head, options.sampling, depth, options.seed, self.rollback,
+                policy)
         session = Session(*args, draft=draft, stop=stop) if prefix is None else \
             CachedSession(*args, draft=draft, stop=stop, prefix=prefix, checkpoints=checkpoints)
         eos = set(self.tokenizer.eos_token_ids) if self.tokenizer is not None else set()

@@ -22,8 +22,9 @@ import numpy as np
 from mtpkit.decoder import acceptance
 from mtpkit.decoder.head import MTPHead
 from mtpkit.decoder.lookup import ContextIndex
+from mtpkit.decoder.options import Source
 from mtpkit.decoder.policy import DepthPolicy
-from mtpkit.decoder.sampling import SamplingParams, draw, greedy, probabilities, tempered
+from mtpkit.decoder.sampling import Candidates, SamplingParams, candidates, greedy
 from mtpkit.decoder.shapes import bounded_by_default, extent, padded, pieces
 from mtpkit.decoder.state import commit_recorded, rewind, snapshot, trim, trimmable
 from mtpkit.decoder.stats import Stats
@@ -32,7 +33,6 @@ from mtpkit.decoder.trunk import Trunk
 PREFILL_STEP = 2048
 STREAM = mx.new_thread_local_stream(mx.default_device())
 ROLLBACKS = ("record", "replay")
-DRAFTS = ("head", "lookup", "both")
 SOURCE_NAMES = {"head": "head", "lookup": "lookup", "chain": "head+lookup"}  # in stats
 CHAIN_MIN_NGRAM = 2  # after the head's guess, a one-token match says little of what follows
 
@@ -49,34 +49,31 @@ class Session:
     def __init__(self, trunk: Trunk, head: MTPHead | None, params: SamplingParams, depth: int,
                  seed: int | None = None, rollback: str = "record",
                  policy: DepthPolicy | None = None, bounded: bool | None = None,
-                 draft: str = "head", stop: Callable[[], bool] | None = None) -> None:
+                 draft: Source = Source.HEAD, stop: Callable[[], bool] | None = None) -> None:
         """depth: the draft depth (0: plain decoding), or with a policy the deepest it may
         choose. bounded: attention shapes from a bounded set (default: where attention
         compiles per shape, see shapes.bounded_by_default, or where the trunk's verify passes
         are traced, decoder/traced.py). draft: where drafts come from,
-        "head", "lookup" (the context, decoder/lookup.py) or "both" (a head is optional).
+        a Source, checked by decoder/options.py (a head is optional under "both").
         stop: asked between prefill chunks; true raises Stopped (the caller's own check between
         rounds covers the rest)."""
-        if draft not in DRAFTS:
-            raise ValueError(f"draft must be one of {', '.join(DRAFTS)}")
-        if depth > 0 and head is None and draft == "head":
-            raise ValueError("depth > 0 needs an MTP head; this bundle has none (try "
-                             "draft='lookup')")
+        draft = Source(draft)
+        if depth > 0 and head is None and draft is Source.HEAD:
+            raise ValueError("head drafts need an MTP head (DecodeOptions.source refuses this)")
         if rollback not in ROLLBACKS:
             raise ValueError(f"rollback must be one of {', '.join(ROLLBACKS)}")
         self.stop = stop
         self.recorders = trunk.recorders if rollback == "record" else []
         self.trunk, self.params, self.depth = trunk, params, depth
-        self.head = head if draft in ("head", "both") else None
+        self.head = head if draft in (Source.HEAD, Source.BOTH) else None
         self.policy = policy if depth > 0 else None
         traced = getattr(trunk, "passes", None) is not None  # traced passes need bounded caches
         self.bounded = (bounded_by_default() or traced) if bounded is None else bounded
         self.cache = trunk.make_cache(self.bounded)
         speculative = self.head is not None and depth > 0
         self.mtp_cache = self.head.make_cache(self.bounded) if speculative else []
-        self.lookup = ContextIndex() if draft != "head" and depth > 0 else None
-        self.rng = np.random.default_rng(seed)
-        self.key = mx.random.key(int(self.rng.integers(2**63)))
+        self.lookup = ContextIndex() if draft is not Source.HEAD and depth > 0 else None
+        self.key = mx.random.key(int(np.random.default_rng(seed).integers(2**63)))
         self.stats = Stats(depth)
         if self.policy is not None:
             self.stats.plain_s = self.policy.curve.plain
@@ -88,12 +85,15 @@ class Session:
 
     # -- shared -----------------------------------------------------------------------------
 
+    def _split(self) -> mx.array:
+        self.key, sub = mx.random.split(self.key)
+        return sub
+
     def _sample(self, logits: mx.array) -> mx.array:
-        """A lazy token from logits (1, V), drawn as mlx-lm's sampler draws it."""
+        """A lazy token from logits (1, V), drawn from mlx-lm's sampler's law."""
         if self.params.greedy:
             return greedy(logits)
-        self.key, sub = mx.random.split(self.key)
-        return mx.random.categorical(tempered(logits, self.params), key=sub)
+        return candidates(logits, self.params).draw(self._split())
 
     def _chunks(self, n: int) -> list[tuple[int, int]]:
         """(length, padding) of each prefill pass. Bounded, where every cache can be trimmed:
@@ -201,10 +201,11 @@ class Session:
                      mx.concatenate([self.owed[1], pairs[1]], axis=1))
         self.owed = pairs
 
-    def _draft(self, depth: int) -> tuple[mx.array, np.ndarray | None, list[int]]:
+    def _draft(self, depth: int) -> tuple[mx.array, Candidates | None, list[int]]:
         """(1, 1 + K) verify input (last token, then K drafts), the distributions the drafts
-        were drawn from, and per-block chained entries. Greedy drafts stay lazy (argmax on
-        device, chained as arrays), so a whole round costs one host sync, not one per draft."""
+        were drawn from (sampling), and per-block chained entries. Drafts stay lazy (drawn on
+        the device, chained as arrays), so a whole round costs one host read, not one per
+        draft."""
         assert self.head is not None and self.owed is not None
         hidden, tokens = self.owed
         self.owed = None
@@ -225,11 +226,11 @@ class Session:
             if self.params.greedy:
                 tokens = greedy(row, keepdims=True)
             else:
-                rows.append(probabilities(row, self.params)[0])
-                tokens = mx.array([[draw(rows[-1], self.rng)]])
+                rows.append(candidates(row, self.params, drafter=True))
+                tokens = rows[-1].draw(self._split())[:, None]
             chain.append(tokens)
             hidden = out
-        return mx.concatenate(chain, axis=1), (np.stack(rows) if rows else None), chained
+        return mx.concatenate(chain, axis=1), (Candidates.concat(rows) if rows else None), chained
 
     def round(self, depth: int, lookup: list[int] | None = None,
               most: int | None = None, match: int = 0) -> list[int]:
@@ -244,16 +245,14 @@ class Session:
         if lookup is not None:
             depth = len(lookup)
             tokens, chained = mx.array([[self.last, *lookup]]), []
-            q = None
-            if not self.params.greedy:
-                q = _one_hot(lookup, self.trunk.args.vocab_size)
+            q = None if self.params.greedy else Candidates.one_hot(lookup)
         elif depth > 0:
             tokens, q, chained = self._draft(depth)
             if (more := self._extension(tokens, depth, depth if most is None else most)):
                 source, depth = "chain", depth + len(more)
                 tokens = mx.concatenate([tokens, mx.array([more])], axis=1)
                 if q is not None:
-                    q = np.concatenate([q, _one_hot(more, q.shape[1])])
+                    q = Candidates.concat([q, Candidates.one_hot(more, q)])
         else:
             tokens, q, chained = mx.array([[self.last]]), None, []
         width = self.policy.curve.width(depth + 1) if self.policy is not None else depth + 1
@@ -269,31 +268,27 @@ class Session:
             for recorder in self.recorders:
                 recorder.recording = False
         if self.params.greedy:
-            targets = greedy(logits[0])
-            mx.eval(tokens, targets)  # drafts and verify in the round's one host sync
-            drafts = tokens.tolist()[0][1:]  # no slice op: one less launch and sync
-            verdict = acceptance.accept_greedy(drafts, targets.tolist())
+            verdict = acceptance.accept_greedy(tokens[0, 1:], greedy(logits[0]))
         else:
-            p = probabilities(logits[0], self.params)
-            drafts = tokens.tolist()[0][1:]  # no slice op: one less launch and sync
-            verdict = acceptance.accept_sampled(drafts, q if q is not None else p[:0], p,
-                                                self.rng)
-        kept = verdict.accepted
+            p = candidates(logits[0, :depth + 1], self.params)
+            verdict = acceptance.accept_sampled(tokens[0, 1:], q, p, self._split())
+        # the round's one host read: drafts, kept count and emitted token
+        *drafts, kept, token = mx.concatenate([tokens[0, 1:].astype(mx.int32), verdict]).tolist()
         if self.recorders:
             commit_recorded(self.cache, self.recorders, width, kept + 1)
         elif rewind(self.cache, saved, width, kept + 1):
             self.trunk(tokens[:, :kept + 1], self.cache, logits_for=0)
             mx.eval([c.state for c in self.cache])
         trim(self.mtp_cache, chained)
-        committed = [*drafts[:kept], verdict.token]
+        committed = [*drafts[:kept], token]
         if self.mtp_cache:
             self._owe(hidden[:, :kept + 1], committed)
         if self.lookup is not None:
             self.lookup.extend(committed)
-        self.last = verdict.token
+        self.last = token
         self.round_paid = time.perf_counter() - start
         if depth > 0:
-            self.stats.count_round(SOURCE_NAMES[source], depth, kept, verdict.bonus(depth))
+            self.stats.count_round(SOURCE_NAMES[source], depth, kept, kept == depth)
             if self.policy is not None:
                 self.policy.record(depth, kept, source, drafted, match)
                 if not self.switched:  # a round right after a plain stretch also pays the switch
@@ -437,9 +432,3 @@ def generate_ids(session: Session, ids: list[int], max_tokens: int,
         if stop is not None or stats.generated_tokens >= max_tokens:
             return
 
-
-def _one_hot(tokens: list[int], vocab: int) -> np.ndarray:
-    """The q of deterministic drafts: all mass on the drafted token."""
-    q = np.zeros((len(tokens), vocab))
-    q[np.arange(len(tokens)), tokens] = 1.0
-    return q

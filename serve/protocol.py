@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from mtpkit.decoder.session import DRAFTS
+from mtpkit.decoder.options import OptionError, depth_option, source_option
 
 MAX_BODY_BYTES = 1 << 20
 MAX_MESSAGES = 256
@@ -185,20 +185,28 @@ def integer(body: dict, name: str, default: int | None, low: int, high: int) -> 
     return value
 
 
+# the decoding options under the names these APIs give them
+API_NAMES = {"depth": "mtp_depth", "draft": "mtp_draft"}
+
+
+def refused(err: OptionError) -> RequestError:
+    """A decoding option refused by decoder/options.py, as a 400 naming the API's field."""
+    name = API_NAMES.get(err.option, err.option)
+    return RequestError(400, err.say(name), name, code=err.code)
+
+
 def mtp_depth(body: dict) -> int | str | None:
-    value = body.get("mtp_depth")
-    if value is None or value == "auto":
-        return value
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 16:
-        raise RequestError(400, 'mtp_depth must be "auto" or an integer in [0, 16]', "mtp_depth")
-    return value
+    try:
+        return depth_option(body.get("mtp_depth"))
+    except OptionError as err:
+        raise refused(err) from None
 
 
 def mtp_draft(body: dict) -> str | None:
-    value = body.get("mtp_draft")
-    if value is None or (isinstance(value, str) and value in DRAFTS):
-        return value
-    raise RequestError(400, 'mtp_draft must be "head", "lookup" or "both"', "mtp_draft")
+    try:
+        return source_option(body.get("mtp_draft"))
+    except OptionError as err:
+        raise refused(err) from None
 
 
 def prefix_cache(body: dict) -> bool:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from mtpkit.decoder.options import DecodeOptions, OptionError
 from mtpkit.decoder.prefix import PrefixCache, supported
 from mtpkit.decoder.runner import NO_TEMPLATE, Depth, Result, Runner
 from mtpkit.decoder.state import trimmable
@@ -18,7 +19,7 @@ from mtpkit.loaders.findings import UserError
 from mtpkit.loaders.templates import RENDER_ERRORS, describe_failure
 from mtpkit.serve.channels import OPEN, ChannelSplitter, StopScanner
 from mtpkit.serve.metrics import Metrics
-from mtpkit.serve.protocol import Request, RequestError
+from mtpkit.serve.protocol import Request, RequestError, refused
 from mtpkit.serve.worker import Ticket, Worker
 
 MAX_QUEUE = 16  # requests that may wait behind the running one by default
@@ -156,9 +157,11 @@ class Service:
         while the HTTP layer can still answer it with a status. gone(): the client went away
         (asked while waiting and after each round)."""
         draft = req.draft or self.draft
-        if draft == "head" and self.runner.head is None:
-            raise RequestError(400, 'mtp_draft "head" drafts with an MTP head; this model has '
-                               'none (use "lookup" or "both": context drafts)', "mtp_draft")
+        try:  # as every entry checks them (decoder/options.py)
+            DecodeOptions.of(self.depth if req.depth is None else req.depth, draft,
+                             **req.sampling).source(self.runner.head is not None)
+        except OptionError as err:
+            raise refused(err) from None
         ids, opened = self._prompt(req)
         try:  # before the queue: an over-long prompt costs no model work and no turn
             self.runner.check_prompt(len(ids))
@@ -168,12 +171,14 @@ class Service:
         depth = self.depth if req.depth is None else req.depth
         marks = self._turn_end(req, ids)
         ticket = self.queue.enter(gone)
-        ticket.deltas = self._generate(req, ids, opened, depth, draft, marks, ticket, ticket.gone)
+        ticket.deltas = self._generate(req, ids, opened, depth, draft, marks, ticket.gone)
         return ticket
 
     def _generate(self, req: Request, ids: list[int], opened: bool, depth: Depth,
-                  draft: str | None, marks: list[int], ticket: Ticket,
+                  draft: str | None, marks: list[int],
                   gone: Callable[[], bool]) -> Iterator[Delta]:
+        """The deltas of one generation (the ticket has its turn before the first is asked
+        for, and the worker gives its place back after the last: serve/worker.py)."""
         splitter = ChannelSplitter(opened) if req.chat else None
         stops = StopScanner(req.stop) if req.stop else None
         used = self.runner.draft_source(depth, draft) if depth != 0 else None
@@ -184,7 +189,6 @@ class Service:
 
         sent = 0
         try:
-            ticket.wait(gone)
             prefix = self.prefix if req.prefix_cache else None
             for piece in self.runner.stream(ids, req.max_tokens, depth=depth, prefix=prefix,
                                             stop=stop, checkpoints=marks, **options):
@@ -209,5 +213,4 @@ class Service:
                     yield delta
         finally:
             self.metrics.completion_tokens.inc(sent)  # a generation given up: what it made
-            ticket.leave()
 

@@ -88,9 +88,9 @@ def test_a_bad_depth_is_a_one_line_usage_error(command: str, tmp_path: Path) -> 
     for bad in ("deep", "17", "-1", "2.5"):
         result = _invoke(command, *target, "--depth", bad)
         assert result.exit_code == 2, (command, bad, result.output)
-        errors = [line for line in result.stderr.splitlines() if line.startswith("Error")]
-        assert errors == ["Error: Invalid value for '--depth': auto or an integer 0-16"], (
-            command, bad, result.stderr)
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
+        assert errors == ['error [options.invalid]: --depth must be "auto" or an integer in '
+                          '[0, 16]'], (command, bad, result.stderr)
         assert "Traceback" not in result.output
 
 
@@ -101,8 +101,8 @@ def test_head_drafts_without_a_head_are_a_one_line_error(built: Callable[..., Pa
     bundle = str(built("qwen3_5", sidecar=None))
     result = _invoke("generate", bundle, "Hi", "--raw", "--depth", "2", "--max-tokens", "4",
                      "--draft", "head")
-    assert result.exit_code == 2 and "error [usage]: --draft head drafts with an MTP head" in (
-        result.output)
+    assert result.exit_code == 2 and ('error [options.no_head]: --draft "head" drafts with an '
+                                      'MTP head') in result.output
     for depth in ("2", "auto"):
         run = _invoke("generate", bundle, "Hi", "--raw", "--max-tokens", "6", "--depth", depth,
                       "--json")
@@ -122,7 +122,8 @@ def test_mtp_depth_extension_takes_auto_or_a_number() -> None:
         with pytest.raises(RequestError) as err:
             parse(body | {"mtp_depth": bad}, False, 64)
         assert (err.value.status, err.value.param) == (400, "mtp_depth"), bad
-        assert err.value.message == 'mtp_depth must be "auto" or an integer in [0, 16]'
+        assert err.value.message == ('options.invalid: mtp_depth must be "auto" or an integer '
+                                     'in [0, 16]')
 
 
 def test_service_passes_auto_and_reports_the_choices(built: Callable[..., Path],

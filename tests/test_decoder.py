@@ -24,7 +24,7 @@ from fixtures.numerics import RTOL, assert_close, difference
 from mtpkit.decoder import acceptance, misses
 from mtpkit.decoder.rows import FEW_ROWS, FewRowsLinear, use_few_rows_linears
 from mtpkit.decoder.runner import Runner
-from mtpkit.decoder.sampling import SamplingParams, draw, probabilities
+from mtpkit.decoder.sampling import Candidates, SamplingParams, candidates, probabilities
 from mtpkit.decoder.session import Session
 from mtpkit.loaders.findings import UserError
 
@@ -276,23 +276,76 @@ def test_plain_sampling_has_the_target_distribution(tiny: Runner) -> None:
     assert _chi_square(tiny, SamplingParams(0.7, top_k=3), depth=0, runs=1200) > 1e-3
 
 
+def rule_outputs(q: Candidates, p: Candidates, trials: int, seed: int = 0) -> list[list[int]]:
+    """The emitted tokens of `trials` rounds of the device rule: drafts drawn from q's rows,
+    then kept or corrected against p's (evaluated in blocks: one host read per block)."""
+    key, out, block = mx.random.key(seed), [], []
+    for i in range(trials):
+        key, draft_key, rule_key = mx.random.split(key, 3)
+        drafts = q.draw(draft_key)
+        block.append(mx.concatenate([drafts, acceptance.accept_sampled(drafts, q, p, rule_key)]))
+        if len(block) == 2000 or i == trials - 1:
+            for *drafts_, kept, token in mx.stack(block).tolist():
+                out.append([*drafts_[:kept], token])
+            block = []
+    return out
+
+
 def test_acceptance_rule_emits_the_target_law() -> None:
-    """The rule alone, 60k trials on random p and q: the first emitted token follows p_1 and the
-    second (after an accepted first draft) follows p_2."""
+    """The rule alone, 20k trials on random p and q (dense rows, and the same laws as sparse
+    candidate rows with padding): the first emitted token follows p_1 and the second (after an
+    accepted first draft) follows p_2."""
     rng = np.random.default_rng(0)
-    p = rng.dirichlet(np.ones(4), size=3)
-    q = rng.dirichlet(np.ones(4) * 0.5, size=2)
-    first, second = Counter(), Counter()
-    for _ in range(60000):
-        drafts = [draw(q[0], rng), draw(q[1], rng)]
-        v = acceptance.accept_sampled(drafts, q, p, rng)
-        out = [*drafts[:v.accepted], v.token]
-        first[out[0]] += 1
-        if len(out) > 1:
-            second[out[1]] += 1
-    for counts, law in ((first, p[0]), (second, p[1])):
-        total = sum(counts.values())
-        assert chisquare([counts[i] for i in range(4)], law * total).pvalue > 1e-3
+    p = rng.dirichlet(np.ones(4), size=3).astype(np.float32)
+    q = rng.dirichlet(np.ones(4) * 0.5, size=2).astype(np.float32)
+    p, q = p / p.sum(axis=1, keepdims=True), q / q.sum(axis=1, keepdims=True)
+    order = np.array([[2, 0, 3, 1, -1]] * 3, dtype=np.int32)  # a padded column of id -1
+    sparse_p = np.concatenate([p[:, [2, 0, 3, 1]], np.zeros((3, 1), np.float32)], axis=1)
+    layouts = {"dense": (Candidates(mx.array(q)), Candidates(mx.array(p))),
+               "sparse": (Candidates(mx.array(q[:, [1, 3, 0, 2]]), mx.array([[1, 3, 0, 2]] * 2)),
+                          Candidates(mx.array(sparse_p), mx.array(order)))}
+    for layout, (cq, cp) in layouts.items():
+        first, second = Counter(), Counter()
+        for out in rule_outputs(cq, cp, 20000):
+            first[out[0]] += 1
+            if len(out) > 1:
+                second[out[1]] += 1
+        for counts, law in ((first, p[0]), (second, p[1])):
+            total = sum(counts.values())
+            expected = law.astype(np.float64) / law.astype(np.float64).sum() * total
+            assert chisquare([counts[i] for i in range(4)], expected).pvalue > 1e-3, layout
+
+
+# mlx-lm's filters composed every way they can be, at a vocabulary where a partial selection
+# differs from a sort, on logits sharp enough for top-p and min-p to cut inside the top k
+FILTER_SETTINGS = (SamplingParams(0.6, top_p=0.95, top_k=20), SamplingParams(0.8, top_k=4),
+                   SamplingParams(1.2, top_p=0.7), SamplingParams(1.0, min_p=0.2),
+                   SamplingParams(0.6, top_p=0.9, top_k=3),
+                   SamplingParams(0.7, top_p=0.5, top_k=50, min_p=0.1),
+                   SamplingParams(1.0, top_p=0.6, top_k=20), SamplingParams(0.9, top_k=2000))
+
+
+def dense(c: Candidates) -> np.ndarray:
+    if c.ids is None:
+        return np.array(c.probs)
+    rows, probs, ids = np.zeros((c.probs.shape[0], 40000)), np.array(c.probs), np.array(c.ids)
+    for r in range(rows.shape[0]):
+        np.add.at(rows[r], ids[r][ids[r] >= 0], probs[r][ids[r] >= 0])
+    return rows
+
+
+@pytest.mark.parametrize("params", FILTER_SETTINGS, ids=str)
+def test_candidates_are_mlx_lm_law(params: SamplingParams) -> None:
+    """The decoder's device law (`candidates`, a partial selection where a top-k allows it)
+    equals the reference chain of mlx-lm's own filters on every row, at scales where top-p and
+    min-p keep 1 to hundreds of tokens, ties included."""
+    rng = np.random.default_rng(7)
+    for scale in (0.5, 3.0, 8.0):
+        logits = rng.normal(size=(6, 40000)).astype(np.float32) * scale
+        logits[5, :30] = logits[5].max() + 1.0  # 30 tied leaders
+        law = probabilities(mx.array(logits), params)
+        np.testing.assert_allclose(dense(candidates(mx.array(logits), params)), law,
+                                   rtol=2e-5, atol=2e-6, err_msg=f"scale {scale}")  # float32
 
 
 def test_processed_distribution_matches_mlx_lm_sampler() -> None:
@@ -312,9 +365,13 @@ def test_processed_distribution_matches_mlx_lm_sampler() -> None:
 
 
 def test_greedy_acceptance_keeps_only_argmax_matches() -> None:
-    assert acceptance.accept_greedy([3, 4, 5], [3, 4, 9, 1]) == acceptance.Verdict(2, 9)
-    assert acceptance.accept_greedy([3, 4], [3, 4, 8]) == acceptance.Verdict(2, 8)
-    assert acceptance.accept_greedy([1], [2, 0]) == acceptance.Verdict(0, 2)
+    def rule(drafts: list[int], targets: list[int]) -> list[int]:
+        return acceptance.accept_greedy(mx.array(drafts), mx.array(targets)).tolist()
+
+    assert rule([3, 4, 5], [3, 4, 9, 1]) == [2, 9]
+    assert rule([3, 4], [3, 4, 8]) == [2, 8]
+    assert rule([1], [2, 0]) == [0, 2]
+    assert rule([], [6]) == [0, 6]
 
 
 # -- API, stats, errors ----------------------------------------------------------------------
@@ -373,8 +430,16 @@ def test_load_refuses_what_it_cannot_run(built: Callable[..., Path],
     with pytest.raises(UserError) as bad:
         mtpkit.load(broken)
     assert bad.value.code == "mtp.incomplete"
-    with pytest.raises(ValueError, match="needs an MTP head"):  # lookup drafting needs none
+    with pytest.raises(UserError) as headless:  # lookup drafting needs none
         mtpkit.load(built("llama")).generate(PROMPT, 4, depth=1, draft="head")
+    assert headless.value.code == "options.no_head"
+    assert str(headless.value) == 'draft "head" drafts with an MTP head; this model has none'
+    for bad, option in ({"depth": 17}, "depth"), ({"draft": "Head"}, "draft"), (
+            {"temperature": -1}, "temperature"), ({"top_p": 0.0}, "top_p"), (
+            {"top_k": 2.5}, "top_k"), ({"min_p": float("nan")}, "min_p"), ({"seed": "1"}, "seed"):
+        with pytest.raises(UserError) as err:  # checked before any model work
+            mtpkit.load(built("llama")).generate(PROMPT, 4, **bad)
+        assert err.value.code == "options.invalid" and str(err.value).startswith(option), bad
 
 
 def test_delta_sidecar_norms_load_like_absolute(built: Callable[..., Path]) -> None:

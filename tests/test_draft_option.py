@@ -95,7 +95,7 @@ def test_mtp_draft_extension_takes_head_lookup_or_both() -> None:
         with pytest.raises(RequestError) as err:
             parse(body | {"mtp_draft": bad}, False, 64)
         assert (err.value.status, err.value.param) == (400, "mtp_draft"), bad
-        assert err.value.message == 'mtp_draft must be "head", "lookup" or "both"'
+        assert err.value.message == 'options.invalid: mtp_draft must be "head", "lookup" or "both"'
 
 
 # -- serve -----------------------------------------------------------------------------------
@@ -146,9 +146,8 @@ def test_serve_without_a_head_drafts_from_the_context(built: Callable[..., Path]
             status, doc = _post(url, body | {"mtp_draft": "head", "stream": stream})
             assert (status, doc["error"]["param"], doc["error"]["code"]) == (
                 400, "mtp_draft", 400), doc
-            assert doc["error"]["message"] == ('mtp_draft "head" drafts with an MTP head; this '
-                                               'model has none (use "lookup" or "both": context '
-                                               'drafts)')
+            assert doc["error"]["message"] == ('options.no_head: mtp_draft "head" drafts with an '
+                                               'MTP head; this model has none')
         assert len(seen) == calls, "a refused request never reaches the decoder"
         status, default = _post(url, body)
         status_both, both = _post(url, body | {"mtp_draft": "both"})
@@ -187,13 +186,14 @@ def test_serve_draft_option(built: Callable[..., Path], monkeypatch: pytest.Monk
     default = _invoke("serve", str(built("qwen3_5")), "--port", "0", "--depth", "2")
     assert "(MTP depth 2), drafts head" in default.stderr and started[-1].service.draft is None
     headless = str(built("qwen3_5", sidecar=None))
-    for draft in ("head", "both"):
-        refused = _invoke("serve", headless, "--port", "0", "--depth", "2", "--draft", draft)
-        assert refused.exit_code == 2, refused.output
-        assert f"error [usage]: --draft {draft} drafts with an MTP head" in refused.output
+    refused = _invoke("serve", headless, "--port", "0", "--depth", "2", "--draft", "head")
+    assert refused.exit_code == 2, refused.output
+    assert 'error [options.no_head]: --draft "head" drafts with an MTP head' in refused.output
+    both = _invoke("serve", headless, "--port", "0", "--depth", "2", "--draft", "both")
+    assert both.exit_code == 0 and "drafts both" in both.stderr  # the context alone: as a request
     bad = _invoke("serve", headless, "--draft", "context")
     assert bad.exit_code == 2 and "Invalid value for '--draft'" in bad.stderr
-    assert len(started) == 2
+    assert len(started) == 3
 
 
 # -- verify-run ------------------------------------------------------------------------------
@@ -268,7 +268,7 @@ def test_verify_run_local_bundle_with_draft_lookup(built: Callable[..., Path]) -
     headless = str(built("qwen3_5", sidecar=None))
     refused = _invoke("verify-run", headless, "--draft", "head")
     assert refused.exit_code == 2, refused.output
-    assert "error [usage]: --draft head drafts with an MTP head" in refused.output
+    assert 'error [options.no_head]: --draft "head" drafts with an MTP head' in refused.output
 
 
 def test_endpoint_sends_mtp_draft(built: Callable[..., Path]) -> None:

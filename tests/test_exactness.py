@@ -41,7 +41,7 @@ import mtpkit
 from fixtures.decoder_models import OracleHead, tiny_runner
 from mtpkit.decoder import acceptance
 from mtpkit.decoder.runner import Runner
-from mtpkit.decoder.sampling import SamplingParams, draw, probabilities
+from mtpkit.decoder.sampling import Candidates, SamplingParams, probabilities
 
 ALPHA = 1e-5  # the correct decoder passes at the fixed seeds; the mutants scored far below
 # name -> (sampling, draft vocabulary, the head's norm gain: a flatter q at 0.3, one sharp
@@ -183,21 +183,25 @@ def test_every_round_state_emits_the_target_law(setting: str) -> None:
     assert chi2.sf(stat, df) > ALPHA, (stat, df)
 
 
-def replacement_from_p(drafts: list[int], q: np.ndarray, p: np.ndarray,
-                       rng: np.random.Generator) -> acceptance.Verdict:
+def replacement_from_p(drafts: mx.array, q: Candidates | None, p: Candidates,
+                       key: mx.array) -> mx.array:
     """Wrong: after a rejection at i, emit a token from p_i, not normalize(max(0, p_i - q_i))."""
-    for i, x in enumerate(drafts):
-        if rng.random() * q[i, x] >= p[i, x]:
-            return acceptance.Verdict(i, draw(p[i], rng))
-    return acceptance.Verdict(len(drafts), draw(p[len(drafts)], rng))
+    u_key, draw_key = mx.random.split(key)
+    if q is None or drafts.shape[0] == 0:
+        return RIGHT_RULE(drafts, q, p, key)
+    depth = drafts.shape[0]
+    ratio = mx.random.uniform(shape=(depth,), key=u_key) * q.at(drafts) < p[:depth].at(drafts)
+    kept = acceptance.kept_prefix(ratio)
+    token = mx.random.categorical(mx.log(p.probs), key=draw_key)  # one draw per row
+    return mx.stack([kept.astype(mx.int32), p.tokens(token)[kept]])
 
 
-def bonus_from_previous_position(drafts: list[int], q: np.ndarray, p: np.ndarray,
-                                 rng: np.random.Generator) -> acceptance.Verdict:
+def bonus_from_previous_position(drafts: mx.array, q: Candidates | None, p: Candidates,
+                                 key: mx.array) -> mx.array:
     """Wrong: after K kept drafts, the bonus comes from p_K instead of p_{K+1}."""
-    shifted = p.copy()
-    shifted[len(drafts)] = p[max(len(drafts) - 1, 0)]
-    return RIGHT_RULE(drafts, q, shifted, rng)
+    depth = drafts.shape[0]
+    shifted = Candidates.concat([p[:depth], p[max(depth - 1, 0):max(depth, 1)]])
+    return RIGHT_RULE(drafts, q, shifted, key)
 
 
 RIGHT_RULE = acceptance.accept_sampled

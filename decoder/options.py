@@ -1,0 +1,118 @@
+"""Decoding options, checked in one place.
+
+Every entry (`mtpkit generate`, `serve` and `verify-run`, both HTTP APIs, `Runner.generate` and
+`stream`) builds its options here, so each refuses the same things with the same code and
+message; only the option's spelling follows the entry (`--depth`, `mtp_depth`, `depth`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from mtpkit.decoder.sampling import SamplingParams
+from mtpkit.loaders.findings import UserError
+
+MAX_DEPTH = 16  # the deepest forced depth (and what the cost curve measures: costs.MAX_ROWS)
+SEED_BOUND = 1 << 63
+
+
+class Source(StrEnum):
+    """Where drafts come from, spelled as on the command line, in requests and in reports."""
+
+    HEAD = "head"  # the bundle's MTP head
+    LOOKUP = "lookup"  # the context: what followed an earlier match (decoder/lookup.py)
+    BOTH = "both"  # whichever pays, round by round (the head where the bundle has one)
+
+
+SOURCES = tuple(s.value for s in Source)
+Depth = int | str | None  # a forced depth, "auto", or None (the head's layer count)
+
+
+class OptionError(UserError, ValueError):
+    """A refused decoding option. `option` is its canonical name; `say(spelling)` words the
+    message with the entry's own spelling of it."""
+
+    def __init__(self, code: str, option: str, template: str, hint: str) -> None:
+        self.option, self.template = option, template
+        super().__init__(code, template.format(name=option), hint)
+
+    def say(self, spelling: str) -> str:
+        return self.template.format(name=spelling)
+
+
+def _number(option: str, value: object, low: float, high: float, low_open: bool = False) -> float:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        ok = (low < value if low_open else low <= value) and value <= high
+    if not ok:
+        bounds = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+        raise OptionError("options.invalid", option, f"{{name}} must be a number in {bounds}",
+                          f"give {option} a value in {bounds}")
+    return float(value)  # type: ignore[arg-type]
+
+
+def _integer(option: str, value: object, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise OptionError("options.invalid", option,
+                          f"{{name}} must be an integer in [{low}, {high}]",
+                          f"give {option} a whole number in [{low}, {high}]")
+    return value
+
+
+def depth_option(value: object) -> Depth:
+    """A depth as given: "auto", None, or an integer in [0, MAX_DEPTH]."""
+    if value is None or value == "auto":
+        return value  # type: ignore[return-value]
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_DEPTH:
+        raise OptionError("options.invalid", "depth",
+                          f'{{name}} must be "auto" or an integer in [0, {MAX_DEPTH}]',
+                          "auto lets measured costs choose; 0 is plain decoding")
+    return value
+
+
+def source_option(value: object) -> Source | None:
+    if value is None or isinstance(value, Source):
+        return value
+    if isinstance(value, str) and value in SOURCES:
+        return Source(value)
+    raise OptionError("options.invalid", "draft", '{name} must be "head", "lookup" or "both"',
+                      "head: the MTP head; lookup: the context; both: whichever pays")
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """What one generation is asked to do, already checked: build with `DecodeOptions.of`."""
+
+    depth: Depth = "auto"
+    draft: Source | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: int | None = None
+
+    @classmethod
+    def of(cls, depth: object = "auto", draft: object = None, temperature: object = 0.0,
+           top_p: object = 1.0, top_k: object = 0, min_p: object = 0.0,
+           seed: object = None) -> DecodeOptions:
+        """Check every option (OptionError, code options.invalid, for the first bad one)."""
+        sampling = SamplingParams(_number("temperature", temperature, 0.0, math.inf),
+                                  _number("top_p", top_p, 0.0, 1.0, low_open=True),
+                                  _integer("top_k", top_k, 0, 1 << 31),
+                                  _number("min_p", min_p, 0.0, 1.0))
+        if seed is not None:
+            seed = _integer("seed", seed, -SEED_BOUND, SEED_BOUND - 1)
+        return cls(depth_option(depth), source_option(draft), sampling, seed)  # type: ignore[arg-type]
+
+    def source(self, has_head: bool) -> Source:
+        """The draft source this generation uses: as asked, else both under auto, the head at a
+        forced depth, the context for a bundle without a head. The head asked of a bundle
+        without one is refused (options.no_head); "both" there is the context alone."""
+        if self.draft is Source.HEAD and not has_head:
+            raise OptionError("options.no_head", "draft",
+                              '{name} "head" drafts with an MTP head; this model has none',
+                              'use "lookup" or "both" (context drafts), or depth 0 (plain)')
+        if self.draft is not None:
+            return self.draft
+        if not has_head:
+            return Source.LOOKUP
+        return Source.BOTH if self.depth == "auto" else Source.HEAD
