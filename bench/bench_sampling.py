@@ -11,6 +11,8 @@ mlx-lm's `make_sampler` on one plain token with the same settings (mlx-lm's own
 - `plain`: the decoder's plain step with the same filter (candidates on one row, one draw).
 - `host_round`: the path before issue 32, for the record: each draft row through mlx-lm's
   chain and copied to the host in float64 (one read per draft), then the 4 target rows.
+- `draft_row`, `target_rows`, `rule`: the round's parts alone (each read back), to see where
+  its time goes.
 
     .venv/bin/python bench/bench_sampling.py --runs 30
 """
@@ -45,7 +47,13 @@ def main() -> None:
     from mlx_lm.sample_utils import make_sampler
 
     from mtpkit.decoder import acceptance
-    from mtpkit.decoder.sampling import Candidates, SamplingParams, candidates, probabilities
+    from mtpkit.decoder.sampling import (
+        Candidates,
+        SamplingParams,
+        candidate_width,
+        candidates,
+        probabilities,
+    )
 
     params = SamplingParams(args.temperature, args.top_p, args.top_k)
     sampler = make_sampler(args.temperature, args.top_p, top_k=args.top_k)
@@ -65,14 +73,22 @@ def main() -> None:
         row = target[:1]
         sampler(row - mx.logsumexp(row, axis=-1, keepdims=True)).item()
 
+    def uniforms(*shape: int) -> mx.array:
+        return mx.random.uniform(shape=shape, key=split())
+
     def plain() -> None:
-        candidates(target[:1], params).draw(split()).item()
+        row = candidates(target[:1], params)
+        row.draw(uniforms(1, row.width)).item()
 
     def device_round() -> None:
+        width = candidate_width(params, args.vocab)
+        noise = uniforms(depth * width + depth + width)  # the round's draws, as the decoder
         rows = [candidates(drafts_logits[i:i + 1], params, drafter=True) for i in range(depth)]
-        drafts = mx.concatenate([row.draw(split()) for row in rows])
+        drafts = mx.concatenate([row.draw(noise[None, i * width:(i + 1) * width])
+                                 for i, row in enumerate(rows)])
         q = Candidates.concat(rows)
-        verdict = acceptance.accept_sampled(drafts, q, candidates(target, params), split())
+        verdict = acceptance.accept_sampled(drafts, q, candidates(target, params),
+                                            noise[depth * width:])
         mx.concatenate([drafts, verdict]).tolist()
 
     def host_round() -> None:
@@ -80,8 +96,27 @@ def main() -> None:
             probabilities(drafts_logits[i:i + 1], params)
         probabilities(target, params)
 
+    fixed_q = Candidates.concat([candidates(drafts_logits[i:i + 1], params, drafter=True)
+                                 for i in range(depth)])
+    fixed_p = candidates(target, params)
+    fixed_drafts = fixed_q.draw(uniforms(*fixed_q.probs.shape))
+    mx.eval(fixed_q.probs, fixed_p.probs, fixed_drafts)
+
+    def draft_row() -> None:  # one draft's filter and draw, read back
+        row = candidates(drafts_logits[:1], params, drafter=True)
+        row.draw(uniforms(1, row.width)).tolist()
+
+    def target_rows() -> None:  # the K+1 target rows' filter, read back
+        mx.eval(candidates(target, params).probs)
+
+    def rule() -> None:  # the acceptance rule alone, on filtered rows
+        noise = uniforms(depth + fixed_p.width)
+        acceptance.accept_sampled(fixed_drafts, fixed_q, fixed_p, noise).tolist()
+
     arms: dict[str, Callable[[], None]] = {"mlx_lm_plain": mlx_lm_plain, "round": device_round,
-                                           "plain": plain, "host_round": host_round}
+                                           "plain": plain, "host_round": host_round,
+                                           "draft_row": draft_row, "target_rows": target_rows,
+                                           "rule": rule}
     for fn in arms.values():  # warm-up: kernels built, pages touched
         fn()
     times: dict[str, list[float]] = {name: [] for name in arms}

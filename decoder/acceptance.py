@@ -13,7 +13,10 @@ from mtpkit.decoder.sampling import Candidates
 
 
 def kept_prefix(accepted: mx.array) -> mx.array:
-    """How many leading entries of a boolean row are true."""
+    """How many leading entries of a boolean row are true (none: 0, without a cumprod of
+    nothing, which MLX 0.32.2 ends with a floating point exception)."""
+    if accepted.shape[0] == 0:
+        return mx.array(0, dtype=mx.int32)
     return mx.cumprod(accepted.astype(mx.int32)).sum()
 
 
@@ -25,16 +28,17 @@ def accept_greedy(drafts: mx.array, targets: mx.array) -> mx.array:
 
 
 def accept_sampled(drafts: mx.array, q: Candidates | None, p: Candidates,
-                   key: mx.array) -> mx.array:
-    """drafts (K,) drawn from q's K rows; p: the target's K+1 rows. Keep draft i with
+                   noise: mx.array) -> mx.array:
+    """drafts (K,) drawn from q's K rows; p: the target's K+1 rows; noise: K + p.width
+    uniforms in [0, 1) (the ratio tests', then the emitted token's draw). Keep draft i with
     probability min(1, p_i(x)/q_i(x)); on the first rejection emit a token from
     normalize(max(0, p_i - q_i)); when all K are kept emit a bonus token from p_{K+1}.
     Returns [kept, token]."""
     depth = drafts.shape[0]
-    u_key, draw_key = mx.random.split(key)
+    draw = noise[None, depth:]
     if depth == 0 or q is None:
-        return _verdict(mx.array(0), p[:1].draw(draw_key)[0])
-    ratio = mx.random.uniform(shape=(depth,), key=u_key) * q.at(drafts) < p[:depth].at(drafts)
+        return _verdict(mx.array(0), p[:1].draw(draw)[0])
+    ratio = noise[:depth] * q.at(drafts) < p[:depth].at(drafts)
     kept = kept_prefix(ratio)
     residual = mx.maximum(p.probs[:depth] - q.on(p[:depth]), 0.0)
     mass = residual.sum(axis=-1, keepdims=True)
@@ -42,7 +46,7 @@ def accept_sampled(drafts: mx.array, q: Candidates | None, p: Candidates,
     residual = mx.where(mass > 0, residual, p.probs[:depth])
     rows = Candidates(mx.concatenate([residual, p.probs[depth:depth + 1]]),
                       None if p.ids is None else p.ids[:depth + 1])
-    return _verdict(kept, _row(rows, kept).draw(draw_key)[0])
+    return _verdict(kept, _row(rows, kept).draw(draw)[0])
 
 
 def _row(rows: Candidates, index: mx.array) -> Candidates:

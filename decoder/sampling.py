@@ -11,7 +11,9 @@ sorts all of it). tests/test_decoder.py checks the two laws equal on every filte
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -92,9 +94,17 @@ class Candidates:
         same = other.ids[:, :, None] == self.ids[:, None, :]
         return mx.where(same, self.probs[:, None, :], 0.0).sum(axis=-1)
 
-    def draw(self, key: mx.array) -> mx.array:
-        """(R,) token ids, one drawn from each row."""
-        return self.tokens(mx.random.categorical(mx.log(self.probs), key=key))
+    def draw(self, noise: mx.array) -> mx.array:
+        """(R,) token ids, one drawn from each row by the Gumbel-max trick from `noise`,
+        uniforms in [0, 1) shaped like the rows (as mx.random.categorical draws, but from
+        uniforms the caller drew for the whole round in one op: on a GPU each keyed random op
+        costs about as much as the filter itself)."""
+        gumbel = -mx.log(-mx.log(noise))
+        return self.tokens(mx.argmax(mx.log(self.probs) + gumbel, axis=-1))
+
+    @property
+    def width(self) -> int:
+        return self.probs.shape[-1]
 
     def __getitem__(self, rows: slice) -> Candidates:
         return Candidates(self.probs[rows], None if self.ids is None else self.ids[rows])
@@ -127,6 +137,11 @@ def sparse(params: SamplingParams, vocab: int) -> bool:
     return 0 < params.top_k < vocab and params.top_k <= SPARSE_TOP_K
 
 
+def candidate_width(params: SamplingParams, vocab: int) -> int:
+    """How many columns `candidates` gives a row: the top k, or the vocabulary."""
+    return params.top_k if sparse(params, vocab) else vocab
+
+
 def candidates(logits: mx.array, params: SamplingParams, drafter: bool = False) -> Candidates:
     """The processed law of each row of logits (R, V), lazily; see the module docstring.
 
@@ -137,8 +152,22 @@ def candidates(logits: mx.array, params: SamplingParams, drafter: bool = False) 
     vocab = logits.shape[-1]
     if not sparse(params, vocab):
         return Candidates(mx.softmax(tempered(logits, params), axis=-1))
-    return _top_k_candidates(logits, params.top_k, params.top_p, params.min_p,
-                             params.temperature, not drafter)
+    probs, ids = _compiled_filter(params.top_k, params.top_p, params.min_p, params.temperature,
+                                  not drafter)(logits)
+    return Candidates(probs, ids)
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled_filter(k: int, top_p: float, min_p: float, temperature: float,
+                     vocabulary_mass: bool) -> Callable[[mx.array], tuple[mx.array, mx.array]]:
+    """The filter traced once per setting (and shape): one fused graph, where a GPU would
+    otherwise launch each of its dozen small ops."""
+    def run(logits: mx.array) -> tuple[mx.array, mx.array]:
+        out = _top_k_candidates(logits, k, top_p, min_p, temperature, vocabulary_mass)
+        assert out.ids is not None
+        return out.probs, out.ids
+
+    return mx.compile(run)
 
 
 def _top_k_candidates(logits: mx.array, k: int, top_p: float, min_p: float,

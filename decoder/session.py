@@ -24,7 +24,13 @@ from mtpkit.decoder.head import MTPHead
 from mtpkit.decoder.lookup import ContextIndex
 from mtpkit.decoder.options import Source
 from mtpkit.decoder.policy import DepthPolicy
-from mtpkit.decoder.sampling import Candidates, SamplingParams, candidates, greedy
+from mtpkit.decoder.sampling import (
+    Candidates,
+    SamplingParams,
+    candidate_width,
+    candidates,
+    greedy,
+)
 from mtpkit.decoder.shapes import bounded_by_default, extent, padded, pieces
 from mtpkit.decoder.state import commit_recorded, rewind, snapshot, trim, trimmable
 from mtpkit.decoder.stats import Stats
@@ -89,11 +95,16 @@ class Session:
         self.key, sub = mx.random.split(self.key)
         return sub
 
+    def _noise(self, count: int) -> mx.array:
+        """`count` uniforms in [0, 1): all a round's (or a step's) draws, in one random op."""
+        return mx.random.uniform(shape=(count,), key=self._split())
+
     def _sample(self, logits: mx.array) -> mx.array:
         """A lazy token from logits (1, V), drawn from mlx-lm's sampler's law."""
         if self.params.greedy:
             return greedy(logits)
-        return candidates(logits, self.params).draw(self._split())
+        rows = candidates(logits, self.params)
+        return rows.draw(self._noise(rows.width)[None])
 
     def _chunks(self, n: int) -> list[tuple[int, int]]:
         """(length, padding) of each prefill pass. Bounded, where every cache can be trimmed:
@@ -201,11 +212,12 @@ class Session:
                      mx.concatenate([self.owed[1], pairs[1]], axis=1))
         self.owed = pairs
 
-    def _draft(self, depth: int) -> tuple[mx.array, Candidates | None, list[int]]:
+    def _draft(self, depth: int, noise: mx.array | None
+               ) -> tuple[mx.array, Candidates | None, list[int]]:
         """(1, 1 + K) verify input (last token, then K drafts), the distributions the drafts
         were drawn from (sampling), and per-block chained entries. Drafts stay lazy (drawn on
         the device, chained as arrays), so a whole round costs one host read, not one per
-        draft."""
+        draft. noise: (depth, width) uniforms for sampled drafts."""
         assert self.head is not None and self.owed is not None
         hidden, tokens = self.owed
         self.owed = None
@@ -226,8 +238,9 @@ class Session:
             if self.params.greedy:
                 tokens = greedy(row, keepdims=True)
             else:
+                assert noise is not None
                 rows.append(candidates(row, self.params, drafter=True))
-                tokens = rows[-1].draw(self._split())[:, None]
+                tokens = rows[-1].draw(noise[k:k + 1])[:, None]
             chain.append(tokens)
             hidden = out
         return mx.concatenate(chain, axis=1), (Candidates.concat(rows) if rows else None), chained
@@ -242,12 +255,20 @@ class Session:
         start = time.perf_counter()
         owed = self.owed[1].shape[1] if self.owed is not None else 0
         source, drafted = ("lookup", 0) if lookup is not None else ("head", depth)
+        noise, head, tests, columns = None, 0, 0, 0
+        if not self.params.greedy:  # every draw of the round, from one random op: the head's
+            # drafts, a ratio test per draft (a chain's context drafts included), the last token
+            columns = candidate_width(self.params, self.trunk.args.vocab_size)
+            head = 0 if lookup is not None else depth
+            tests = max(self.depth, depth, len(lookup or []))
+            noise = self._noise(head * columns + tests + columns)
         if lookup is not None:
             depth = len(lookup)
             tokens, chained = mx.array([[self.last, *lookup]]), []
             q = None if self.params.greedy else Candidates.one_hot(lookup)
         elif depth > 0:
-            tokens, q, chained = self._draft(depth)
+            draws = None if noise is None else noise[:depth * columns].reshape(depth, columns)
+            tokens, q, chained = self._draft(depth, draws)
             if (more := self._extension(tokens, depth, depth if most is None else most)):
                 source, depth = "chain", depth + len(more)
                 tokens = mx.concatenate([tokens, mx.array([more])], axis=1)
@@ -271,7 +292,10 @@ class Session:
             verdict = acceptance.accept_greedy(tokens[0, 1:], greedy(logits[0]))
         else:
             p = candidates(logits[0, :depth + 1], self.params)
-            verdict = acceptance.accept_sampled(tokens[0, 1:], q, p, self._split())
+            assert noise is not None and p.width == columns, "logits wider than the vocabulary"
+            at = head * columns
+            rule = mx.concatenate([noise[at:at + depth], noise[at + tests:]])
+            verdict = acceptance.accept_sampled(tokens[0, 1:], q, p, rule)
         # the round's one host read: drafts, kept count and emitted token
         *drafts, kept, token = mx.concatenate([tokens[0, 1:].astype(mx.int32), verdict]).tolist()
         if self.recorders:
@@ -377,7 +401,7 @@ class Session:
 
     def draft_step_time(self, repeats: int) -> float:
         """Median seconds of one chained head draft step (after a started session)."""
-        self._draft(1)  # consume the owed pairs
+        self._draft(1, None)  # consume the owed pairs (greedy: no draws)
         hidden = mx.zeros((1, 1, self.trunk.args.hidden_size))
         token = mx.array([[self.last]])
         times = []

@@ -282,8 +282,9 @@ def rule_outputs(q: Candidates, p: Candidates, trials: int, seed: int = 0) -> li
     key, out, block = mx.random.key(seed), [], []
     for i in range(trials):
         key, draft_key, rule_key = mx.random.split(key, 3)
-        drafts = q.draw(draft_key)
-        block.append(mx.concatenate([drafts, acceptance.accept_sampled(drafts, q, p, rule_key)]))
+        drafts = q.draw(mx.random.uniform(shape=q.probs.shape, key=draft_key))
+        noise = mx.random.uniform(shape=(q.probs.shape[0] + p.width,), key=rule_key)
+        block.append(mx.concatenate([drafts, acceptance.accept_sampled(drafts, q, p, noise)]))
         if len(block) == 2000 or i == trials - 1:
             for *drafts_, kept, token in mx.stack(block).tolist():
                 out.append([*drafts_[:kept], token])

@@ -184,24 +184,22 @@ def test_every_round_state_emits_the_target_law(setting: str) -> None:
 
 
 def replacement_from_p(drafts: mx.array, q: Candidates | None, p: Candidates,
-                       key: mx.array) -> mx.array:
+                       noise: mx.array) -> mx.array:
     """Wrong: after a rejection at i, emit a token from p_i, not normalize(max(0, p_i - q_i))."""
-    u_key, draw_key = mx.random.split(key)
-    if q is None or drafts.shape[0] == 0:
-        return RIGHT_RULE(drafts, q, p, key)
     depth = drafts.shape[0]
-    ratio = mx.random.uniform(shape=(depth,), key=u_key) * q.at(drafts) < p[:depth].at(drafts)
-    kept = acceptance.kept_prefix(ratio)
-    token = mx.random.categorical(mx.log(p.probs), key=draw_key)  # one draw per row
-    return mx.stack([kept.astype(mx.int32), p.tokens(token)[kept]])
+    if q is None or depth == 0:
+        return RIGHT_RULE(drafts, q, p, noise)
+    kept = acceptance.kept_prefix(noise[:depth] * q.at(drafts) < p[:depth].at(drafts))
+    tokens = p.draw(mx.broadcast_to(noise[None, depth:], p.probs.shape))  # one per row
+    return mx.stack([kept.astype(mx.int32), tokens[kept]])
 
 
 def bonus_from_previous_position(drafts: mx.array, q: Candidates | None, p: Candidates,
-                                 key: mx.array) -> mx.array:
+                                 noise: mx.array) -> mx.array:
     """Wrong: after K kept drafts, the bonus comes from p_K instead of p_{K+1}."""
     depth = drafts.shape[0]
     shifted = Candidates.concat([p[:depth], p[max(depth - 1, 0):max(depth, 1)]])
-    return RIGHT_RULE(drafts, q, shifted, key)
+    return RIGHT_RULE(drafts, q, shifted, noise)
 
 
 RIGHT_RULE = acceptance.accept_sampled

@@ -185,8 +185,8 @@ def test_head_drafts_continued_by_the_context_are_greedy_identical(
         at = len(session.lookup.tokens) - len(PROMPT) + start
         return [(t + (rng.random() < 0.2)) % vocab for t in plain[at:at + count]]
 
-    def guessing(depth: int) -> tuple[mx.array, None, list[int]]:
-        _, _, chained = draft(depth)
+    def guessing(depth: int, noise: mx.array | None) -> tuple[mx.array, None, list[int]]:
+        _, _, chained = draft(depth, noise)
         return mx.array([[session.last, *oracle(0, depth)]]), None, chained
 
     def extension(tokens: mx.array, depth: int, most: int) -> list[int]:
@@ -213,9 +213,9 @@ def test_chain_extends_only_past_a_match_of_the_drafts() -> None:
     chained: list[tuple[list[int], list[int], list[int]]] = []
     extension, draft = session._extension, session._draft
 
-    def guessing(depth: int) -> tuple[mx.array, None, list[int]]:
+    def guessing(depth: int, noise: mx.array | None) -> tuple[mx.array, None, list[int]]:
         """A head that has learnt the cycle: its drafts are the context's guess."""
-        tokens, _, entries = draft(depth)
+        tokens, _, entries = draft(depth, noise)
         guess = session.lookup.propose(depth)[0] or tokens.tolist()[0][1:]
         return mx.array([[session.last, *guess]]), None, entries
 
