@@ -11,9 +11,7 @@ sorts all of it). tests/test_decoder.py checks the two laws equal on every filte
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -152,22 +150,8 @@ def candidates(logits: mx.array, params: SamplingParams, drafter: bool = False) 
     vocab = logits.shape[-1]
     if not sparse(params, vocab):
         return Candidates(mx.softmax(tempered(logits, params), axis=-1))
-    probs, ids = _compiled_filter(params.top_k, params.top_p, params.min_p, params.temperature,
-                                  not drafter)(logits)
-    return Candidates(probs, ids)
-
-
-@functools.lru_cache(maxsize=64)
-def _compiled_filter(k: int, top_p: float, min_p: float, temperature: float,
-                     vocabulary_mass: bool) -> Callable[[mx.array], tuple[mx.array, mx.array]]:
-    """The filter traced once per setting (and shape): one fused graph, where a GPU would
-    otherwise launch each of its dozen small ops."""
-    def run(logits: mx.array) -> tuple[mx.array, mx.array]:
-        out = _top_k_candidates(logits, k, top_p, min_p, temperature, vocabulary_mass)
-        assert out.ids is not None
-        return out.probs, out.ids
-
-    return mx.compile(run)
+    return _top_k_candidates(logits, params.top_k, params.top_p, params.min_p,
+                             params.temperature, not drafter)
 
 
 def _top_k_candidates(logits: mx.array, k: int, top_p: float, min_p: float,
