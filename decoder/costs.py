@@ -23,25 +23,36 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from functools import cached_property
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from mtpkit.decoder.state import rewind, snapshot
+from mtpkit.decoder.curve import (
+    CONTEXT,
+    MAX_ROWS,
+    CostCurve,
+    breaks,
+    interpolate,
+    smooth,
+)
+from mtpkit.decoder.sampling import SamplingParams, greedy
+from mtpkit.decoder.session import Session
+from mtpkit.decoder.state import rewind, snapshot, trim
 
 if TYPE_CHECKING:
+    from mtpkit.decoder.head import MTPHead
     from mtpkit.decoder.runner import Runner
+    from mtpkit.decoder.trunk import Trunk
 
-MAX_ROWS = 16
-CONTEXT = 512  # cache length the curve is measured at (a typical verify position)
 REPEATS = 7  # most timed passes per row (their median counts)
 MIN_REPEATS = 3  # a median of fewer is one outlier away from wrong; the budget may force fewer
 STEADY = 0.05  # a row stops early once MIN_REPEATS timings spread less than this (max-min)/median
 SPARSE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)  # timed when all 16 do not fit the budget
+PROBE_TOKENS = 16  # measure_decoding: steps and rounds timed per repeat
+PROBE_REPEATS = 2  # the fastest repeat counts: another process only ever adds time
 PLAIN_STEPS = 32
 PLAIN_WARMUP = 4  # steps that warm up the plain path (its shapes, not a timing)
 PLAIN_BATCH = 8  # steps per timing where PLAIN_STEPS would take over a second (the median of
@@ -52,99 +63,6 @@ PREFILL_SHARE = 0.3  # of the budget, the most the context's prefill may take
 COMPILED = 1.5  # a first pass this much dearer than the next one built something: warm up
 # each width first (a GPU); else a width's first pass is one of its timings (a CPU)
 VERSION = 2  # bump when what is measured changes (2: bounded, checked, smoothed curves)
-PAD_GAIN = 0.9  # pad a verify to a wider width only when that is 10% cheaper: a real kernel
-# switch (MLX's quantized matmul from 8 rows on), not the noise between two medians. Also the
-# sanity bound: a wider pass timed more than 10% cheaper is re-measured before it is believed.
-
-
-@dataclass
-class CostCurve:
-    """Seconds: verify[T - 1] is one trunk pass over T rows (logits for all, synchronous);
-    plain is one pipelined plain-decoding step; draft one chained head step (0: no head).
-    How it was measured: at a `context`-token cache, `timed` the rows timed (the rest
-    interpolated; [] given by hand), `remeasured` rows timed again because a wider pass came
-    out cheaper, `smoothed` rows that still cost more than a wider pass and are priced and
-    verified at that width, `seconds` the measurement's duration."""
-
-    verify: list[float]
-    plain: float
-    draft: float
-    key: dict[str, Any] = field(default_factory=dict)
-    estimate: bool = False  # timed on this machine: an estimate generations correct as they go
-    # (decoder/policy.py); False: given by hand, a what-if taken as it is
-    context: int = CONTEXT
-    timed: list[int] = field(default_factory=list)
-    remeasured: list[int] = field(default_factory=list)
-    smoothed: list[int] = field(default_factory=list)
-    seconds: float = 0.0
-
-    def width(self, rows: int) -> int:
-        """The verify width to run `rows` rows at: the cheapest measured width >= rows where it
-        is PAD_GAIN cheaper, else rows (extra rows are padding whose outputs are ignored)."""
-        if rows > len(self.verify):
-            return rows
-        return self._widths[rows - 1]
-
-    @cached_property
-    def _widths(self) -> list[int]:  # asked for several times per round: computed once
-        n, out = len(self.verify), []
-        for rows in range(1, n + 1):
-            if rows in self.smoothed:  # took a wider width's cost: verified at that width
-                out.append(next((t for t in range(rows + 1, n + 1) if t not in self.smoothed
-                                 and self.verify[t - 1] <= self.verify[rows - 1]), rows))
-                continue
-            wider = min(range(rows, n + 1), key=lambda t: (self.verify[t - 1], t))
-            cheaper = self.verify[wider - 1] < PAD_GAIN * self.verify[rows - 1]
-            out.append(wider if cheaper else rows)
-        return out
-
-    def round_cost(self, depth: int, drafted: int | None = None) -> float:
-        """Seconds for one round of `depth` drafts, `drafted` of them by the head (default:
-        all; context drafts are free) (0: one plain step)."""
-        if depth == 0:
-            return self.plain
-        drafted = depth if drafted is None else drafted
-        return drafted * self.draft + self.verify[self.width(depth + 1) - 1]
-
-    def ratios(self) -> list[float]:
-        """c(T) / c(1)."""
-        return [c / self.verify[0] for c in self.verify]
-
-    def to_dict(self) -> dict[str, Any]:
-        data = {k: v for k, v in asdict(self).items() if k != "estimate"}  # how it is used,
-        # not what was measured
-        return {**data, "ratios": self.ratios(),
-                "widths": [self.width(t) for t in range(1, len(self.verify) + 1)]}
-
-
-def breaks(verify: list[float]) -> list[int]:
-    """Rows T whose pass was timed more than 1/PAD_GAIN dearer than some wider pass: noise
-    (a loaded machine) until a second measurement agrees."""
-    return [t for t in range(1, len(verify)) if min(verify[t:]) < PAD_GAIN * verify[t - 1]]
-
-
-def smooth(verify: list[float]) -> tuple[list[float], list[int]]:
-    """(curve, rows lowered): each breaking row takes the cost of the narrowest cheapest wider
-    pass (what padding to it pays), so the curve is non-decreasing within PAD_GAIN."""
-    out, lowered = list(verify), breaks(verify)
-    for t in lowered:
-        out[t - 1] = min(verify[t:])
-    return out, lowered
-
-
-def interpolate(timed: dict[int, float], rows: int = MAX_ROWS) -> list[float]:
-    """c(1..rows) from the timed rows, linear between them (a pass's cost grows about
-    linearly in its rows between two kernel switches)."""
-    known = sorted(timed)
-    out = []
-    for t in range(1, rows + 1):
-        if t in timed:
-            out.append(timed[t])
-            continue
-        lo = max(k for k in known if k < t)
-        hi = min(k for k in known if k > t)
-        out.append(timed[lo] + (timed[hi] - timed[lo]) * (t - lo) / (hi - lo))
-    return out
 
 
 def _versions() -> dict[str, str | None]:
@@ -330,9 +248,6 @@ def measure(runner: Runner, context: int = CONTEXT, repeats: int = REPEATS,
     (default: as decoding runs on this backend). progress: told what is measured and how long
     is left (nothing is printed). timer: how a call is timed (wall_clock; a test passes its
     own)."""
-    from mtpkit.decoder.sampling import SamplingParams, greedy
-    from mtpkit.decoder.session import Session
-
     clock = _Clock(timer, progress, budget() if budget_s is None else budget_s)
     clock.left = clock.budget_s  # until the probes plan it: at most the budget
     clock.tell("start", "verify costs")
@@ -420,7 +335,7 @@ def measure(runner: Runner, context: int = CONTEXT, repeats: int = REPEATS,
     if head:
         def head_steps() -> None:
             nonlocal draft
-            draft = session.draft_step_time(passes)
+            draft = _draft_step(session, passes)
 
         clock.time("draft", passes, head_steps, clock.left, "head draft steps")
     clock.left = 0.0
@@ -428,6 +343,74 @@ def measure(runner: Runner, context: int = CONTEXT, repeats: int = REPEATS,
                        remeasured=retimed, smoothed=lowered, seconds=clock.spent)
     clock.tell("done", "verify costs", result)
     return result
+
+
+def _draft_step(session: Session, repeats: int) -> float:
+    """Median seconds of one chained head draft step (after a started session)."""
+    head = session.head
+    assert head is not None
+    session._draft(1, None)  # consume the owed pairs (greedy: no draws)
+    hidden = mx.zeros((1, 1, session.trunk.args.hidden_size))
+    token = mx.array([[session.last]])
+    chained = [int(b == 1 % head.blocks) for b in range(head.blocks)]
+    times = []
+    for _ in range(repeats + 1):
+        begin = time.perf_counter()
+        logits, _ = head(hidden, token, session.mtp_cache, 1, last_only=True)
+        mx.eval(greedy(logits[:, -1]))
+        times.append(time.perf_counter() - begin)
+        trim(session.mtp_cache, chained)
+    return statistics.median(times[1:])
+
+
+@dataclass(frozen=True)
+class DecodeCosts:
+    """Seconds per plain decode step, per depth-1 round (draft, 2-token verify, rollback,
+    the round's host sync) and per prefilled prompt token, on this machine."""
+
+    step_s: float
+    round_s: float
+    prefill_s: float
+
+    @property
+    def round_steps(self) -> float:
+        return self.round_s / self.step_s
+
+    def prompt_s(self, length: int, tokens: int) -> float:
+        """An upper bound on scoring one prompt: every round commits at least one token."""
+        return length * self.prefill_s + (tokens - 1) * self.round_s
+
+    def probe_s(self, length: int) -> float:
+        return PROBE_REPEATS * (2 * length * self.prefill_s
+                                + PROBE_TOKENS * (self.step_s + self.round_s))
+
+    def to_dict(self) -> dict[str, float]:
+        return {"step_ms": 1000 * self.step_s, "round_ms": 1000 * self.round_s,
+                "round_steps": self.round_steps, "prefill_ms_per_token": 1000 * self.prefill_s}
+
+
+def measure_decoding(trunk: Trunk, head: MTPHead, ids: list[int]) -> DecodeCosts:
+    """Time whole plain steps and depth-1 rounds as decoding runs them, after prefilling `ids`
+    (greedy; end of text does not stop them), PROBE_REPEATS times; the fastest of each (graft's
+    budget and its "will the head pay": what a user's first rounds cost, not the curve)."""
+    greedy = SamplingParams()
+    step = rnd = prefill = math.inf
+    for _ in range(PROBE_REPEATS):
+        plain = Session(trunk, head, greedy, 0)
+        tokens = plain.plain(ids, PROBE_TOKENS + 1)
+        next(tokens)
+        begin = time.perf_counter()
+        for _ in tokens:
+            pass
+        step = min(step, (time.perf_counter() - begin) / PROBE_TOKENS)
+        prefill = min(prefill, plain.stats.prefill_s / len(ids))
+        spec = Session(trunk, head, greedy, 1)
+        spec.start(ids)
+        begin = time.perf_counter()
+        for _ in range(PROBE_TOKENS):
+            spec.round(1)
+        rnd = min(rnd, (time.perf_counter() - begin) / PROBE_TOKENS)
+    return DecodeCosts(step, rnd, prefill)
 
 
 def _cheapest(curve: list[float], rows: int) -> int:

@@ -14,7 +14,7 @@ from enum import StrEnum
 from mtpkit.decoder.sampling import SamplingParams
 from mtpkit.loaders.findings import UserError
 
-MAX_DEPTH = 16  # the deepest forced depth (and what the cost curve measures: costs.MAX_ROWS)
+MAX_DEPTH = 16  # the deepest forced depth (and what the cost curve measures: curve.MAX_ROWS)
 SEED_BOUND = 1 << 63
 
 

@@ -42,7 +42,7 @@ from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-from mtpkit.decoder.costs import CostCurve
+from mtpkit.decoder.curve import CostCurve
 
 DECAY = 0.97  # per round: about the last 30 rounds weigh in
 PRIOR_WEIGHT = 2.0  # rounds' worth of belief in the prior

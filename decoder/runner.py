@@ -17,7 +17,8 @@ from mlx_lm.utils import dequantize_model, load_model
 
 from mtpkit.decoder import distributed, kernels, sharding
 from mtpkit.decoder.context import check_prompt, context_of
-from mtpkit.decoder.costs import CostCurve, Progress, costs_for
+from mtpkit.decoder.costs import Progress, costs_for
+from mtpkit.decoder.curve import CostCurve
 from mtpkit.decoder.head import Contract, MTPHead
 from mtpkit.decoder.options import DecodeOptions, Depth, Source
 from mtpkit.decoder.policy import DepthPolicy, PaidCosts

@@ -399,20 +399,6 @@ class Session:
             yield [token]
         policy.observe_plain(*self.plain_paid)
 
-    def draft_step_time(self, repeats: int) -> float:
-        """Median seconds of one chained head draft step (after a started session)."""
-        self._draft(1, None)  # consume the owed pairs (greedy: no draws)
-        hidden = mx.zeros((1, 1, self.trunk.args.hidden_size))
-        token = mx.array([[self.last]])
-        times = []
-        for _ in range(repeats + 1):
-            begin = time.perf_counter()
-            logits, _ = self.head(hidden, token, self.mtp_cache, 1, last_only=True)
-            mx.eval(greedy(logits[:, -1]))
-            times.append(time.perf_counter() - begin)
-            trim(self.mtp_cache, [int(b == 1 % self.head.blocks) for b in range(self.head.blocks)])
-        return sorted(times[1:])[len(times[1:]) // 2]
-
 
 def generate_ids(session: Session, ids: list[int], max_tokens: int,
                  eos: set[int]) -> Iterator[list[int]]:

@@ -24,7 +24,8 @@ import pytest
 
 import mtpkit
 from mtpkit.decoder import costs
-from mtpkit.decoder.costs import CostCurve, Tick
+from mtpkit.decoder.costs import Tick
+from mtpkit.decoder.curve import CONTEXT, CostCurve, breaks
 from mtpkit.decoder.runner import Runner
 from mtpkit.verify.tune import render_text, report, summary
 
@@ -158,7 +159,7 @@ def test_a_cheaper_wider_pass_that_goes_away_is_remeasured(runner: Runner) -> No
 
     curve = costs.measure(runner, budget_s=100.0, timer=_linear_timer(0.14, 0.007, odd=odd))
     assert curve.remeasured == [1, 2] and curve.smoothed == []
-    assert curve.verify[0] == pytest.approx(0.147) and costs.breaks(curve.verify) == []
+    assert curve.verify[0] == pytest.approx(0.147) and breaks(curve.verify) == []
     assert curve.width(1) == 1
 
 
@@ -176,7 +177,7 @@ def test_a_cheaper_wider_pass_that_stays_is_smoothed_and_flagged(runner: Runner)
     assert spike.ratios()[3] == pytest.approx(spike.ratios()[4]) and max(spike.ratios()) < 2
     assert spike.width(4) == 5
 
-    doc = {"bundle": "b", **curve.to_dict(), "context": costs.CONTEXT, "measured": True,
+    doc = {"bundle": "b", **curve.to_dict(), "context": CONTEXT, "measured": True,
            "cache": "c", "max_depth": 0, "picks": [], "lookup_picks": []}
     text = render_text(doc)
     assert "T 1-2 re-measured" in text and "T 1 priced and verified at width 2" in text
@@ -188,7 +189,7 @@ def test_a_cached_curve_that_breaks_the_check_is_measured_again(runner: Runner) 
     broken = [0.215, 0.154] + [0.154 + 0.007 * t for t in range(14)]  # as an old version cached
     costs.store(CostCurve(broken, 0.14, 0.01, key))
     assert runner.costs().verify != broken, "a curve that fails the check is not trusted"
-    assert costs.breaks(runner.costs().verify) == []
+    assert breaks(runner.costs().verify) == []
     stored = json.loads(next(costs.cache_dir().glob("*.json")).read_text())
     assert stored["verify"] == runner.costs().verify and stored["timed"], "and is replaced"
 
@@ -238,4 +239,4 @@ def test_the_real_smollm2_curve_is_measured_in_the_budget(smollm2_bf16: Path,
     curve = costs.measure(runner)
     took = time.perf_counter() - start
     assert took <= 30 and curve.seconds <= costs.BUDGET_S * (1 + costs.RETRY_SHARE) + 2, took
-    assert costs.breaks(curve.verify) == []
+    assert breaks(curve.verify) == []

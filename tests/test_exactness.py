@@ -21,6 +21,16 @@ ending at every possible position). Their power was measured with mutants of the
 18): a replacement drawn from p, drafts accepted untested from the second position on, the bonus
 from the previous position's law, q taken before the sampler's processing, rollback committing
 one recurrent state too many or too few; each fails at least one test here by far.
+
+Re-run on the device rule (issue 32, acceptance in decoder/acceptance.py), each mutant applied to
+a copy of the tree: drafts accepted untested after the first and accept-everything fail all six
+law tests (round states x 4 settings, six tokens x 2); q taken before the sampler's processing
+fails the round-state law at top_k and top_p_min_p and the six-token law at top_k (at plain
+temperature and with a draft vocabulary the processed q is the raw one: no mutant there); a
+recurrent state committed one too many fails greedy identity with stock mlx-lm on qwen3_5,
+qwen3_5_moe and qwen3_next and the forced rejections under record; one too few fails the forced
+rejections under record (qwen3_5, qwen3_next). The replacement from p and the bonus from the
+previous position run below as negative controls, written on the device rule.
 """
 
 from __future__ import annotations

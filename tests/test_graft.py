@@ -20,6 +20,7 @@ from fixtures.factory import tree_hash
 from mtpkit.cli import main
 from mtpkit.convert.convert import ConvertError
 from mtpkit.convert.writer import OutputExists
+from mtpkit.decoder.costs import DecodeCosts
 from mtpkit.decoder.runner import safe_template
 from mtpkit.loaders.digest import sha256_file
 from mtpkit.schemas import validate
@@ -34,7 +35,7 @@ from mtpkit.train.corpus import (
 )
 from mtpkit.train.graft import WARMUP_STEPS, GraftOptions, graft, learning_rate
 from mtpkit.train.rollouts import INSTRUCTIONS, Prompts, chat_frame, rollout, training_mask
-from mtpkit.train.scoring import SCORING_SHARE, DecodeCosts, plan, verdict
+from mtpkit.train.scoring import SCORING_SHARE, plan, verdict
 from mtpkit.verify.loads import MEMO_REQUEST, real_loads
 
 CORPUS = stdlib_root() / "json"
@@ -303,7 +304,7 @@ def _costs(step: float = 0.01, round_: float = 0.03, prefill: float = 0.001) -> 
 def test_a_head_that_cannot_pay_is_flagged(built: Callable[..., Path], tmp_path: Path,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """A round priced at 3 plain steps: even every draft accepted gives 2/3 of plain speed."""
-    monkeypatch.setattr(graft_mod, "measure_costs", lambda trunk, head, ids: _costs())
+    monkeypatch.setattr(graft_mod, "measure_decoding", lambda trunk, head, ids: _costs())
     result = CliRunner().invoke(main, ["graft", str(built("llama")), "--out",
                                        str(tmp_path / "g"), "--corpus", str(CORPUS),
                                        "--steps", "1", "--batch", "2", "--seq-len", "16"])
@@ -350,7 +351,7 @@ def test_plan_reserves_scoring_and_writing_out_of_the_whole_budget() -> None:
 def test_minutes_bound_the_whole_command(built: Callable[..., Path], tmp_path: Path,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Scoring priced at ~0.4 s a prompt: a 9-second budget cannot score them all."""
-    monkeypatch.setattr(graft_mod, "measure_costs",
+    monkeypatch.setattr(graft_mod, "measure_decoding",
                         lambda trunk, head, ids: _costs(step=0.005, round_=0.008))
     result = graft(str(built("llama")), tmp_path / "m",
                    _options(steps=None, minutes=0.15, eval_prompts=24))

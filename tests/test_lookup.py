@@ -15,7 +15,7 @@ import pytest
 import mtpkit
 from fixtures.decoder_models import tiny_runner
 from fixtures.laws import exact_joint, pvalue
-from mtpkit.decoder.costs import CostCurve
+from mtpkit.decoder.curve import CostCurve
 from mtpkit.decoder.lookup import MAX_NGRAM, ContextIndex
 from mtpkit.decoder.policy import LONG_MATCH, DepthPolicy
 from mtpkit.decoder.runner import MAX_AUTO_DEPTH, Runner

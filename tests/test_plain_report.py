@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 import mtpkit
-from mtpkit.decoder.costs import CostCurve
+from mtpkit.decoder.curve import CostCurve
 from mtpkit.decoder.stats import Stats
 from mtpkit.schemas import validate
 from mtpkit.serve.service import usage

@@ -17,7 +17,7 @@ import pytest
 import mtpkit
 from fixtures.decoder_models import OracleHead
 from mtpkit.decoder import costs
-from mtpkit.decoder.costs import CostCurve
+from mtpkit.decoder.curve import MAX_ROWS, CostCurve
 from mtpkit.decoder.policy import (
     CALIBRATE,
     MAX_STRETCH,
@@ -299,7 +299,7 @@ def test_cost_curve_is_cached_per_bundle_and_remeasured_when_weights_change(
     bundle = tmp_path / "b"
     shutil.copytree(built("qwen3_5"), bundle)
     first = mtpkit.load(bundle, dtype="float32").costs()
-    assert len(first.verify) == costs.MAX_ROWS and all(c > 0 for c in first.verify)
+    assert len(first.verify) == MAX_ROWS and all(c > 0 for c in first.verify)
     assert first.plain > 0 and first.draft > 0
     stored = list((tmp_path / "cache" / "costs").glob("*.json"))
     assert len(stored) == 1 and json.loads(stored[0].read_text())["verify"] == first.verify

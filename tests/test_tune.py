@@ -17,6 +17,7 @@ from click.testing import CliRunner
 from fixtures.factory import Sidecar
 from mtpkit.cli import main
 from mtpkit.decoder import costs
+from mtpkit.decoder.curve import CONTEXT, PAD_GAIN, CostCurve, breaks
 from mtpkit.schemas import validate
 
 ROW = re.compile(r"^\s+(\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(\d+)$")
@@ -34,7 +35,7 @@ def measured(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
     real = costs.measure
 
-    def counting(*args: Any, **kwargs: Any) -> costs.CostCurve:
+    def counting(*args: Any, **kwargs: Any) -> CostCurve:
         calls.append(1)
         return real(*args, **kwargs)
 
@@ -72,12 +73,12 @@ def test_tune_prints_sixteen_widths_and_the_picks(built: Callable[..., Path], ca
     assert len(doc["verify"]) == len(doc["ratios"]) == len(doc["widths"]) == 16
     assert measured == [1] and doc["measured"] is False, "the second call reads the cache"
     assert doc["timed"][0] == 1 and doc["timed"][-1] == 16 and doc["seconds"] > 0
-    assert costs.breaks(doc["verify"]) == [] and doc["context"] <= costs.CONTEXT
+    assert breaks(doc["verify"]) == [] and doc["context"] <= CONTEXT
     assert doc["ratios"][0] == 1.0 and doc["draft"] > 0 and doc["max_depth"] >= 1
     verify = doc["verify"]
     for t, w in enumerate(doc["widths"], 1):  # padded only to the cheapest width, and only
         cheapest = min(verify[t - 1:])        # where that is PAD_GAIN cheaper than t itself
-        pays = cheapest < costs.PAD_GAIN * verify[t - 1]
+        pays = cheapest < PAD_GAIN * verify[t - 1]
         if t in doc["smoothed"]:  # priced at a wider width's cost, so verified at that width
             assert w > t and verify[w - 1] == verify[t - 1]
         else:

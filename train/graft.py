@@ -30,6 +30,7 @@ from mtpkit.convert.convert import ConvertError, finish_bundle, write_config
 from mtpkit.convert.sidecar import SidecarOptions, encode_sidecar
 from mtpkit.convert.writer import claim_output, staged_output, write_safetensors
 from mtpkit.decoder.blas import fix, in_use, loaded_blas
+from mtpkit.decoder.costs import measure_decoding
 from mtpkit.decoder.head import Contract, MTPHead, canonical_name
 from mtpkit.decoder.rows import use_few_rows_linears
 from mtpkit.decoder.runner import Prompt, Runner, cast_floats, dequantize_for_cpu, safe_template
@@ -41,11 +42,11 @@ from mtpkit.loaders.weights import SIDECAR_FILE
 from mtpkit.train.copying import attention_of, copy_loss, copy_sources
 from mtpkit.train.corpus import Document, prose, read_documents, split_documents
 from mtpkit.train.rollouts import INSTRUCTIONS, Prompts, Rollouts, chat_frame, rollout
-from mtpkit.train.scoring import Plan, measure_costs, plan, verdict
+from mtpkit.train.scoring import Plan, plan, verdict
 
 WARMUP_STEPS = 50
 DEFAULT_MINUTES = 27.0  # the whole command; on SmolLM2 with OpenBLAS ~25 of them train
-PROBE_PROMPT = 32  # prompt tokens before the timed decode steps (scoring.measure_costs)
+PROBE_PROMPT = 32  # prompt tokens before the timed decode steps (costs.measure_decoding)
 
 
 @dataclass
@@ -358,7 +359,7 @@ def graft(bundle: str, out: Path, options: GraftOptions,
              if probe.template is not None else [])
     probe_ids = max(encoded, key=len)[:PROBE_PROMPT]
     assert probe.head is not None
-    costs = measure_costs(trunk, probe.head, probe_ids)
+    costs = measure_decoding(trunk, probe.head, probe_ids)
     write_bytes = (sum(p.stat().st_size for p in view.root.rglob("*") if p.is_file())
                    + sum(v.nbytes for v in weights.values()))
     planned = plan(options.minutes * 60 if options.minutes is not None else math.inf,
@@ -389,7 +390,7 @@ def graft(bundle: str, out: Path, options: GraftOptions,
     if planned.chat and time.perf_counter() < deadline:
         acceptance["chat"] = measure_acceptance(runner, chats[:planned.chat], options.eval_tokens,
                                                 deadline)
-    measured = measure_costs(trunk, head, probe_ids)
+    measured = measure_decoding(trunk, head, probe_ids)
     pooled = [acceptance, *([acceptance["chat"]] if "chat" in acceptance else [])]
     rounds = sum(a["rounds"] for a in pooled)
     kept = sum(a["depth1"] * a["rounds"] for a in pooled) / rounds if rounds else 0.0

@@ -2,7 +2,8 @@
 
 `--minutes` bounds the whole command, so the held-out scoring and the writing are reserved out of
 it before training starts: their cost is planned from a plain decode step, a depth-1 round and a
-prefill token timed with the real trunk and a head of the real shape (a round costs the same
+prefill token timed (decoder/costs.py's measure_decoding) with the real trunk and a head of the
+real shape (a round costs the same
 whatever the head learned). After training the same probe runs again on the decoding graph a
 user gets, and with the measured acceptance gives the depth-1 speedup to expect here: a round
 commits 1 + acceptance tokens for the cost of `round_steps` plain steps.
@@ -11,71 +12,16 @@ commits 1 + acceptance tokens for the cost of `round_steps` plain steps.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from typing import Any
 
 from mtpkit.decoder.blas import fix
-from mtpkit.decoder.head import MTPHead
-from mtpkit.decoder.sampling import SamplingParams
-from mtpkit.decoder.session import Session
-from mtpkit.decoder.trunk import Trunk
+from mtpkit.decoder.costs import DecodeCosts
 
-PROBE_TOKENS = 16  # steps and rounds timed per repeat
-PROBE_REPEATS = 2  # the fastest repeat counts: another process only ever adds time
 SCORING_SHARE = 0.25  # at most this share of a --minutes budget scores; fewer prompts beyond it
 WRITE_BYTES_PER_S = 100e6  # a conservative copy + fsync rate for writing OUT
 WRITE_FIXED_S = 2.0
 PAYS_MARGIN = 1.05  # an expected speedup below this is within run-to-run noise: no gain
-
-
-@dataclass(frozen=True)
-class DecodeCosts:
-    """Seconds per plain decode step, per depth-1 round (draft, 2-token verify, rollback,
-    the round's host sync) and per prefilled prompt token, on this machine."""
-
-    step_s: float
-    round_s: float
-    prefill_s: float
-
-    @property
-    def round_steps(self) -> float:
-        return self.round_s / self.step_s
-
-    def prompt_s(self, length: int, tokens: int) -> float:
-        """An upper bound on scoring one prompt: every round commits at least one token."""
-        return length * self.prefill_s + (tokens - 1) * self.round_s
-
-    def probe_s(self, length: int) -> float:
-        return PROBE_REPEATS * (2 * length * self.prefill_s
-                                + PROBE_TOKENS * (self.step_s + self.round_s))
-
-    def to_dict(self) -> dict[str, float]:
-        return {"step_ms": 1000 * self.step_s, "round_ms": 1000 * self.round_s,
-                "round_steps": self.round_steps, "prefill_ms_per_token": 1000 * self.prefill_s}
-
-
-def measure_costs(trunk: Trunk, head: MTPHead, ids: list[int]) -> DecodeCosts:
-    """Time plain steps and depth-1 rounds after prefilling `ids` (greedy; end of text does not
-    stop them), PROBE_REPEATS times; the fastest of each."""
-    greedy = SamplingParams()
-    step = rnd = prefill = math.inf
-    for _ in range(PROBE_REPEATS):
-        plain = Session(trunk, head, greedy, 0)
-        tokens = plain.plain(ids, PROBE_TOKENS + 1)
-        next(tokens)
-        begin = time.perf_counter()
-        for _ in tokens:
-            pass
-        step = min(step, (time.perf_counter() - begin) / PROBE_TOKENS)
-        prefill = min(prefill, plain.stats.prefill_s / len(ids))
-        spec = Session(trunk, head, greedy, 1)
-        spec.start(ids)
-        begin = time.perf_counter()
-        for _ in range(PROBE_TOKENS):
-            spec.round(1)
-        rnd = min(rnd, (time.perf_counter() - begin) / PROBE_TOKENS)
-    return DecodeCosts(step, rnd, prefill)
 
 
 @dataclass

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from mtpkit.decoder.costs import CostCurve, Progress, Tick, cache_dir, cache_key, cached
+from mtpkit.decoder.costs import Progress, Tick, cache_dir, cache_key, cached
+from mtpkit.decoder.curve import CostCurve
 from mtpkit.decoder.policy import DepthPolicy
 
 if TYPE_CHECKING:

@@ -1,0 +1,106 @@
+"""The cost curve as data: what a verify pass over T rows, a plain step and a head draft step
+cost on this machine (decoder/costs.py measures it), and the pure arithmetic over it that the
+depth policy and `tune` read. Nothing here runs a model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from functools import cached_property
+from typing import Any
+
+MAX_ROWS = 16
+CONTEXT = 512  # cache length the curve is measured at (a typical verify position)
+PAD_GAIN = 0.9  # pad a verify to a wider width only when that is 10% cheaper: a real kernel
+# switch (MLX's quantized matmul from 8 rows on), not the noise between two medians. Also the
+# sanity bound: a wider pass timed more than 10% cheaper is re-measured before it is believed.
+
+
+@dataclass
+class CostCurve:
+    """Seconds: verify[T - 1] is one trunk pass over T rows (logits for all, synchronous);
+    plain is one pipelined plain-decoding step; draft one chained head step (0: no head).
+    How it was measured: at a `context`-token cache, `timed` the rows timed (the rest
+    interpolated; [] given by hand), `remeasured` rows timed again because a wider pass came
+    out cheaper, `smoothed` rows that still cost more than a wider pass and are priced and
+    verified at that width, `seconds` the measurement's duration."""
+
+    verify: list[float]
+    plain: float
+    draft: float
+    key: dict[str, Any] = field(default_factory=dict)
+    estimate: bool = False  # timed on this machine: an estimate generations correct as they go
+    # (decoder/policy.py); False: given by hand, a what-if taken as it is
+    context: int = CONTEXT
+    timed: list[int] = field(default_factory=list)
+    remeasured: list[int] = field(default_factory=list)
+    smoothed: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def width(self, rows: int) -> int:
+        """The verify width to run `rows` rows at: the cheapest measured width >= rows where it
+        is PAD_GAIN cheaper, else rows (extra rows are padding whose outputs are ignored)."""
+        if rows > len(self.verify):
+            return rows
+        return self._widths[rows - 1]
+
+    @cached_property
+    def _widths(self) -> list[int]:  # asked for several times per round: computed once
+        n, out = len(self.verify), []
+        for rows in range(1, n + 1):
+            if rows in self.smoothed:  # took a wider width's cost: verified at that width
+                out.append(next((t for t in range(rows + 1, n + 1) if t not in self.smoothed
+                                 and self.verify[t - 1] <= self.verify[rows - 1]), rows))
+                continue
+            wider = min(range(rows, n + 1), key=lambda t: (self.verify[t - 1], t))
+            cheaper = self.verify[wider - 1] < PAD_GAIN * self.verify[rows - 1]
+            out.append(wider if cheaper else rows)
+        return out
+
+    def round_cost(self, depth: int, drafted: int | None = None) -> float:
+        """Seconds for one round of `depth` drafts, `drafted` of them by the head (default:
+        all; context drafts are free) (0: one plain step)."""
+        if depth == 0:
+            return self.plain
+        drafted = depth if drafted is None else drafted
+        return drafted * self.draft + self.verify[self.width(depth + 1) - 1]
+
+    def ratios(self) -> list[float]:
+        """c(T) / c(1)."""
+        return [c / self.verify[0] for c in self.verify]
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {k: v for k, v in asdict(self).items() if k != "estimate"}  # how it is used,
+        # not what was measured
+        return {**data, "ratios": self.ratios(),
+                "widths": [self.width(t) for t in range(1, len(self.verify) + 1)]}
+
+
+def breaks(verify: list[float]) -> list[int]:
+    """Rows T whose pass was timed more than 1/PAD_GAIN dearer than some wider pass: noise
+    (a loaded machine) until a second measurement agrees."""
+    return [t for t in range(1, len(verify)) if min(verify[t:]) < PAD_GAIN * verify[t - 1]]
+
+
+def smooth(verify: list[float]) -> tuple[list[float], list[int]]:
+    """(curve, rows lowered): each breaking row takes the cost of the narrowest cheapest wider
+    pass (what padding to it pays), so the curve is non-decreasing within PAD_GAIN."""
+    out, lowered = list(verify), breaks(verify)
+    for t in lowered:
+        out[t - 1] = min(verify[t:])
+    return out, lowered
+
+
+def interpolate(timed: dict[int, float], rows: int = MAX_ROWS) -> list[float]:
+    """c(1..rows) from the timed rows, linear between them (a pass's cost grows about
+    linearly in its rows between two kernel switches)."""
+    known = sorted(timed)
+    out = []
+    for t in range(1, rows + 1):
+        if t in timed:
+            out.append(timed[t])
+            continue
+        lo = max(k for k in known if k < t)
+        hi = min(k for k in known if k > t)
+        out.append(timed[lo] + (timed[hi] - timed[lo]) * (t - lo) / (hi - lo))
+    return out
