@@ -53,12 +53,9 @@ def committed(cache: list[Any]) -> int:
 
 
 class RemoteRecorder:
-    """Stands in rank 0's session for recurrent layers on other pipeline stages: while it
-    records, passes go out as recorded ones; the followers commit the kept position's state
-    when the next message tells them the committed length."""
-
-    def __init__(self) -> None:
-        self.recording = False
+    """Stands in rank 0's session for recurrent layers on other pipeline stages: a recorded
+    pass goes out as one (its `record` argument is on the wire); the followers commit the kept
+    position's state when the next message tells them the committed length."""
 
     def commit(self, position: int) -> None:
         """Nothing here: the state lives on the followers (see the class docstring)."""
@@ -111,7 +108,8 @@ class LeaderTrunk:
         return cache
 
     def __call__(self, tokens: mx.array, cache: list[Any], logits_for: int | None = None,
-                 real: int | None = None) -> tuple[mx.array, mx.array | None]:
+                 real: int | None = None, record: bool = False
+                 ) -> tuple[mx.array, mx.array | None]:
         if cache is not self.cache:
             raise Desync("a sharded trunk follows one cache at a time: the last one made")
         local = self._local(cache)
@@ -122,11 +120,10 @@ class LeaderTrunk:
                          "by its own passes and trims (no prefix cache)")
         while len(self.unchecked) > 1:  # the one before last has been evaluated by now
             self._check(self.unchecked.pop(0))
-        recording = any(r.recording for r in self.recorders)
         flat = tokens.reshape(-1).astype(mx.int32)
         n = flat.size
         self.span = (length, length + n)
-        header = [MAGIC, PASS, 0, n, length, real or 0, int(recording), 0]
+        header = [MAGIC, PASS, 0, n, length, real or 0, int(record), 0]
         if n <= ROOM:  # lazy: the pass below depends on the all_sum, which keeps the order
             message = mx.concatenate([mx.array(header, dtype=mx.int32), flat,
                                       mx.zeros(ROOM - n, mx.int32)])
@@ -141,7 +138,7 @@ class LeaderTrunk:
             self._send(header)
             flat = mx.distributed.all_sum(flat, group=self.group, stream=mx.cpu)
             mx.eval(flat)
-        hidden, logits = self.trunk(flat[None], local, logits_for, real)
+        hidden, logits = self.trunk(flat[None], local, logits_for, real, record)
         if logits_for == 0:  # the caller may read only the caches, which do not depend on the
             mx.eval(hidden)  # pass's last collectives (the followers wait in them)
         return hidden, logits
@@ -216,14 +213,8 @@ class Follower:
     def _pass(self, tokens: list[int], real: int, recording: bool) -> None:
         assert self.cache is not None
         saved = snapshot(self.cache)
-        for recorder in self.trunk.recorders:
-            recorder.recording = recording
-        try:
-            hidden, _ = self.trunk(mx.array(tokens)[None], self.cache, logits_for=0,
-                                   real=real or None)
-        finally:
-            for recorder in self.trunk.recorders:
-                recorder.recording = False
+        hidden, _ = self.trunk(mx.array(tokens)[None], self.cache, logits_for=0,
+                               real=real or None, record=recording)
         mx.eval(hidden, [c.state for c in self.cache])
         start = len(self.fed)
         self.fed += tokens

@@ -9,6 +9,7 @@ replay of the trunk.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -41,6 +42,20 @@ class StepRecorder(nn.Module):
         """Restore the state after verify position `position` (0 = the first token)."""
         self.cache.cache = list(self.states[position])
         self.states = []
+
+
+def recorded(recorders: list[Any], record: bool, run: Callable[[], mx.array]) -> mx.array:
+    """run() with the recorders recording when `record` (the layers read the flag during the
+    call: mlx-lm's model passes them no argument of ours)."""
+    if not record or not recorders:
+        return run()
+    for recorder in recorders:
+        recorder.recording = True
+    try:
+        return run()
+    finally:
+        for recorder in recorders:
+            recorder.recording = False
 
 
 def install(layers: list[nn.Module]) -> list[StepRecorder]:

@@ -281,13 +281,8 @@ class Session:
         if width > depth + 1:
             verify = mx.concatenate([tokens] + [tokens[:, -1:]] * (width - depth - 1), axis=1)
         saved = snapshot(self.cache)
-        for recorder in self.recorders:
-            recorder.recording = True
-        try:
-            hidden, logits = self.trunk(verify, self.cache, real=depth + 1)
-        finally:
-            for recorder in self.recorders:
-                recorder.recording = False
+        hidden, logits = self.trunk(verify, self.cache, real=depth + 1,
+                                    record=bool(self.recorders))
         if self.params.greedy:
             verdict = acceptance.accept_greedy(tokens[0, 1:], greedy(logits[0]))
         else:

@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from mtpkit.decoder.recording import install
+from mtpkit.decoder.recording import install, recorded
 from mtpkit.decoder.shapes import bounded_caches
 from mtpkit.decoder.traced import TracedPasses
 
@@ -75,16 +75,19 @@ class Trunk:
         return weight[ids]
 
     def __call__(self, tokens: mx.array, cache: list[Any], logits_for: int | None = None,
-                 real: int | None = None) -> tuple[mx.array, mx.array | None]:
+                 real: int | None = None, record: bool = False
+                 ) -> tuple[mx.array, mx.array | None]:
         """tokens (1, S) -> (hidden fed to the MTP head (1, S, H), logits (1, S', V)) where
         logits cover the last `logits_for` positions (all when None, none when 0). With `real`,
-        only the first `real` positions count (the rest pad the pass to a bounded shape)."""
+        only the first `real` positions count (the rest pad the pass to a bounded shape).
+        record: recurrent layers keep their state after every position (decoder/recording.py),
+        for a commit of the kept prefix."""
         traced = self.passes.run(tokens, cache) if (self.passes is not None
                                                       and logits_for is None) else None
         if traced is not None:
             hidden, logits = traced
             return (hidden, logits) if real is None else (hidden[:, :real], logits[:, :real])
-        post = self.inner(tokens, cache=cache)
+        post = recorded(self.recorders, record, lambda: self.inner(tokens, cache=cache))
         hidden = self._tap.last_input if self._tap is not None else post
         if real is not None:
             post, hidden = post[:, :real], hidden[:, :real]
