@@ -214,10 +214,11 @@ class Runner:
         if not ids:
             raise ValueError("empty prompt")
         self.check_prompt(len(ids))
-        args = (self.trunk, self.head, options.sampling, depth, options.seed, self.rollback,
-                policy)
-        session = Session(*args, draft=draft, stop=stop) if prefix is None else \
-            CachedSession(*args, draft=draft, stop=stop, prefix=prefix, checkpoints=checkpoints)
+        parts = {"trunk": self.trunk, "head": self.head, "params": options.sampling,
+                 "depth": depth, "seed": options.seed, "rollback": self.rollback,
+                 "policy": policy, "draft": draft, "stop": stop}
+        session = Session(**parts) if prefix is None else \
+            CachedSession(**parts, prefix=prefix, checkpoints=checkpoints)
         eos = set(self.tokenizer.eos_token_ids) if self.tokenizer is not None else set()
         detok = self.tokenizer.detokenizer if self.tokenizer is not None else None
         if detok is not None:
