@@ -17,6 +17,7 @@ from mlx_lm.utils import dequantize_model, load_model
 
 from mtpkit.decoder import distributed, kernels, sharding
 from mtpkit.decoder.context import check_prompt, context_of
+from mtpkit.decoder.controller import Controller
 from mtpkit.decoder.costs import Progress, costs_for
 from mtpkit.decoder.curve import CostCurve
 from mtpkit.decoder.head import Contract, MTPHead
@@ -216,16 +217,17 @@ class Runner:
         self.check_prompt(len(ids))
         parts = {"trunk": self.trunk, "head": self.head, "params": options.sampling,
                  "depth": depth, "seed": options.seed, "rollback": self.rollback,
-                 "policy": policy, "draft": draft, "stop": stop}
+                 "draft": draft, "stop": stop}
         session = Session(**parts) if prefix is None else \
             CachedSession(**parts, prefix=prefix, checkpoints=checkpoints)
+        controller = Controller(session, policy) if policy is not None and depth > 0 else None
         eos = set(self.tokenizer.eos_token_ids) if self.tokenizer is not None else set()
         detok = self.tokenizer.detokenizer if self.tokenizer is not None else None
         if detok is not None:
             detok.reset()
         tokens: list[int] = []
         try:
-            for batch in generate_ids(session, ids, max_tokens, eos):
+            for batch in generate_ids(session, ids, max_tokens, eos, controller):
                 tokens += batch
                 text = ""
                 if detok is not None:

@@ -5,9 +5,10 @@ current token is read). A speculative round drafts K tokens with the head, verif
 trunk forward over K+1 positions, keeps what the acceptance rule keeps, and rolls every cache back
 to the last kept token. The head's own cache only ever holds committed (trunk hidden, next token)
 pairs: the pairs of a round are owed to the head and consumed by the next round's first draft.
-With a DepthPolicy (`--depth auto`) each round's depth is chosen from measured costs and the
-acceptance seen so far, and stretches of plain decoding run pipelined like depth 0. With
-`bounded` (the default on a GPU) every attention pass has a shape from a bounded set
+A round is a value: `round` verifies what it is given and returns a RoundOutcome (committed
+tokens, what was kept, what the pass cost); under `--depth auto` decoder/controller.py decides
+each round and learns from its outcome (the session never sees the policy). With `bounded`
+(the default on a GPU) every attention pass has a shape from a bounded set
 (decoder/shapes.py), so no round pays a kernel compile.
 """
 
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import mlx.core as mx
 import numpy as np
@@ -23,7 +26,6 @@ from mtpkit.decoder import acceptance
 from mtpkit.decoder.head import MTPHead
 from mtpkit.decoder.lookup import ContextIndex
 from mtpkit.decoder.options import Source
-from mtpkit.decoder.policy import DepthPolicy
 from mtpkit.decoder.sampling import (
     Candidates,
     SamplingParams,
@@ -40,12 +42,38 @@ PREFILL_STEP = 2048
 STREAM = mx.new_thread_local_stream(mx.default_device())
 ROLLBACKS = ("record", "replay")
 SOURCE_NAMES = {"head": "head", "lookup": "lookup", "chain": "head+lookup"}  # in stats
-CHAIN_MIN_NGRAM = 2  # after the head's guess, a one-token match says little of what follows
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """One round: the tokens it committed, and what a controller learns from it."""
+
+    committed: list[int]
+    depth: int  # drafts verified (0: one step through the verify path)
+    kept: int
+    source: str  # "head", "lookup" or "chain" (head drafts continued from the context)
+    drafted: int  # drafts the head made (context drafts cost no draft step)
+    match: int  # the context match a lookup round drafted from
+    paid_s: float  # the round's wall time, its one host read included
+    shape: tuple[Any, ...]  # (source, width, owed pairs, trunk extent, head extent): what a
+    # pass of this shape may have compiled, for the policy's first-of-a-shape rule
+
+
+Width = Callable[[int], int]  # the pass width to verify `rows` rows at (padding is cheaper)
+Extend = Callable[[mx.array, int, int], list[int]]  # (verify input, head drafts, most) -> more
 
 
 class Stopped(Exception):
     """stop() turned true between prefill chunks: the generation ends before its first token
     (a long prompt's prefill would otherwise hold the decoder after its client went away)."""
+
+
+class Controls(Protocol):
+    """What generate_ids asks of a controller (decoder/controller.py)."""
+
+    def rounds(self, left: Callable[[], int]) -> Iterator[list[int]]: ...
+
+    def report(self, stats: Stats) -> None: ...
 
 
 class Session:
@@ -54,9 +82,9 @@ class Session:
 
     def __init__(self, trunk: Trunk, head: MTPHead | None, params: SamplingParams, depth: int,
                  seed: int | None = None, rollback: str = "record",
-                 policy: DepthPolicy | None = None, bounded: bool | None = None,
-                 draft: Source = Source.HEAD, stop: Callable[[], bool] | None = None) -> None:
-        """depth: the draft depth (0: plain decoding), or with a policy the deepest it may
+                 bounded: bool | None = None, draft: Source = Source.HEAD,
+                 stop: Callable[[], bool] | None = None) -> None:
+        """depth: the draft depth (0: plain decoding), or under a controller the deepest it may
         choose. bounded: attention shapes from a bounded set (default: where attention
         compiles per shape, see shapes.bounded_by_default, or where the trunk's verify passes
         are traced, decoder/traced.py). draft: where drafts come from,
@@ -72,7 +100,6 @@ class Session:
         self.recorders = trunk.recorders if rollback == "record" else []
         self.trunk, self.params, self.depth = trunk, params, depth
         self.head = head if draft in (Source.HEAD, Source.BOTH) else None
-        self.policy = policy if depth > 0 else None
         traced = getattr(trunk, "passes", None) is not None  # traced passes need bounded caches
         self.bounded = (bounded_by_default() or traced) if bounded is None else bounded
         self.cache = trunk.make_cache(self.bounded)
@@ -81,13 +108,9 @@ class Session:
         self.lookup = ContextIndex() if draft is not Source.HEAD and depth > 0 else None
         self.key = mx.random.key(int(np.random.default_rng(seed).integers(2**63)))
         self.stats = Stats(depth)
-        if self.policy is not None:
-            self.stats.plain_s = self.policy.curve.plain
         self.last = -1
         self.owed: tuple[mx.array, mx.array] | None = None
-        self.plain_paid = (0.0, 0)  # (seconds, tokens) of the last plain stretch, as paid
-        self.round_paid = 0.0  # seconds the last round took
-        self.switched = True  # no round since the prefill or a plain stretch
+        self.plain_paid = (0.0, 0)  # (seconds, tokens) the last plain_steps spent, as paid
 
     # -- shared -----------------------------------------------------------------------------
 
@@ -185,7 +208,6 @@ class Session:
         if owe and tokens:
             self._owe(mx.concatenate(hiddens, axis=1), tokens)
         self.plain_paid = (busy + time.perf_counter() - begin, n)
-        self.switched = True
 
     def plain(self, ids: list[int], max_tokens: int) -> Iterator[int]:
         """Plain decoding: the prompt's next token, then pipelined steps."""
@@ -245,13 +267,14 @@ class Session:
             hidden = out
         return mx.concatenate(chain, axis=1), (Candidates.concat(rows) if rows else None), chained
 
-    def round(self, depth: int, lookup: list[int] | None = None,
-              most: int | None = None, match: int = 0) -> list[int]:
-        """Draft `depth` tokens (the head's, possibly extended from the context up to `most`
-        in all, or the given context `lookup` drafts from a `match`-token match, whose q is
-        one-hot), verify them in one trunk pass, commit and roll back. The pass may be padded
-        to a wider, cheaper width (the policy's cost curve); padding rows repeat the last token
-        and are rolled back like rejected drafts."""
+    def round(self, depth: int, lookup: list[int] | None = None, most: int | None = None,
+              match: int = 0, width: Width | None = None,
+              extend: Extend | None = None) -> RoundOutcome:
+        """Draft `depth` tokens (the head's, continued by `extend` from the context up to
+        `most` in all, or the given context `lookup` drafts from a `match`-token match, whose q
+        is one-hot), verify them in one trunk pass, commit and roll back. `width(rows)` may pad
+        the pass to a wider, cheaper width (the cost curve's); padding rows repeat the last
+        token and are rolled back like rejected drafts."""
         start = time.perf_counter()
         owed = self.owed[1].shape[1] if self.owed is not None else 0
         source, drafted = ("lookup", 0) if lookup is not None else ("head", depth)
@@ -269,14 +292,16 @@ class Session:
         elif depth > 0:
             draws = None if noise is None else noise[:depth * columns].reshape(depth, columns)
             tokens, q, chained = self._draft(depth, draws)
-            if (more := self._extension(tokens, depth, depth if most is None else most)):
+            more = extend(tokens, depth, depth if most is None else most) if extend else []
+            if more:
                 source, depth = "chain", depth + len(more)
                 tokens = mx.concatenate([tokens, mx.array([more])], axis=1)
                 if q is not None:
                     q = Candidates.concat([q, Candidates.one_hot(more, q)])
         else:
             tokens, q, chained = mx.array([[self.last]]), None, []
-        width = self.policy.curve.width(depth + 1) if self.policy is not None else depth + 1
+        rows = depth + 1
+        width = width(rows) if width is not None else rows
         verify = tokens
         if width > depth + 1:
             verify = mx.concatenate([tokens] + [tokens[:, -1:]] * (width - depth - 1), axis=1)
@@ -305,31 +330,13 @@ class Session:
         if self.lookup is not None:
             self.lookup.extend(committed)
         self.last = token
-        self.round_paid = time.perf_counter() - start
+        paid = time.perf_counter() - start
         if depth > 0:
             self.stats.count_round(SOURCE_NAMES[source], depth, kept, kept == depth)
-            if self.policy is not None:
-                self.policy.record(depth, kept, source, drafted, match)
-                if not self.switched:  # a round right after a plain stretch also pays the switch
-                    shape = (source, width, owed, extent(self.cache), extent(self.mtp_cache))
-                    self.policy.observe_round(self.round_paid, depth, source, drafted, shape)
-                self.stats.predicted_s += self.policy.cost(depth, source, drafted)
-        self.switched = False
-        return committed
+        shape = (source, width, owed, extent(self.cache), extent(self.mtp_cache))
+        return RoundOutcome(committed, depth, kept, source, drafted, match, paid, shape)
 
-    def _extension(self, tokens: mx.array, depth: int, most: int) -> list[int]:
-        """Context tokens to append to the head's `depth` drafts in `tokens` (a "chain"
-        round, at most `most` drafts in all): what followed an earlier match of the text
-        ending in those drafts, as many as the policy finds worth their verify rows. Costs a
-        host sync of the drafts, so only where the policy would take some."""
-        policy = self.policy
-        room = min(most, self.depth) - depth
-        if policy is None or self.lookup is None or room <= 0 or not policy.extension(depth, room):
-            return []
-        more, _ = self.lookup.propose(room, CHAIN_MIN_NGRAM, after=tokens.tolist()[0][1:])
-        return more[:policy.extension(depth, len(more))]
-
-    def next_round(self, depth: int) -> list[int]:
+    def next_round(self, depth: int) -> RoundOutcome:
         """A round at a fixed depth: context drafts where the text offers some (up to `depth`),
         else the head's, else one plain step."""
         if self.lookup is not None:
@@ -338,67 +345,12 @@ class Session:
                 return self.round(len(drafts), drafts)
         return self.round(depth if self.head is not None else 0)
 
-    def _choice(self, most: int) -> tuple[str, int, list[int], int]:
-        """The policy's (source, depth, lookup drafts, their match length) for the next
-        round, up to `most`."""
-        assert self.policy is not None
-        drafts, match = (self.lookup.propose(min(most, self.policy.max_depth))
-                         if self.lookup else ([], 0))
-        source, depth = self.policy.choose(len(drafts), match=match)
-        return source, min(depth, most), drafts, match
 
-    def auto_rounds(self, left: Callable[[], int]) -> Iterator[list[int]]:
-        """Rounds at the source and depth the policy chooses; where plain decoding wins, a
-        pipelined plain stretch (cut short when a context match would pay) and then a depth-1
-        probe. First, while the runner has not timed plain decoding yet, a short calibrating
-        stretch (decoder/policy.py). `left()`: tokens still wanted."""
-        policy = self.policy
-        assert policy is not None
-        yield from self._stretch(min(policy.calibration(), left() - 1))
-        while True:
-            source, depth, drafts, match = self._choice(left() - 1)
-            if depth > 0 or left() <= 1:
-                policy.reset_stretch()
-                if source == "lookup" and depth > 0:
-                    yield self.round(depth, drafts[:depth], match=match)
-                else:
-                    yield self.round(max(depth, 0), most=left() - 1)
-                continue
-
-            cut: list[bool] = []
-
-            def pays(cut: list[bool] = cut) -> bool:
-                cut.append(self._choice(left() - 1)[0] == "lookup")
-                return cut[-1]
-
-            yield from self._stretch(min(policy.plain_stretch(), left()),
-                                     pays if self.lookup is not None else None)
-            if left() <= 1 or (cut and cut[-1]):  # a context match pays: the loop takes it
-                continue
-            drafts, match = self.lookup.propose(1) if self.head is None and self.lookup else ([], 0)
-            if self.head is not None or drafts:  # the probe, timed
-                committed = self.round(1, drafts or None, match=match)
-                policy.observe_probe(self.round_paid, len(committed))
-                yield committed
-
-    def _stretch(self, count: int, stop: Callable[[], bool] | None = None
-                 ) -> Iterator[list[int]]:
-        """A plain stretch chosen by the policy (counted and timed for it)."""
-        policy = self.policy
-        assert policy is not None
-        if count <= 0:
-            return
-        for token in self.plain_steps(count, stop):
-            policy.chosen[0] = policy.chosen.get(0, 0) + 1
-            self.stats.predicted_s += policy.curve.plain
-            yield [token]
-        policy.observe_plain(*self.plain_paid)
-
-
-def generate_ids(session: Session, ids: list[int], max_tokens: int,
-                 eos: set[int]) -> Iterator[list[int]]:
+def generate_ids(session: Session, ids: list[int], max_tokens: int, eos: set[int],
+                 controller: Controls | None = None) -> Iterator[list[int]]:
     """Drive a session: yield committed token batches, stop at EOS (not yielded) or max_tokens,
-    and time the generation (TTFT, prefill, decode window, peak memory)."""
+    and time the generation (TTFT, prefill, decode window, peak memory). With a controller
+    (`--depth auto`) it decides every round; else every round drafts the session's depth."""
     stats = session.stats
     mx.reset_peak_memory()
     start = time.perf_counter()
@@ -414,10 +366,10 @@ def generate_ids(session: Session, ids: list[int], max_tokens: int,
             yield from ([t] for t in session.plain(ids, max_tokens))
             return
         yield [session.start(ids)]
-        if session.policy is not None:
-            yield from session.auto_rounds(left)
+        if controller is not None:
+            yield from controller.rounds(left)
         while True:
-            yield session.next_round(min(session.depth, left() - 1))
+            yield session.next_round(min(session.depth, left() - 1)).committed
 
     for batch in batches():
         now = time.perf_counter()
@@ -431,9 +383,8 @@ def generate_ids(session: Session, ids: list[int], max_tokens: int,
         stats.peak_memory_bytes = mx.get_peak_memory()
         if batch:
             yield batch
-        if session.policy is not None:
-            stats.depths = dict(sorted(session.policy.chosen.items()))
-            stats.cost_scale = session.policy.paid.summary()
+        if controller is not None:
+            controller.report(stats)
         if stop is not None or stats.generated_tokens >= max_tokens:
             return
 

@@ -15,12 +15,14 @@ import pytest
 import mtpkit
 from fixtures.decoder_models import tiny_runner
 from fixtures.laws import exact_joint, pvalue
+from mtpkit.decoder.controller import CHAIN_MIN_NGRAM, Controller
 from mtpkit.decoder.curve import CostCurve
 from mtpkit.decoder.lookup import MAX_NGRAM, ContextIndex
+from mtpkit.decoder.options import Source
 from mtpkit.decoder.policy import LONG_MATCH, DepthPolicy
 from mtpkit.decoder.runner import MAX_AUTO_DEPTH, Runner
 from mtpkit.decoder.sampling import SamplingParams
-from mtpkit.decoder.session import CHAIN_MIN_NGRAM, Session, generate_ids
+from mtpkit.decoder.session import Session, generate_ids
 from mtpkit.schemas import validate
 
 FAMILIES = ("llama", "qwen3_5", "qwen3_next", "deepseek_v3", "mimo")
@@ -151,7 +153,8 @@ def test_sampling_with_lookup_drafts_has_the_target_law() -> None:
     assert pvalue(seen, exact) > 1e-3
 
 
-def _chain_session(runner: Runner, params: SamplingParams, seed: int | None = None) -> Session:
+def _chain_session(runner: Runner, params: SamplingParams,
+                   seed: int | None = None) -> tuple[Session, Controller]:
     """An auto session whose context drafts alone have failed and whose head's second draft
     has (so depth-1 head rounds are chosen), and whose chain has paid so far: head rounds go
     on with context tokens where the text matches."""
@@ -163,8 +166,9 @@ def _chain_session(runner: Runner, params: SamplingParams, seed: int | None = No
     for _ in range(10):
         policy.record(2, 1, "head")
         policy.trackers["chain"].record(7, 7)
-    return Session(runner.trunk, runner.head, params, MAX_AUTO_DEPTH, seed, runner.rollback,
-                   policy, draft="both")
+    session = Session(runner.trunk, runner.head, params, MAX_AUTO_DEPTH, seed, runner.rollback,
+                      draft=Source.BOTH)
+    return session, Controller(session, policy)
 
 
 @pytest.mark.parametrize("family", FAMILIES[1:])
@@ -176,7 +180,7 @@ def test_head_drafts_continued_by_the_context_are_greedy_identical(
     cache work done as usual); where the context would append is checked on its own below."""
     runner = _no_eos(mtpkit.load(built(family), dtype="float32"))
     plain = runner.generate(PROMPT, 80, depth=0).tokens + [0] * 16
-    session = _chain_session(runner, SamplingParams())
+    session, controller = _chain_session(runner, SamplingParams())
     assert session.lookup is not None
     rng, vocab = random.Random(family), runner.trunk.args.vocab_size
     draft = session._draft
@@ -194,8 +198,8 @@ def test_head_drafts_continued_by_the_context_are_greedy_identical(
         return oracle(depth, rng.randint(1, room)) if room > 0 else []
 
     session._draft = guessing  # type: ignore[method-assign]
-    session._extension = extension  # type: ignore[method-assign]
-    tokens = [t for batch in generate_ids(session, PROMPT, 80, set()) for t in batch]
+    controller.extend = extension  # type: ignore[method-assign]
+    tokens = [t for batch in generate_ids(session, PROMPT, 80, set(), controller) for t in batch]
     assert tokens == plain[:80], family
     validate({"bundle": family, "text": "", "tokens": tokens, "finish_reason": "length",
               "stats": session.stats.to_dict()}, "generation")
@@ -208,10 +212,10 @@ def test_chain_extends_only_past_a_match_of_the_drafts() -> None:
     """What a chain round appends is what followed the text plus the head's drafts in the
     context (a match of at least CHAIN_MIN_NGRAM tokens), and it is verified with them."""
     runner = tiny_runner(vocab=12, markov=True, logit_scale=4.0)
-    session = _chain_session(runner, SamplingParams())
+    session, controller = _chain_session(runner, SamplingParams())
     assert session.lookup is not None
     chained: list[tuple[list[int], list[int], list[int]]] = []
-    extension, draft = session._extension, session._draft
+    extension, draft = controller.extend, session._draft
 
     def guessing(depth: int, noise: mx.array | None) -> tuple[mx.array, None, list[int]]:
         """A head that has learnt the cycle: its drafts are the context's guess."""
@@ -226,8 +230,8 @@ def test_chain_extends_only_past_a_match_of_the_drafts() -> None:
             chained.append((committed, tokens.tolist()[0][1:], more))
         return more
 
-    session._extension, session._draft = spy, guessing  # type: ignore[method-assign]
-    list(generate_ids(session, [1, 2, 3], 120, set()))
+    controller.extend, session._draft = spy, guessing  # type: ignore[method-assign]
+    list(generate_ids(session, [1, 2, 3], 120, set(), controller))
     assert chained, "the cycle gives the head's drafts a context match"
     for committed, drafts, more in chained:
         assert len(drafts) + len(more) <= MAX_AUTO_DEPTH
@@ -271,8 +275,8 @@ def test_sampling_with_chain_rounds_has_the_target_law() -> None:
     seen: Counter = Counter()
     chains = 0
     for s in range(1500):
-        session = _chain_session(runner, params, seed=s)
-        batches = generate_ids(session, DE_BRUIJN, 12, set())
+        session, controller = _chain_session(runner, params, seed=s)
+        batches = generate_ids(session, DE_BRUIJN, 12, set(), controller)
         tokens = next(batches) + next(batches)  # the first token, then the first round's
         chains += session.stats.sources.get("head+lookup", {}).get("rounds", 0)
         while len(tokens) < 3:

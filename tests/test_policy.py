@@ -17,6 +17,7 @@ import pytest
 import mtpkit
 from fixtures.decoder_models import OracleHead
 from mtpkit.decoder import costs
+from mtpkit.decoder.controller import Controller
 from mtpkit.decoder.curve import MAX_ROWS, CostCurve
 from mtpkit.decoder.policy import (
     CALIBRATE,
@@ -180,13 +181,15 @@ def test_auto_reports_what_rounds_and_plain_stretches_paid(qwen: Runner) -> None
     oracle, plain = _oracle(qwen, 3, 120)
     oracle._costs = CostCurve([1e-6] * 16, plain=1e-3, draft=0.0, estimate=True)
     # rounds really dear, whatever else runs on the machine: plain must win on what is paid
-    session = Session(DearPasses(oracle.trunk), oracle.head, SamplingParams(), 8,
-                      policy=oracle.policy("auto", "head")[1])
-    tokens = [t for b in generate_ids(session, PROMPT, 120, set()) for t in b]
+    session = Session(DearPasses(oracle.trunk), oracle.head, SamplingParams(), 8)
+    policy = oracle.policy("auto", "head")[1]
+    assert policy is not None
+    tokens = [t for b in generate_ids(session, PROMPT, 120, set(), Controller(session, policy))
+              for t in b]
     assert tokens == plain
-    paid, chosen = session.policy.paid.ratios, session.policy.chosen
+    paid, chosen = policy.paid.ratios, policy.chosen
     rounds = sum(n for d, n in chosen.items() if d > 0)
-    shapes = session.policy.paid.shapes  # the first round of each is left out too
+    shapes = policy.paid.shapes  # the first round of each is left out too
     assert shapes and MIN_OBSERVED <= len(paid["head"]) <= min(rounds - 1 - len(shapes), WINDOW)
     assert min(paid["head"]) > 100  # real rounds take milliseconds, not the curve's 1 us
     assert "plain" in paid and chosen[0] > 60  # calibrated, then mostly plain

@@ -103,7 +103,7 @@ def test_a_restored_session_holds_the_cold_sessions_state(built: Callable[..., P
 
     def session(cache: PrefixCache, marks: tuple[int, ...] = ()) -> CachedSession:
         return CachedSession(runner.trunk, runner.head, SamplingParams(), 2, None, "record",
-                             None, bounded, draft="both", prefix=cache, checkpoints=marks)
+                             bounded, draft="both", prefix=cache, checkpoints=marks)
 
     cache = PrefixCache(1 << 30)
     first = session(cache, (12, 12, 500))

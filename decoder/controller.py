@@ -1,0 +1,117 @@
+"""`--depth auto`'s controller: the only caller of the depth policy.
+
+Before each round it chooses the source and depth (decoder/policy.py, from the cost curve and the
+acceptance seen); the session verifies and commits what it is given and returns a RoundOutcome;
+the controller then tells the policy what the round kept and paid. Where plain decoding wins it
+runs a pipelined plain stretch (cut short when a context match would pay), then a timed depth-1
+probe. First, while the runner has not timed plain decoding yet, a short calibrating stretch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import mlx.core as mx
+
+from mtpkit.decoder.policy import DepthPolicy
+from mtpkit.decoder.session import RoundOutcome, Session
+from mtpkit.decoder.stats import Stats
+
+CHAIN_MIN_NGRAM = 2  # after the head's guess, a one-token match says little of what follows
+
+
+class Controller:
+    """Decides every round of one session under `policy`, and learns from their outcomes."""
+
+    def __init__(self, session: Session, policy: DepthPolicy) -> None:
+        self.session, self.policy = session, policy
+        self.switched = True  # no round since the prefill or a plain stretch
+        session.stats.plain_s = policy.curve.plain
+
+    def choose(self, most: int) -> tuple[str, int, list[int], int]:
+        """(source, depth, context drafts, their match length) for the next round, up to
+        `most` drafts."""
+        lookup = self.session.lookup
+        drafts, match = lookup.propose(min(most, self.policy.max_depth)) if lookup else ([], 0)
+        source, depth = self.policy.choose(len(drafts), match=match)
+        return source, min(depth, most), drafts, match
+
+    def extend(self, tokens: mx.array, depth: int, most: int) -> list[int]:
+        """Context tokens to append to the head's `depth` drafts in `tokens` (a "chain" round,
+        at most `most` drafts in all): what followed an earlier match of the text ending in
+        those drafts, as many as the policy finds worth their verify rows. Costs a host read of
+        the drafts, so only where the policy would take some."""
+        session, policy = self.session, self.policy
+        room = min(most, session.depth) - depth
+        if session.lookup is None or room <= 0 or not policy.extension(depth, room):
+            return []
+        more, _ = session.lookup.propose(room, CHAIN_MIN_NGRAM, after=tokens.tolist()[0][1:])
+        return more[:policy.extension(depth, len(more))]
+
+    def round(self, depth: int, lookup: list[int] | None = None, most: int | None = None,
+              match: int = 0) -> RoundOutcome:
+        outcome = self.session.round(depth, lookup, most, match, width=self.policy.curve.width,
+                                     extend=self.extend)
+        self.update(outcome)
+        return outcome
+
+    def update(self, outcome: RoundOutcome) -> None:
+        """What a verified round kept and paid, into the policy (the first round after the
+        prefill or a plain stretch also paid the switch: its cost is left out)."""
+        if outcome.depth > 0:
+            policy, o = self.policy, outcome
+            policy.record(o.depth, o.kept, o.source, o.drafted, o.match)
+            if not self.switched:
+                policy.observe_round(o.paid_s, o.depth, o.source, o.drafted, o.shape)
+            self.session.stats.predicted_s += policy.cost(o.depth, o.source, o.drafted)
+        self.switched = False
+
+    def rounds(self, left: Callable[[], int]) -> Iterator[list[int]]:
+        """Committed token batches, round after round, as the policy chooses. `left()`: tokens
+        still wanted."""
+        policy, session = self.policy, self.session
+        yield from self._stretch(min(policy.calibration(), left() - 1))
+        while True:
+            source, depth, drafts, match = self.choose(left() - 1)
+            if depth > 0 or left() <= 1:
+                policy.reset_stretch()
+                if source == "lookup" and depth > 0:
+                    yield self.round(depth, drafts[:depth], match=match).committed
+                else:
+                    yield self.round(max(depth, 0), most=left() - 1).committed
+                continue
+
+            cut: list[bool] = []
+
+            def pays(cut: list[bool] = cut) -> bool:
+                cut.append(self.choose(left() - 1)[0] == "lookup")
+                return cut[-1]
+
+            yield from self._stretch(min(policy.plain_stretch(), left()),
+                                     pays if session.lookup is not None else None)
+            if left() <= 1 or (cut and cut[-1]):  # a context match pays: the loop takes it
+                continue
+            drafts, match = (session.lookup.propose(1) if session.head is None and session.lookup
+                             else ([], 0))
+            if session.head is not None or drafts:  # the probe, timed
+                outcome = self.round(1, drafts or None, match=match)
+                policy.observe_probe(outcome.paid_s, len(outcome.committed))
+                yield outcome.committed
+
+    def _stretch(self, count: int, stop: Callable[[], bool] | None = None
+                 ) -> Iterator[list[int]]:
+        """A plain stretch chosen by the policy (counted and timed for it)."""
+        policy, session = self.policy, self.session
+        if count <= 0:
+            return
+        for token in session.plain_steps(count, stop):
+            policy.chosen[0] = policy.chosen.get(0, 0) + 1
+            session.stats.predicted_s += policy.curve.plain
+            yield [token]
+        policy.observe_plain(*session.plain_paid)
+        self.switched = True
+
+    def report(self, stats: Stats) -> None:
+        """The depths chosen so far and the cost scales in use, into the statistics."""
+        stats.depths = dict(sorted(self.policy.chosen.items()))
+        stats.cost_scale = self.policy.paid.summary()
