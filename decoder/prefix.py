@@ -26,7 +26,6 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, LRUPromptCache
 
 from mtpkit.decoder.session import Session
-from mtpkit.decoder.shapes import pieces
 from mtpkit.decoder.state import trimmable
 
 MAX_ENTRIES = 1 << 16  # the byte bound is the real one
@@ -201,14 +200,8 @@ class CachedSession(Session):
         frozen: list[Any] = [_freeze(c) for c in self.cache]
         if self.mtp_cache:
             assert self.owed is not None and self.head is not None
-            hidden, tokens = self.owed
-            feed = tokens.shape[1] - 1
-            at = 0
-            for size in (pieces(feed) if self.bounded else [feed]) if feed else []:
-                self.head(hidden[:, at:at + size], tokens[:, at:at + size], self.mtp_cache, 0,
-                          last_only=True)
-                at += size
-            self.owed = (hidden[:, feed:], tokens[:, feed:])
+            hidden = self.owed[0]
+            self.feed_head(self.owed[1].shape[1] - 1)
             prompt = mx.concatenate([*self._done, hidden], axis=1)  # every prompt position
             self._done = [prompt[:, :-1]]
             frozen += [_freeze(c) for c in self.mtp_cache]

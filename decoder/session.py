@@ -234,6 +234,20 @@ class Session:
                      mx.concatenate([self.owed[1], pairs[1]], axis=1))
         self.owed = pairs
 
+    def feed_head(self, count: int) -> tuple[mx.array, mx.array]:
+        """Feed the first `count` owed (hidden, token) pairs to the head's cache (in bounded
+        pieces where shapes are bounded; their logits are never evaluated); the rest stay owed
+        and are returned."""
+        assert self.head is not None and self.owed is not None
+        hidden, tokens = self.owed
+        at = 0
+        for size in (pieces(count) if self.bounded else [count]) if count else []:
+            self.head(hidden[:, at:at + size], tokens[:, at:at + size], self.mtp_cache, 0,
+                      last_only=True)
+            at += size
+        self.owed = (hidden[:, count:], tokens[:, count:])
+        return self.owed
+
     def _draft(self, depth: int, noise: mx.array | None
                ) -> tuple[mx.array, Candidates | None, list[int]]:
         """(1, 1 + K) verify input (last token, then K drafts), the distributions the drafts
@@ -241,16 +255,9 @@ class Session:
         the device, chained as arrays), so a whole round costs one host read, not one per
         draft. noise: (depth, width) uniforms for sampled drafts."""
         assert self.head is not None and self.owed is not None
-        hidden, tokens = self.owed
+        owed = self.owed[1].shape[1]  # a long run (prompt, plain stretch): bounded pieces first
+        hidden, tokens = self.feed_head(owed - pieces(owed)[-1] if self.bounded else 0)
         self.owed = None
-        if self.bounded:  # a long owed run (prompt, plain stretch) goes in bounded pieces
-            sizes = pieces(tokens.shape[1])
-            at = 0
-            for size in sizes[:-1]:  # cache updates only: their logits are never evaluated
-                self.head(hidden[:, at:at + size], tokens[:, at:at + size], self.mtp_cache, 0,
-                          last_only=True)
-                at += size
-            hidden, tokens = hidden[:, at:], tokens[:, at:]
         chain, rows = [mx.array([[self.last]])], []
         chained = [0] * self.head.blocks
         for k in range(depth):
