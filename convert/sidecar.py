@@ -15,8 +15,7 @@ from mtpkit.convert.quantize import check_quantization, quantize_rows
 from mtpkit.convert.writer import Tensor
 from mtpkit.loaders.arrays import mtp_arrays
 from mtpkit.loaders.bundle import BundleView
-from mtpkit.loaders.families import is_shifted_norm
-from mtpkit.loaders.norms import ABSOLUTE, reencode
+from mtpkit.loaders.norms import ABSOLUTE, absolute_from_delta, reencode
 
 POLICIES = ("keep", "layers", "all")
 
@@ -67,8 +66,7 @@ def build_sidecar(view: BundleView, options: SidecarOptions, trunk_model: nn.Mod
     arrays = stack_experts(arrays, hidden_size)
     if view.family.zero_centred_norms and view.kind == "hf":
         # The HF convention, applied unconditionally as mlx-lm's sanitize does for the trunk.
-        arrays = {k: (v + 1.0 if v.ndim == 1 and is_shifted_norm(k) else v)
-                  for k, v in arrays.items()}
+        arrays = absolute_from_delta(arrays)
     elif view.mtp.norms is not None:
         # MLX sidecars in the wild come in either encoding (some mixed): decided per head.
         arrays = reencode(arrays, view.mtp.norms.shifts(ABSOLUTE) or {})

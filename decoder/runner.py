@@ -31,10 +31,9 @@ from mtpkit.decoder.stats import Stats
 from mtpkit.decoder.trunk import Trunk
 from mtpkit.loaders.arrays import mtp_arrays
 from mtpkit.loaders.bundle import BundleView, open_bundle
-from mtpkit.loaders.families import is_shifted_norm
 from mtpkit.loaders.findings import UserError, root_rank
 from mtpkit.loaders.mtp import DELTA_ENCODINGS
-from mtpkit.loaders.norms import ABSOLUTE, reencode
+from mtpkit.loaders.norms import ABSOLUTE, absolute_from_delta, reencode
 from mtpkit.loaders.templates import render, unsafe_reach
 from mtpkit.loaders.tokenizer import load_wrapper
 
@@ -118,8 +117,7 @@ def _head_arrays(view: BundleView) -> dict[str, mx.array]:
         return reencode(arrays, shifts)
     declared = str((view.config.mtp_quantization or {}).get("norm_encoding", "")).lower()
     if declared in DELTA_ENCODINGS and view.family.zero_centred_norms:
-        arrays = {n: a + 1.0 if is_shifted_norm(n) and a.ndim == 1 else a
-                  for n, a in arrays.items()}
+        arrays = absolute_from_delta(arrays)
     return arrays
 
 

@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from mtpkit.loaders.families import NORM_TWINS, norm_role
+from mtpkit.loaders.families import NORM_TWINS, is_shifted_norm, norm_role
 
 ABSOLUTE = 1  # the level of gains stored with +1 applied, as mlx-lm stores trunk norms
 LEVEL_NAMES = {0: "delta", 1: "absolute", 2: "shifted_twice"}
@@ -125,6 +125,12 @@ def decide(head: dict[str, float], trunk: dict[str, float], trunk_level: int) ->
     fallback = votes[0][0] if votes and (len(votes) == 1 or votes[0][1] > votes[1][1]) else None
     decision.offsets = {n: fallback if o is None else o for n, o in role_offsets.items()}
     return decision
+
+
+def absolute_from_delta(arrays: dict[str, Any]) -> dict[str, Any]:
+    """Every norm gain of a zero-centred (delta) head moved by +1 (the Hugging Face convention,
+    as mlx-lm's sanitize applies it to the trunk): the one place the +1 is written."""
+    return {n: a + 1.0 if is_shifted_norm(n) and a.ndim == 1 else a for n, a in arrays.items()}
 
 
 def reencode(arrays: dict[str, Any], shifts: dict[str, float]) -> dict[str, Any]:
