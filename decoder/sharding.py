@@ -20,6 +20,7 @@ import mlx.nn as nn
 
 from mtpkit.decoder import peerwatch
 from mtpkit.decoder.trunk import Trunk
+from mtpkit.loaders.families import KV_REPEATING
 from mtpkit.loaders.findings import UserError
 
 MODES = ("tensor", "pipeline")
@@ -33,8 +34,6 @@ if not select.select([sys.stdin], [], [], float(sys.argv[2]))[0]:
 SPLIT_DIMS = ("num_attention_heads", "num_key_value_heads", "linear_num_key_heads",
               "linear_num_value_heads", "intermediate_size", "moe_intermediate_size",
               "shared_expert_intermediate_size")
-# Families whose shard() repeats KV heads when the ranks outnumber them (Qwen3.5).
-KV_REPEATING = ("qwen3_5", "qwen3_5_moe")
 
 
 def join(mode: str) -> mx.distributed.Group:

@@ -24,11 +24,7 @@ from typing import Any
 import mlx.core as mx
 
 from mtpkit.decoder.shapes import PaddedKVCache
-
-# Families whose attention applies the mask with mx.where (it must be bool); the rest add it.
-SELECTING_MASK = frozenset({"bailing_hybrid", "bailing_moe_v3", "deepseek_v3", "deepseek_v32",
-                            "gemma2", "glm4_moe_lite", "kimi_k3", "kimi_linear", "longcat_flash",
-                            "mistral4"})
+from mtpkit.loaders.families import SELECTING_MASK
 
 
 @functools.lru_cache(maxsize=64)

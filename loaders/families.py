@@ -262,6 +262,14 @@ def stacked_modules(path: str) -> tuple[str, ...]:
 
 # Attributes under which mlx-lm's decoder layers hold a recurrent (non-trimmable) mixer.
 RECURRENT_ATTRIBUTES = ("linear_attn",)
+# mlx-lm model types whose attention applies its mask with mx.where, so a traced pass must give
+# them a bool mask (the rest add it): decoder/traced.py.
+SELECTING_MASK = frozenset({"bailing_hybrid", "bailing_moe_v3", "deepseek_v3", "deepseek_v32",
+                            "gemma2", "glm4_moe_lite", "kimi_k3", "kimi_linear", "longcat_flash",
+                            "mistral4"})
+# mlx-lm model types whose shard() repeats KV heads when the ranks outnumber them (Qwen3.5):
+# decoder/sharding.py.
+KV_REPEATING = frozenset({"qwen3_5", "qwen3_5_moe"})
 
 
 # RMSNorm gains that Qwen3-Next / Qwen3.5 checkpoints store zero-centred, by name suffix -> role
