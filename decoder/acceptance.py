@@ -46,16 +46,7 @@ def accept_sampled(drafts: mx.array, q: Candidates | None, p: Candidates,
     residual = mx.where(mass > 0, residual, p.probs[:depth])
     rows = Candidates(mx.concatenate([residual, p.probs[depth:depth + 1]]),
                       None if p.ids is None else p.ids[:depth + 1])
-    return _verdict(kept, _row(rows, kept).draw(draw)[0])
-
-
-def _row(rows: Candidates, index: mx.array) -> Candidates:
-    """One row chosen by a device index, without a host read."""
-    pick = index.reshape(1, 1)
-    probs = mx.take_along_axis(rows.probs, mx.broadcast_to(pick, (1, rows.probs.shape[1])), 0)
-    ids = (None if rows.ids is None else
-           mx.take_along_axis(rows.ids, mx.broadcast_to(pick, (1, rows.ids.shape[1])), 0))
-    return Candidates(probs, ids)
+    return _verdict(kept, rows[kept[None]].draw(draw)[0])  # the row a device index picks
 
 
 def _verdict(kept: mx.array, token: mx.array) -> mx.array:

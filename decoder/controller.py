@@ -15,6 +15,7 @@ import mlx.core as mx
 
 from mtpkit.decoder.policy import DepthPolicy
 from mtpkit.decoder.session import RoundOutcome, Session
+from mtpkit.decoder.shapes import extent
 from mtpkit.decoder.stats import Stats
 
 CHAIN_MIN_NGRAM = 2  # after the head's guess, a one-token match says little of what follows
@@ -61,8 +62,11 @@ class Controller:
         if outcome.depth > 0:
             policy, o = self.policy, outcome
             policy.record(o.depth, o.kept, o.source, o.drafted, o.match)
-            if not self.switched:
-                policy.observe_round(o.paid_s, o.depth, o.source, o.drafted, o.shape)
+            if not self.switched:  # the shape a pass may have compiled: the caches as it left them
+                session = self.session
+                shape = (o.source, o.width, o.owed, extent(session.cache),
+                         extent(session.mtp_cache))
+                policy.observe_round(o.paid_s, o.depth, o.source, o.drafted, shape)
             self.session.stats.predicted_s += policy.cost(o.depth, o.source, o.drafted)
         self.switched = False
 

@@ -1,7 +1,8 @@
 """The processed next-token distribution, computed exactly as mlx-lm's sampler computes it.
 
-Speculative sampling is exact only when the drafter's q and the target's p are the *processed*
-distributions of the plain sampler. `logprobs` chains mlx-lm's own filters in `make_sampler`'s
+Speculative sampling keeps the plain sampler's law only when the target's p is the *processed*
+distribution mlx-lm samples from (a draft's q may be any law the draft is drawn from; the nearer
+p, the more is kept). `logprobs` chains mlx-lm's own filters in `make_sampler`'s
 order (log-softmax, top-p, min-p, top-k) before the temperature: the reference law. The decoder
 draws from `candidates`, the same law kept on the device: with a top-k (the usual code settings,
 top_k 20) only the k most likely tokens can survive the chain, so a partial selection finds them
@@ -104,21 +105,20 @@ class Candidates:
     def width(self) -> int:
         return self.probs.shape[-1]
 
-    def __getitem__(self, rows: slice) -> Candidates:
+    def __getitem__(self, rows: slice | mx.array) -> Candidates:
         return Candidates(self.probs[rows], None if self.ids is None else self.ids[rows])
 
     @staticmethod
     def concat(parts: list[Candidates]) -> Candidates:
         if parts[0].ids is None:
             return Candidates(mx.concatenate([p.probs for p in parts]))
-        width = max(p.probs.shape[-1] for p in parts)
-        pad = [(0, 0), (0, 0)]
-        return Candidates(
-            mx.concatenate([mx.pad(p.probs, [pad[0], (0, width - p.probs.shape[-1])])
-                            for p in parts]),
-            mx.concatenate([mx.pad(p.ids, [pad[0], (0, width - p.ids.shape[-1])],
-                                   constant_values=-1)
-                            for p in parts]))
+        width = max(p.width for p in parts)
+
+        def pad(a: mx.array, value: int) -> mx.array:  # to `width` columns (id -1, prob 0)
+            return mx.pad(a, [(0, 0), (0, width - a.shape[-1])], constant_values=value)
+
+        return Candidates(mx.concatenate([pad(p.probs, 0) for p in parts]),
+                          mx.concatenate([pad(p.ids, -1) for p in parts]))
 
     @staticmethod
     def one_hot(tokens: list[int], like: Candidates | None = None) -> Candidates:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import mlx.core as mx
 import numpy as np
@@ -33,7 +33,7 @@ from mtpkit.decoder.sampling import (
     candidates,
     greedy,
 )
-from mtpkit.decoder.shapes import bounded_by_default, extent, padded, pieces
+from mtpkit.decoder.shapes import bounded_by_default, padded, pieces
 from mtpkit.decoder.state import commit_recorded, rewind, snapshot, trim, trimmable
 from mtpkit.decoder.stats import Stats
 from mtpkit.decoder.trunk import Trunk
@@ -55,8 +55,8 @@ class RoundOutcome:
     drafted: int  # drafts the head made (context drafts cost no draft step)
     match: int  # the context match a lookup round drafted from
     paid_s: float  # the round's wall time, its one host read included
-    shape: tuple[Any, ...]  # (source, width, owed pairs, trunk extent, head extent): what a
-    # pass of this shape may have compiled, for the policy's first-of-a-shape rule
+    width: int  # rows the verify pass ran (padding included)
+    owed: int  # pairs owed to the head before the round (its first draft fed them)
 
 
 Width = Callable[[int], int]  # the pass width to verify `rows` rows at (padding is cheaper)
@@ -114,13 +114,10 @@ class Session:
 
     # -- shared -----------------------------------------------------------------------------
 
-    def _split(self) -> mx.array:
-        self.key, sub = mx.random.split(self.key)
-        return sub
-
     def _noise(self, count: int) -> mx.array:
         """`count` uniforms in [0, 1): all a round's (or a step's) draws, in one random op."""
-        return mx.random.uniform(shape=(count,), key=self._split())
+        self.key, sub = mx.random.split(self.key)
+        return mx.random.uniform(shape=(count,), key=sub)
 
     def _sample(self, logits: mx.array) -> mx.array:
         """A lazy token from logits (1, V), drawn from mlx-lm's sampler's law."""
@@ -340,8 +337,7 @@ class Session:
         paid = time.perf_counter() - start
         if depth > 0:
             self.stats.count_round(SOURCE_NAMES[source], depth, kept, kept == depth)
-        shape = (source, width, owed, extent(self.cache), extent(self.mtp_cache))
-        return RoundOutcome(committed, depth, kept, source, drafted, match, paid, shape)
+        return RoundOutcome(committed, depth, kept, source, drafted, match, paid, width, owed)
 
     def next_round(self, depth: int) -> RoundOutcome:
         """A round at a fixed depth: context drafts where the text offers some (up to `depth`),
