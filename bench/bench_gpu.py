@@ -19,6 +19,9 @@ head accepts (bench_decode.py measures a real grafted head).
 6. (--parts sampled) the traced oracle at temperature 0 and sampled (--sampling, default
    t=0.6 / top_p 0.95 / top_k 20: code settings), plain and depth 3, arms interleaved: the
    sampled speedup (over sampled plain) beside the greedy one (over greedy plain).
+7. (--parts hybrid) the oracle on a Qwen3.5-9B-shaped hybrid 4-bit trunk (GatedDeltaNet layers
+   recorded and committed per position), beside the Llama oracle of the same run: the ratio of
+   their depth-3 speedups.
 
     python bench/bench_gpu.py [--smollm2 BUNDLE] [--tokens 256] [--runs 3]
 """
@@ -44,8 +47,6 @@ RATES = (0.73, 0.48, 0.32)
 def llama8b(bits: int | None, small: bool = False):
     """A Llama-3-8B-shaped mlx-lm model with random weights (bf16, or quantized g64); small:
     the same architecture scaled down, to check this script on a CPU."""
-    import mlx.core as mx
-    import mlx.nn as nn
     from mlx_lm.models.llama import Model, ModelArgs
 
     scale = 16 if small else 1
@@ -54,24 +55,55 @@ def llama8b(bits: int | None, small: bool = False):
                      num_attention_heads=32 // scale, num_key_value_heads=max(1, 8 // scale),
                      rms_norm_eps=1e-5, vocab_size=128256 // scale, rope_theta=500000.0,
                      tie_word_embeddings=False)
+    return oracle_ready(Model, args, bits)
+
+
+def qwen35_9b(bits: int | None, small: bool = False):
+    """A Qwen3.5-9B-shaped hybrid (three GatedDeltaNet layers to one attention layer, 248,320
+    tokens) with random weights, as llama8b; the family that ships MTP heads."""
+    from mlx_lm.models.qwen3_5 import Model, ModelArgs
+
+    scale = 16 if small else 1
+    text = {"model_type": "qwen3_5_text", "hidden_size": 4096 // scale,
+            "num_hidden_layers": 8 if small else 32, "intermediate_size": 12288 // scale,
+            "num_attention_heads": max(1, 16 // scale), "num_key_value_heads": max(1, 4 // scale),
+            "head_dim": 256 // min(scale, 4), "linear_num_key_heads": 16 // min(scale, 4),
+            "linear_num_value_heads": 32 // min(scale, 4), "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128, "full_attention_interval": 4,
+            "vocab_size": 248320 // scale, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+    return oracle_ready(Model, ModelArgs(model_type="qwen3_5", text_config=text), bits)
+
+
+RESIDUAL_WRITERS = ("self_attn.o_proj", "linear_attn.out_proj", "mlp.down_proj")
+
+
+def oracle_ready(cls, args, bits: int | None):
+    """cls(args) with random weights whose greedy continuation rounding cannot flip (random
+    logits over 100K+ tokens tie within bf16 ulps): layers write little into the residual
+    stream, and the output row of token j is the embedding of the token whose successor j is,
+    so the argmax is that successor by a wide margin (a walk through a random permutation: no
+    repetition loops). bf16, or quantized g64 with `bits`."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
     mx.random.seed(0)
-    model = Model(args)
+    model = cls(args)
     model.set_dtype(mx.bfloat16)
-    # A greedy continuation that rounding cannot flip (random logits over 128K tokens tie within
-    # bf16 ulps): layers write little into the residual stream, and the output row of token j
-    # is the embedding of the token whose successor j is, so the argmax is that successor by a
-    # wide margin (a walk through a random permutation: no repetition loops).
-    for layer in model.model.layers:
-        layer.self_attn.o_proj.weight = layer.self_attn.o_proj.weight * 0.01
-        layer.mlp.down_proj.weight = layer.mlp.down_proj.weight * 0.01
-    successor = mx.random.permutation(args.vocab_size)
-    model.lm_head.weight = model.model.embed_tokens.weight[mx.argsort(successor)]
-    for layer in [*model.model.layers, model]:  # materialize layer by layer: bounded peak
+    text = getattr(model, "language_model", model)
+    for layer in text.model.layers:
+        for name, module in tree_flatten(layer.leaf_modules(), is_leaf=nn.Module.is_module):
+            if name.endswith(RESIDUAL_WRITERS):
+                module.weight = module.weight * 0.01
+    vocab = text.model.embed_tokens.weight.shape[0]
+    successor = mx.random.permutation(vocab)
+    text.lm_head.weight = text.model.embed_tokens.weight[mx.argsort(successor)]
+    for layer in [*text.model.layers, model]:  # materialize layer by layer: bounded peak
         if bits is not None and layer is not model:
             nn.quantize(layer, group_size=64, bits=bits)
         mx.eval(layer.parameters())
     if bits is not None:
-        nn.quantize(model, group_size=64, bits=bits,
+        nn.quantize(text, group_size=64, bits=bits,
                     class_predicate=lambda p, m: p in ("lm_head", "model.embed_tokens"))
     mx.eval(model.parameters())
     return model
@@ -280,6 +312,8 @@ def oracle_decoding(runner, tokens: int, runs: int) -> dict:
     oracle = mtp.head
     plain_s = curve.plain
     rows: dict = {"curve": curve.to_dict()}
+    print("c(T) ms", [round(1000 * c, 2) for c in curve.verify[:8]], "plain ms",
+          round(1000 * plain_s, 2), "draft ms", round(1000 * curve.draft, 3), flush=True)
     depths = (0, 1, 2, 3, "auto")
     for depth in depths:
         mtp.generate(prompt, tokens, depth=depth)  # warm-up: every cache shape of a run
@@ -306,9 +340,9 @@ def oracle_decoding(runner, tokens: int, runs: int) -> dict:
         if depth == "auto":
             row["depths"] = results[-1].stats.depths  # of the last run
             row["cost_scale"] = [r.stats.cost_scale for r in results]  # paid / predicted
-            row["predicted_speedup"] = statistics.median(
-                r.stats.predicted_speedup for r in results
-                if r.stats.predicted_speedup is not None)
+            predicted = [r.stats.predicted_speedup for r in results
+                         if r.stats.predicted_speedup is not None]
+            row["predicted_speedup"] = statistics.median(predicted) if predicted else None
             row["ideal_best"] = max((1 + sum(RATES[:d])) / (curve.round_cost(d) / plain_s)
                                     for d in range(1, 4))
         rows[str(depth)] = row
@@ -417,6 +451,8 @@ def main() -> None:
                     help="breakdown arms: stock (MLX's ops), ours (kernel, bounded), traced")
     ap.add_argument("--sampling", default="0.6,0.95,20",
                     help="temperature,top_p,top_k of the sampled part")
+    ap.add_argument("--oracle-arms", default="traced,untraced",
+                    help="the oracle parts' arms: traced and/or untraced verify passes")
     ap.add_argument("--traced", choices=["0", "1"], default="1",
                     help="verify passes traced once per shape (decoder/traced.py)")
     args = ap.parse_args()
@@ -450,14 +486,14 @@ def main() -> None:
     parts = set(args.parts.split(","))
     out: dict = {"rates": RATES, "tokens": args.tokens, "runs": args.runs,
                  "device": mx.device_info() if hasattr(mx, "device_info") else {}}
-    if parts & {"q4", "oracle", "threads", "sampled"}:
+    if parts & {"q4", "oracle", "threads", "sampled", "hybrid"}:
         runner = Runner(Trunk(llama8b(4, args.small)), None, None)
         if "q4" in parts:
             out["llama8b_4bit"] = curves(runner, "8B 4-bit")
         use_kernel_linears(runner.trunk.text)  # (no-op after curves)
-        if "oracle" in parts:
+        if parts & {"oracle", "hybrid"}:
             out["oracle_8b_4bit"] = {}
-            for arm in ("traced", "untraced"):  # traced: what a GPU runs by default
+            for arm in args.oracle_arms.split(","):  # traced: what a GPU runs by default
                 runner.trunk.use_traced(arm == "traced")
                 print("oracle arm", arm, flush=True)
                 out["oracle_8b_4bit"][arm] = oracle_decoding(runner, args.tokens, args.runs)
@@ -472,6 +508,21 @@ def main() -> None:
             out["threads_8b_4bit"] = fresh_threads(runner, args.tokens, args.runs)
         del runner
         mx.clear_cache()
+    if "hybrid" in parts:  # issue 32's target: a hybrid's depth-3 speedup over the Llama's
+        runner = Runner(Trunk(qwen35_9b(4, args.small)), None, None)
+        use_kernel_linears(runner.trunk.text)
+        out["oracle_qwen35_9b_4bit"] = {}
+        for arm in args.oracle_arms.split(","):
+            runner.trunk.use_traced(arm == "traced")
+            print("hybrid oracle arm", arm, flush=True)  # (its c(T): the row's "curve")
+            out["oracle_qwen35_9b_4bit"][arm] = oracle_decoding(runner, args.tokens, args.runs)
+        del runner
+        mx.clear_cache()
+        for arm in out["oracle_qwen35_9b_4bit"]:
+            ratio = (out["oracle_qwen35_9b_4bit"][arm]["3"]["speedup"]
+                     / out["oracle_8b_4bit"][arm]["3"]["speedup"])
+            out.setdefault("hybrid_over_llama_depth3", {})[arm] = ratio
+            print(f"hybrid depth-3 speedup / Llama's ({arm}): {ratio:.2f}", flush=True)
     if "bf16" in parts:
         runner = Runner(Trunk(llama8b(None, args.small)), None, None)
         out["llama8b_bf16"] = curves(runner, "8B bf16")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mtpkit.decoder.recording import StepRecorder
+from mtpkit.decoder.recording import StateRecorder
 
 Snapshot = list[list[Any] | None]
 
@@ -47,7 +47,7 @@ def trim(cache: list[Any], counts: list[int]) -> None:
             c.trim(n)
 
 
-def commit_recorded(cache: list[Any], recorders: list[StepRecorder], verified: int,
+def commit_recorded(cache: list[Any], recorders: list[StateRecorder], verified: int,
                     keep: int) -> None:
     """Keep the first `keep` verified positions using the states recorded during verify."""
     for c in cache:

@@ -82,8 +82,8 @@ class Trunk:
         only the first `real` positions count (the rest pad the pass to a bounded shape).
         record: recurrent layers keep their state after every position (decoder/recording.py),
         for a commit of the kept prefix."""
-        traced = self.passes.run(tokens, cache) if (self.passes is not None
-                                                      and logits_for is None) else None
+        traced = self.passes.run(tokens, cache, record) if (self.passes is not None
+                                                              and logits_for is None) else None
         if traced is not None:
             hidden, logits = traced
             return (hidden, logits) if real is None else (hidden[:, :real], logits[:, :real])

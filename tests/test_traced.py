@@ -28,13 +28,14 @@ def _traced(trunk: Trunk) -> list[tuple[int, ...]]:
     trunk.use_traced()
     assert trunk.passes is not None
     calls: list[tuple[int, ...]] = []
-    fn = trunk.passes._fn
 
-    def spy(*args: mx.array) -> tuple[mx.array, ...]:
-        calls.append(tuple(args[0].shape))
-        return fn(*args)
+    def spy(fn: Callable[..., tuple[mx.array, ...]]) -> Callable[..., tuple[mx.array, ...]]:
+        def called(*args: mx.array) -> tuple[mx.array, ...]:
+            calls.append(tuple(args[0].shape))
+            return fn(*args)
+        return called
 
-    trunk.passes._fn = spy
+    trunk.passes._fns = {record: spy(fn) for record, fn in trunk.passes._fns.items()}
     return calls
 
 
@@ -52,10 +53,50 @@ def test_traced_passes_compute_what_stock_passes_compute(built: Callable[..., Pa
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4)
 
 
+def recorded_passes(trunk: Trunk, prefixes: bool = False) -> list[np.ndarray]:
+    """Prefill, then recording verify passes of several widths, each committing a kept prefix
+    from the recorded states (recurrent layers) and trims (attention), then one-row steps:
+    every logits, and every recurrent state after each commit."""
+    from mtpkit.decoder.state import commit_recorded
+
+    cache = trunk.make_cache(bounded=True)
+    for recorder in trunk.recorders:
+        recorder.prefixes = prefixes
+    out = []
+    _, logits = trunk(mx.array([PROMPT]), cache)
+    out.append(np.array(logits[0, -1]))
+    for width, keep in ((3, 1), (5, 5), (2, 1), (4, 2), (4, 3)):
+        _, logits = trunk(mx.array([[9, 4, 11, 2, 8][:width]]), cache, record=True)
+        out.append(np.array(logits[0]))
+        commit_recorded(cache, trunk.recorders, width, keep)
+        out += [np.array(a) for c in cache if not c.is_trimmable() for a in c.cache]
+        _, logits = trunk(mx.array([[6]]), cache)
+        out.append(np.array(logits[0]))
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_traced_recording_passes_compute_what_stock_passes_compute(
+        built: Callable[..., Path], family: str) -> None:
+    """Hybrid trunks (GatedDeltaNet and attention), float32: traced recording passes give the
+    stock pass's logits and, after each commit of a kept prefix, the stock recorded conv and
+    recurrent states (a state taken from the wrong position or layer moves them by far more);
+    stock passes recording by batched prefixes give them too."""
+    runner = mtpkit.load(built(family), dtype="float32")
+    want = recorded_passes(runner.trunk)
+    batched = recorded_passes(runner.trunk, prefixes=True)
+    calls = _traced(runner.trunk)
+    got = recorded_passes(runner.trunk)
+    assert calls == [(1, width) for w in (3, 5, 2, 4, 4) for width in (w, 1)]
+    for a, b, c in zip(want, got, batched, strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(c, a, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("family", ["mimo", "deepseek_v3", "qwen3_5"])
 def test_traced_decoding_is_greedy_identical(built: Callable[..., Path], family: str) -> None:
-    """The same tokens as unbounded plain decoding at depths 0, 1 and 3. qwen3_5's recurrent
-    caches cannot take the traced pass: its rounds keep the stock one."""
+    """The same tokens as unbounded plain decoding at depths 0, 1 and 3, every round traced
+    (qwen3_5's recurrent layers too)."""
     loaded = mtpkit.load(built(family), dtype="float32")
     runner = Runner(loaded.trunk, loaded.head, None)
     plain = Session(runner.trunk, runner.head, SamplingParams(), 0, bounded=False)
@@ -66,7 +107,7 @@ def test_traced_decoding_is_greedy_identical(built: Callable[..., Path], family:
         assert session.bounded  # traced passes bring bounded caches with them
         got = [t for b in generate_ids(session, PROMPT, 48, set()) for t in b]
         assert got == want, (family, depth)
-    assert bool(calls) == (family != "qwen3_5")
+    assert calls
 
 
 def test_one_trace_per_shape_not_per_round(built: Callable[..., Path],
