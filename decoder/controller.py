@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-import mlx.core as mx
-
+from mtpkit.decoder.drafts import Draft, chain
+from mtpkit.decoder.options import Source
 from mtpkit.decoder.policy import DepthPolicy
 from mtpkit.decoder.session import RoundOutcome, Session
 from mtpkit.decoder.shapes import extent
@@ -29,30 +29,33 @@ class Controller:
         self.switched = True  # no round since the prefill or a plain stretch
         session.stats.plain_s = policy.curve.plain
 
-    def choose(self, most: int) -> tuple[str, int, list[int], int]:
-        """(source, depth, context drafts, their match length) for the next round, up to
-        `most` drafts."""
+    def choose(self, most: int) -> tuple[Source | None, int, list[int], int]:
+        """(source, or None for plain decoding; depth, context drafts, their match length) for
+        the next round, up to `most` drafts."""
         lookup = self.session.lookup
         drafts, match = lookup.propose(min(most, self.policy.max_depth)) if lookup else ([], 0)
         source, depth = self.policy.choose(len(drafts), match=match)
         return source, min(depth, most), drafts, match
 
-    def extend(self, tokens: mx.array, depth: int, most: int) -> list[int]:
-        """Context tokens to append to the head's `depth` drafts in `tokens` (a "chain" round,
-        at most `most` drafts in all): what followed an earlier match of the text ending in
-        those drafts, as many as the policy finds worth their verify rows. Costs a host read of
-        the drafts, so only where the policy would take some."""
-        session, policy = self.session, self.policy
+    def extend(self, draft: Draft, most: int) -> Draft:
+        """A head draft continued by context tokens (a chain round, at most `most` drafts in
+        all): what followed an earlier match of the text ending in its drafts, as many as the
+        policy finds worth their verify rows. Costs a host read of the drafts, so only where
+        the policy would take some."""
+        session, policy, depth = self.session, self.policy, draft.depth
         room = min(most, session.depth) - depth
         if session.lookup is None or room <= 0 or not policy.extension(depth, room):
-            return []
-        more, _ = session.lookup.propose(room, CHAIN_MIN_NGRAM, after=tokens.tolist()[0][1:])
-        return more[:policy.extension(depth, len(more))]
+            return draft
+        more, _ = session.lookup.propose(room, CHAIN_MIN_NGRAM,
+                                         after=draft.tokens.tolist()[0][1:])
+        return chain(draft, more[:policy.extension(depth, len(more))])
 
-    def round(self, depth: int, lookup: list[int] | None = None, most: int | None = None,
-              match: int = 0) -> RoundOutcome:
-        outcome = self.session.round(depth, lookup, most, match, width=self.policy.curve.width,
-                                     extend=self.extend)
+    def draft(self, depth: int, most: int | None = None) -> Draft:
+        """The head's `depth` drafts, continued from the context up to `most` in all."""
+        return self.extend(self.session.head_draft(depth), depth if most is None else most)
+
+    def round(self, draft: Draft) -> RoundOutcome:
+        outcome = self.session.round(draft, self.policy.curve.width(draft.depth + 1))
         self.update(outcome)
         return outcome
 
@@ -79,16 +82,16 @@ class Controller:
             source, depth, drafts, match = self.choose(left() - 1)
             if depth > 0 or left() <= 1:
                 policy.reset_stretch()
-                if source == "lookup" and depth > 0:
-                    yield self.round(depth, drafts[:depth], match=match).committed
+                if source == Source.LOOKUP and depth > 0:
+                    yield self.round(session.context_draft(drafts[:depth], match)).committed
                 else:
-                    yield self.round(max(depth, 0), most=left() - 1).committed
+                    yield self.round(self.draft(max(depth, 0), left() - 1)).committed
                 continue
 
             cut: list[bool] = []
 
             def pays(cut: list[bool] = cut) -> bool:
-                cut.append(self.choose(left() - 1)[0] == "lookup")
+                cut.append(self.choose(left() - 1)[0] == Source.LOOKUP)
                 return cut[-1]
 
             yield from self._stretch(min(policy.plain_stretch(), left()),
@@ -98,7 +101,8 @@ class Controller:
             drafts, match = (session.lookup.propose(1) if session.head is None and session.lookup
                              else ([], 0))
             if session.head is not None or drafts:  # the probe, timed
-                outcome = self.round(1, drafts or None, match=match)
+                outcome = self.round(session.context_draft(drafts, match) if drafts
+                                     else self.draft(1))
                 policy.observe_probe(outcome.paid_s, len(outcome.committed))
                 yield outcome.committed
 

@@ -349,7 +349,7 @@ def _draft_step(session: Session, repeats: int) -> float:
     """Median seconds of one chained head draft step (after a started session)."""
     head = session.head
     assert head is not None
-    session._draft(1, None)  # consume the owed pairs (greedy: no draws)
+    session.head_draft(1)  # consume the owed pairs (greedy: no draws)
     hidden = mx.zeros((1, 1, session.trunk.args.hidden_size))
     token = mx.array([[session.last]])
     chained = [int(b == 1 % head.blocks) for b in range(head.blocks)]
@@ -408,7 +408,7 @@ def measure_decoding(trunk: Trunk, head: MTPHead, ids: list[int]) -> DecodeCosts
         spec.start(ids)
         begin = time.perf_counter()
         for _ in range(PROBE_TOKENS):
-            spec.round(1)
+            spec.round(spec.head_draft(1))
         rnd = min(rnd, (time.perf_counter() - begin) / PROBE_TOKENS)
     return DecodeCosts(step, rnd, prefill)
 

@@ -24,9 +24,10 @@ class Source(StrEnum):
     HEAD = "head"  # the bundle's MTP head
     LOOKUP = "lookup"  # the context: what followed an earlier match (decoder/lookup.py)
     BOTH = "both"  # whichever pays, round by round (the head where the bundle has one)
+    CHAIN = "chain"  # a round's, never an option: head drafts continued from the context
 
 
-SOURCES = tuple(s.value for s in Source)
+SOURCES = tuple(s.value for s in Source if s is not Source.CHAIN)  # what users may choose
 Depth = int | str | None  # a forced depth, "auto", or None (the head's layer count)
 
 

@@ -43,6 +43,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from mtpkit.decoder.curve import CostCurve
+from mtpkit.decoder.options import Source
 
 DECAY = 0.97  # per round: about the last 30 rounds weigh in
 PRIOR_WEIGHT = 2.0  # rounds' worth of belief in the prior
@@ -59,9 +60,9 @@ LONG_MATCH = 4  # lookups are tracked apart by match length 1, 2, 3, 4+: a rejec
 # match says little about an eight-token one, and one tracker let it starve the long ones
 
 
-def tracker_key(source: str, match: int = 0) -> str:
+def tracker_key(source: Source, match: int = 0) -> str:
     """The tracker of a source; a lookup's by the length of the match it drafts from."""
-    return f"lookup:{min(max(match, 1), LONG_MATCH)}" if source == "lookup" else source
+    return f"lookup:{min(max(match, 1), LONG_MATCH)}" if source == Source.LOOKUP else str(source)
 
 
 @dataclass
@@ -155,92 +156,95 @@ class DepthPolicy:
     curve: CostCurve
     max_depth: int
     prior: float = PRIOR
-    sources: tuple[str, ...] = ("head",)
+    sources: tuple[Source, ...] = (Source.HEAD,)
     trackers: dict[str, Tracker] = field(default_factory=dict)
     stretch: int = MIN_STRETCH
     chosen: dict[int, int] = field(default_factory=dict)  # depth -> rounds (0: plain steps)
     paid: PaidCosts = field(default_factory=PaidCosts)
 
     def __post_init__(self) -> None:
+        self.sources = tuple(Source(s) for s in self.sources)
         keys = [tracker_key(s, n) for s in self.sources
-                for n in (range(1, LONG_MATCH + 1) if s == "lookup" else (0,))]
-        keys += ["chain"] if {"head", "lookup"} <= set(self.sources) else []
+                for n in (range(1, LONG_MATCH + 1) if s == Source.LOOKUP else (0,))]
+        keys += [tracker_key(Source.CHAIN)] if {Source.HEAD, Source.LOOKUP} <= set(self.sources) \
+            else []
         self.trackers = self.trackers or {k: Tracker(self.max_depth, self.prior) for k in keys}
 
-    def acceptance(self, source: str = "head", match: int = 0) -> list[float]:
+    def acceptance(self, source: Source = Source.HEAD, match: int = 0) -> list[float]:
         """a_1..a_max_depth of a source (a lookup's: of matches `match` tokens long)."""
         return self.trackers[tracker_key(source, match)].estimates()
 
-    def cost(self, depth: int, source: str = "head", drafted: int | None = None) -> float:
+    def cost(self, depth: int, source: Source = Source.HEAD, drafted: int | None = None) -> float:
         """Seconds for a round of `depth` drafts, `drafted` of them by the head (default: all
         for "head", none for "lookup"): a lookup drafts on the host, for free."""
         if drafted is None:
-            drafted = depth if source == "head" else 0
+            drafted = depth if source == Source.HEAD else 0
         return self.curve.round_cost(depth, drafted)
 
     def rate(self, depth: int, acceptance: list[float] | None = None,
-             source: str = "head") -> float:
+             source: Source = Source.HEAD) -> float:
         """Expected tokens per second at `depth` from `source` (0: plain decoding)."""
         if depth == 0:
             return 1.0 / (self.curve.plain * self.paid.scale("plain"))
         a = self.acceptance(source) if acceptance is None else acceptance
         return (1.0 + sum(a[:depth])) / (self.cost(depth, source) * self.paid.scale(source))
 
-    def choose(self, lookup_width: int = 0, sources: tuple[str, ...] | None = None,
-               match: int = 0) -> tuple[str, int]:
-        """The (source, depth) with the highest expected rate; ("plain", 0) unless speculation
+    def choose(self, lookup_width: int = 0, sources: tuple[Source, ...] | None = None,
+               match: int = 0) -> tuple[Source | None, int]:
+        """The (source, depth) with the highest expected rate; (None, 0), plain, unless speculation
         beats plain by MARGIN. A lookup can draft at most `lookup_width` tokens this round,
         from a match `match` tokens long."""
         options = []
         for source in self.sources if sources is None else sources:
-            most = self.max_depth if source == "head" else min(lookup_width, self.max_depth)
+            most = self.max_depth if source == Source.HEAD else min(lookup_width, self.max_depth)
             a = self.acceptance(source, match)
             options += [(self.rate(d, a, source), source, d) for d in range(1, most + 1)]
         if not options:
-            return "plain", 0
+            return None, 0
         rate, source, depth = max(options)
-        return (source, depth) if rate >= MARGIN * self.rate(0) else ("plain", 0)
+        return (source, depth) if rate >= MARGIN * self.rate(0) else (None, 0)
 
     def extension(self, depth: int, available: int) -> int:
         """How many of `available` context tokens to append to `depth` head drafts: the count
         with the highest expected rate (0: the head's drafts alone)."""
-        if "chain" not in self.trackers or depth <= 0:
+        if Source.CHAIN not in self.trackers or depth <= 0:
             return 0
-        head, chain = self.acceptance("head"), self.acceptance("chain")
+        head, chain = self.acceptance(Source.HEAD), self.acceptance(Source.CHAIN)
         base = 1.0 + sum(head[:depth])
 
         def rate(more: int) -> float:
             kept = base + head[depth - 1] * sum(chain[:more])
-            return kept / self.cost(depth + more, "chain", depth)
+            return kept / self.cost(depth + more, Source.CHAIN, depth)
 
         most = min(available, self.max_depth - depth)
         return max(range(most + 1), key=lambda more: (rate(more), -more))
 
     def best(self) -> int:
         """The head's best depth, 0 unless it beats plain decoding by MARGIN."""
-        return self.choose(sources=("head",))[1]
+        return self.choose(sources=(Source.HEAD,))[1]
 
-    def predicted_speedup(self, depth: int | None = None, source: str = "head") -> float:
+    def predicted_speedup(self, depth: int | None = None,
+                          source: Source = Source.HEAD) -> float:
         """Expected rate at `depth` (default: the head's best) over plain decoding's."""
         depth = self.best() if depth is None else depth
         return self.rate(depth, source=source) / self.rate(0)
 
-    def record(self, depth: int, accepted: int, source: str = "head",
+    def record(self, depth: int, accepted: int, source: Source = Source.HEAD,
                drafted: int | None = None, match: int = 0) -> None:
         """One verified round: drafts 1..accepted kept out of `depth` (a lookup's drafted
         from a `match`-token match). A "chain" round's first `drafted` were the head's: they
         count for the head, and the rest for the chain only when every head draft was kept
         (else they were never put to the test)."""
-        if source == "chain":
+        if source == Source.CHAIN:
             assert drafted is not None
-            self.trackers["head"].record(drafted, min(accepted, drafted))
+            self.trackers[Source.HEAD].record(drafted, min(accepted, drafted))
             if accepted >= drafted:
-                self.trackers["chain"].record(depth - drafted, accepted - drafted)
+                self.trackers[Source.CHAIN].record(depth - drafted, accepted - drafted)
         else:
             self.trackers[tracker_key(source, match)].record(depth, accepted)
         self.chosen[depth] = self.chosen.get(depth, 0) + 1
 
-    def observe_round(self, seconds: float, depth: int, source: str = "head",
+    def observe_round(self, seconds: float, depth: int, source: Source = Source.HEAD,
                       drafted: int | None = None, shape: Hashable | None = None) -> None:
         """What a round of `depth` drafts really took (a measured curve only), unless it is
         the first of its `shape` (the verify width and the cache buffers): that one may have

@@ -151,12 +151,14 @@ class Runner:
         entry checks it: decoder/options.py)."""
         return DecodeOptions.of(depth, draft).source(self.head is not None)
 
-    def policy(self, depth: Depth, draft: str = "head") -> tuple[int, DepthPolicy | None]:
+    def policy(self, depth: Depth, draft: Source = Source.HEAD
+               ) -> tuple[int, DepthPolicy | None]:
         """(deepest depth, policy or None) for a depth argument: a number forces that depth;
         "auto" lets measured costs and online acceptance choose, up to MAX_AUTO_DEPTH."""
         if depth == "auto":
-            sources = tuple(s for s, ok in (("head", self.head is not None and draft != "lookup"),
-                                            ("lookup", draft != "head")) if ok)
+            sources = tuple(s for s, ok in ((Source.HEAD, self.head is not None
+                                             and draft != Source.LOOKUP),
+                                            (Source.LOOKUP, draft != Source.HEAD)) if ok)
             if not sources:
                 return 0, None
             curve = self.costs()

@@ -23,6 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from mtpkit.decoder import acceptance
+from mtpkit.decoder.drafts import Draft
 from mtpkit.decoder.head import MTPHead
 from mtpkit.decoder.lookup import ContextIndex
 from mtpkit.decoder.options import Source
@@ -41,7 +42,8 @@ from mtpkit.decoder.trunk import Trunk
 PREFILL_STEP = 2048
 STREAM = mx.new_thread_local_stream(mx.default_device())
 ROLLBACKS = ("record", "replay")
-SOURCE_NAMES = {"head": "head", "lookup": "lookup", "chain": "head+lookup"}  # in stats
+SOURCE_NAMES = {Source.HEAD: "head", Source.LOOKUP: "lookup",
+                Source.CHAIN: "head+lookup"}  # in stats
 
 
 @dataclass(frozen=True)
@@ -51,16 +53,12 @@ class RoundOutcome:
     committed: list[int]
     depth: int  # drafts verified (0: one step through the verify path)
     kept: int
-    source: str  # "head", "lookup" or "chain" (head drafts continued from the context)
+    source: Source  # HEAD, LOOKUP or CHAIN (head drafts continued from the context)
     drafted: int  # drafts the head made (context drafts cost no draft step)
     match: int  # the context match a lookup round drafted from
     paid_s: float  # the round's wall time, its one host read included
     width: int  # rows the verify pass ran (padding included)
     owed: int  # pairs owed to the head before the round (its first draft fed them)
-
-
-Width = Callable[[int], int]  # the pass width to verify `rows` rows at (padding is cheaper)
-Extend = Callable[[mx.array, int, int], list[int]]  # (verify input, head drafts, most) -> more
 
 
 class Stopped(Exception):
@@ -245,12 +243,26 @@ class Session:
         self.owed = (hidden[:, count:], tokens[:, count:])
         return self.owed
 
-    def _draft(self, depth: int, noise: mx.array | None
-               ) -> tuple[mx.array, Candidates | None, list[int]]:
-        """(1, 1 + K) verify input (last token, then K drafts), the distributions the drafts
-        were drawn from (sampling), and per-block chained entries. Drafts stay lazy (drawn on
-        the device, chained as arrays), so a whole round costs one host read, not one per
-        draft. noise: (depth, width) uniforms for sampled drafts."""
+    def _round_noise(self, head_steps: int, drafts: int = 0
+                     ) -> tuple[mx.array | None, mx.array | None]:
+        """Every draw of a sampled round from one random op: (the head's draft draws as
+        (head_steps, width) rows, the rule's: a ratio test per possible draft, a chain's
+        context drafts included, then the emitted token's); (None, None) when greedy."""
+        if self.params.greedy:
+            return None, None
+        columns = candidate_width(self.params, self.trunk.args.vocab_size)
+        tests = max(self.depth, head_steps, drafts, 1)
+        noise = self._noise(head_steps * columns + tests + columns)
+        draws = noise[:head_steps * columns].reshape(head_steps, columns) if head_steps else None
+        return draws, noise[head_steps * columns:]
+
+    def head_draft(self, depth: int) -> Draft:
+        """The head's `depth` drafts after the last committed token, drawn and chained on the
+        device (one host read per round, not per draft); depth 0: the token alone (a plain
+        step through the verify path). The head is first fed the pairs it is owed."""
+        draws, rule = self._round_noise(depth)
+        if depth == 0:
+            return Draft(mx.array([[self.last]]), None, Source.HEAD, 0, rule=rule)
         assert self.head is not None and self.owed is not None
         owed = self.owed[1].shape[1]  # a long run (prompt, plain stretch): bounded pieces first
         hidden, tokens = self.feed_head(owed - pieces(owed)[-1] if self.bounded else 0)
@@ -261,65 +273,42 @@ class Session:
             logits, out = self.head(hidden, tokens, self.mtp_cache, k, last_only=True)
             chained[k % self.head.blocks] += k > 0
             row = logits[:, -1]
-            if self.params.greedy:
+            if draws is None:
                 tokens = greedy(row, keepdims=True)
             else:
-                assert noise is not None
                 rows.append(candidates(row, self.params, drafter=True))
-                tokens = rows[-1].draw(noise[k:k + 1])[:, None]
+                tokens = rows[-1].draw(draws[k:k + 1])[:, None]
             chain.append(tokens)
             hidden = out
-        return mx.concatenate(chain, axis=1), (Candidates.concat(rows) if rows else None), chained
+        return Draft(mx.concatenate(chain, axis=1), Candidates.concat(rows) if rows else None,
+                     Source.HEAD, depth, chained=tuple(chained), rule=rule)
 
-    def round(self, depth: int, lookup: list[int] | None = None, most: int | None = None,
-              match: int = 0, width: Width | None = None,
-              extend: Extend | None = None) -> RoundOutcome:
-        """Draft `depth` tokens (the head's, continued by `extend` from the context up to
-        `most` in all, or the given context `lookup` drafts from a `match`-token match, whose q
-        is one-hot), verify them in one trunk pass, commit and roll back. `width(rows)` may pad
-        the pass to a wider, cheaper width (the cost curve's); padding rows repeat the last
-        token and are rolled back like rejected drafts."""
+    def context_draft(self, drafts: list[int], match: int) -> Draft:
+        """Context drafts (decoder/lookup.py) from a `match`-token match: q is one-hot."""
+        _, rule = self._round_noise(0, len(drafts))
+        q = None if self.params.greedy else Candidates.one_hot(drafts)
+        return Draft(mx.array([[self.last, *drafts]]), q, Source.LOOKUP, 0, match, rule=rule)
+
+    def round(self, draft: Draft, width: int | None = None) -> RoundOutcome:
+        """Verify `draft` in one trunk pass, keep what the acceptance rule keeps, commit and roll
+        back. `width` may pad the pass to a wider, cheaper width (the cost curve's); padding
+        rows repeat the last token and are rolled back like rejected drafts."""
         start = time.perf_counter()
         owed = self.owed[1].shape[1] if self.owed is not None else 0
-        source, drafted = ("lookup", 0) if lookup is not None else ("head", depth)
-        noise, head, tests, columns = None, 0, 0, 0
-        if not self.params.greedy:  # every draw of the round, from one random op: the head's
-            # drafts, a ratio test per draft (a chain's context drafts included), the last token
-            columns = candidate_width(self.params, self.trunk.args.vocab_size)
-            head = 0 if lookup is not None else depth
-            tests = max(self.depth, depth, len(lookup or []))
-            noise = self._noise(head * columns + tests + columns)
-        if lookup is not None:
-            depth = len(lookup)
-            tokens, chained = mx.array([[self.last, *lookup]]), []
-            q = None if self.params.greedy else Candidates.one_hot(lookup)
-        elif depth > 0:
-            draws = None if noise is None else noise[:depth * columns].reshape(depth, columns)
-            tokens, q, chained = self._draft(depth, draws)
-            more = extend(tokens, depth, depth if most is None else most) if extend else []
-            if more:
-                source, depth = "chain", depth + len(more)
-                tokens = mx.concatenate([tokens, mx.array([more])], axis=1)
-                if q is not None:
-                    q = Candidates.concat([q, Candidates.one_hot(more, q)])
-        else:
-            tokens, q, chained = mx.array([[self.last]]), None, []
-        rows = depth + 1
-        width = width(rows) if width is not None else rows
+        tokens, depth = draft.tokens, draft.depth
+        width = max(width or 0, depth + 1)
         verify = tokens
         if width > depth + 1:
             verify = mx.concatenate([tokens] + [tokens[:, -1:]] * (width - depth - 1), axis=1)
         saved = snapshot(self.cache)
         hidden, logits = self.trunk(verify, self.cache, real=depth + 1,
                                     record=bool(self.recorders))
-        if self.params.greedy:
+        if draft.rule is None:
             verdict = acceptance.accept_greedy(tokens[0, 1:], greedy(logits[0]))
         else:
             p = candidates(logits[0, :depth + 1], self.params)
-            assert noise is not None and p.width == columns, "logits wider than the vocabulary"
-            at = head * columns
-            rule = mx.concatenate([noise[at:at + depth], noise[at + tests:]])
-            verdict = acceptance.accept_sampled(tokens[0, 1:], q, p, rule)
+            rule = mx.concatenate([draft.rule[:depth], draft.rule[-p.width:]])
+            verdict = acceptance.accept_sampled(tokens[0, 1:], draft.q, p, rule)
         # the round's one host read: drafts, kept count and emitted token
         *drafts, kept, token = mx.concatenate([tokens[0, 1:].astype(mx.int32), verdict]).tolist()
         if self.recorders:
@@ -327,7 +316,7 @@ class Session:
         elif rewind(self.cache, saved, width, kept + 1):
             self.trunk(tokens[:, :kept + 1], self.cache, logits_for=0)
             mx.eval([c.state for c in self.cache])
-        trim(self.mtp_cache, chained)
+        trim(self.mtp_cache, list(draft.chained))
         committed = [*drafts[:kept], token]
         if self.mtp_cache:
             self._owe(hidden[:, :kept + 1], committed)
@@ -336,17 +325,18 @@ class Session:
         self.last = token
         paid = time.perf_counter() - start
         if depth > 0:
-            self.stats.count_round(SOURCE_NAMES[source], depth, kept, kept == depth)
-        return RoundOutcome(committed, depth, kept, source, drafted, match, paid, width, owed)
+            self.stats.count_round(SOURCE_NAMES[draft.source], depth, kept, kept == depth)
+        return RoundOutcome(committed, depth, kept, draft.source, draft.drafted, draft.match,
+                            paid, width, owed)
 
     def next_round(self, depth: int) -> RoundOutcome:
         """A round at a fixed depth: context drafts where the text offers some (up to `depth`),
         else the head's, else one plain step."""
         if self.lookup is not None:
-            drafts, _ = self.lookup.propose(depth)
+            drafts, match = self.lookup.propose(depth)
             if drafts and depth > 0:
-                return self.round(len(drafts), drafts)
-        return self.round(depth if self.head is not None else 0)
+                return self.round(self.context_draft(drafts, match))
+        return self.round(self.head_draft(depth if self.head is not None else 0))
 
 
 def generate_ids(session: Session, ids: list[int], max_tokens: int, eos: set[int],

@@ -206,7 +206,7 @@ def test_rollback_state_equals_plain_decode(rollback_runners: Callable[[str], Ru
     for _ in range(4):
         position = len(committed) + reject_at
         script[position] = (seq[position] + 1) % vocab  # the draft there will be wrong
-        got = session.round(3).committed
+        got = session.round(session.head_draft(3)).committed
         assert len(got) == reject_at + 1
         committed += got
         assert committed == seq[:len(committed)]
@@ -238,7 +238,7 @@ def test_mtp_cache_holds_exactly_the_committed_pairs(runners: Callable[[str], Ru
     session = Session(runner.trunk, runner.head, SamplingParams(), 3)
     seq = [*PROMPT, session.start(PROMPT)]
     for _ in range(12):
-        seq += session.round(3).committed
+        seq += session.round(session.head_draft(3)).committed
     assert runner.head is not None
     n = session.mtp_cache[0].offset
     hidden, _ = runner.trunk(mx.array([seq[:n]]), runner.trunk.make_cache(), logits_for=0)

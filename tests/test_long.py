@@ -56,7 +56,8 @@ def test_prompt_longer_than_a_prefill_chunk(built, monkeypatch, family, feed) ->
     assert tokens[0].tolist() == [*ids[1:], first]
     assert hidden.shape == whole.shape
     np.testing.assert_allclose(np.array(hidden), np.array(whole), rtol=1e-4, atol=1e-4)
-    committed = session.round(3).committed  # the head's first draft reads all 2,300 owed pairs
+    # the head's first draft reads all 2,300 owed pairs
+    committed = session.round(session.head_draft(3)).committed
     assert [first, *committed] == plain.tokens[:1 + len(committed)]
 
     monkeypatch.setattr(session_mod, "PREFILL_STEP", len(ids))  # the prompt in one piece

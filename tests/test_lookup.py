@@ -7,6 +7,7 @@ import itertools
 import random
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -17,6 +18,8 @@ from fixtures.decoder_models import tiny_runner
 from fixtures.laws import exact_joint, pvalue
 from mtpkit.decoder.controller import CHAIN_MIN_NGRAM, Controller
 from mtpkit.decoder.curve import CostCurve
+from mtpkit.decoder.drafts import Draft
+from mtpkit.decoder.drafts import chain as chained_draft
 from mtpkit.decoder.lookup import MAX_NGRAM, ContextIndex
 from mtpkit.decoder.options import Source
 from mtpkit.decoder.policy import LONG_MATCH, DepthPolicy
@@ -106,11 +109,11 @@ def test_policy_backs_off_lookup_that_misses_and_takes_it_when_it_hits() -> None
     a head-less policy takes a matching context as soon as it pays."""
     policy = DepthPolicy(CostCurve([1.0 + 0.3 * t for t in range(16)], plain=1.0, draft=0.0),
                          8, sources=("lookup",))
-    assert policy.choose(0) == ("plain", 0)  # nothing to draft from
+    assert policy.choose(0) == (None, 0)  # nothing to draft from
     assert policy.choose(4)[0] == "lookup"  # the 50% prior pays at this cost
     for _ in range(40):
         policy.record(4, 0, "lookup")
-    assert policy.choose(8) == ("plain", 0)
+    assert policy.choose(8) == (None, 0)
     for _ in range(200):
         policy.record(4, 4, "lookup")
     assert policy.choose(8) == ("lookup", 8)  # all kept: draft as far as the match goes
@@ -125,7 +128,7 @@ def test_lookups_are_tracked_by_match_length() -> None:
     for _ in range(40):
         policy.record(4, 0, "lookup", match=1)
         policy.record(4, 4, "lookup", match=7)
-    assert policy.choose(8, match=1) == ("plain", 0)
+    assert policy.choose(8, match=1) == (None, 0)
     assert policy.choose(8, match=4) == ("lookup", 8) == policy.choose(8, match=8)
     assert policy.choose(8, match=2)[0] == "lookup", "an untried length starts from the prior"
     assert policy.acceptance("lookup", 1)[0] < 0.1 < 0.9 < policy.acceptance("lookup", 5)[0]
@@ -183,21 +186,21 @@ def test_head_drafts_continued_by_the_context_are_greedy_identical(
     session, controller = _chain_session(runner, SamplingParams())
     assert session.lookup is not None
     rng, vocab = random.Random(family), runner.trunk.args.vocab_size
-    draft = session._draft
+    draft = session.head_draft
 
     def oracle(start: int, count: int) -> list[int]:
         at = len(session.lookup.tokens) - len(PROMPT) + start
         return [(t + (rng.random() < 0.2)) % vocab for t in plain[at:at + count]]
 
-    def guessing(depth: int, noise: mx.array | None) -> tuple[mx.array, None, list[int]]:
-        _, _, chained = draft(depth, noise)
-        return mx.array([[session.last, *oracle(0, depth)]]), None, chained
+    def guessing(depth: int) -> Draft:
+        made = draft(depth)  # the head's cache work, as usual
+        return replace(made, tokens=mx.array([[session.last, *oracle(0, depth)]]))
 
-    def extension(tokens: mx.array, depth: int, most: int) -> list[int]:
-        room = min(most, session.depth) - depth
-        return oracle(depth, rng.randint(1, room)) if room > 0 else []
+    def extension(made: Draft, most: int) -> Draft:
+        room = min(most, session.depth) - made.depth
+        return chained_draft(made, oracle(made.depth, rng.randint(1, room))) if room > 0 else made
 
-    session._draft = guessing  # type: ignore[method-assign]
+    session.head_draft = guessing  # type: ignore[method-assign]
     controller.extend = extension  # type: ignore[method-assign]
     tokens = [t for batch in generate_ids(session, PROMPT, 80, set(), controller) for t in batch]
     assert tokens == plain[:80], family
@@ -215,22 +218,23 @@ def test_chain_extends_only_past_a_match_of_the_drafts() -> None:
     session, controller = _chain_session(runner, SamplingParams())
     assert session.lookup is not None
     chained: list[tuple[list[int], list[int], list[int]]] = []
-    extension, draft = controller.extend, session._draft
+    extension, draft = controller.extend, session.head_draft
 
-    def guessing(depth: int, noise: mx.array | None) -> tuple[mx.array, None, list[int]]:
+    def guessing(depth: int) -> Draft:
         """A head that has learnt the cycle: its drafts are the context's guess."""
-        tokens, _, entries = draft(depth, noise)
-        guess = session.lookup.propose(depth)[0] or tokens.tolist()[0][1:]
-        return mx.array([[session.last, *guess]]), None, entries
+        made = draft(depth)
+        guess = session.lookup.propose(depth)[0] or made.tokens.tolist()[0][1:]
+        return replace(made, tokens=mx.array([[session.last, *guess]]))
 
-    def spy(tokens: mx.array, depth: int, most: int) -> list[int]:
+    def spy(made: Draft, most: int) -> Draft:
         committed = list(session.lookup.tokens)
-        more = extension(tokens, depth, most)
-        if more:
-            chained.append((committed, tokens.tolist()[0][1:], more))
-        return more
+        longer = extension(made, most)
+        if longer.depth > made.depth:
+            drafts = made.tokens.tolist()[0][1:]
+            chained.append((committed, drafts, longer.tokens.tolist()[0][1 + made.depth:]))
+        return longer
 
-    controller.extend, session._draft = spy, guessing  # type: ignore[method-assign]
+    controller.extend, session.head_draft = spy, guessing  # type: ignore[method-assign]
     list(generate_ids(session, [1, 2, 3], 120, set(), controller))
     assert chained, "the cycle gives the head's drafts a context match"
     for committed, drafts, more in chained:
