@@ -105,6 +105,20 @@ def _freeze(cache: Any) -> _KV | _Arrays:
     return _Arrays(arrays, sum(a.nbytes for a in arrays if a is not None))
 
 
+FOLLOW_UP = [{"role": "assistant", "content": "x"}, {"role": "user", "content": "x"}]
+
+
+def turn_end(ids: list[int], followed: list[int]) -> list[int]:
+    """Where the next chat turn's prompt will likely leave this one (`ids`): how far it agrees
+    with `followed`, the same conversation plus FOLLOW_UP (a reply and a user turn) rendered
+    and encoded. A checkpoint there (CachedSession's `checkpoints`) lets a model whose recurrent
+    states cannot be trimmed (GatedDeltaNet) reuse this turn when the next arrives; attention
+    KV alone needs none (it is trimmed to any prefix)."""
+    agree = next((i for i, (a, b) in enumerate(zip(ids, followed, strict=False)) if a != b),
+                 min(len(ids), len(followed)))
+    return [agree] if 0 < agree < len(ids) else []
+
+
 def supported(cache: list[Any]) -> bool:
     """Caches an entry can hold exactly: mlx-lm's KVCache (and subclasses) and ArraysCache."""
     return all(isinstance(c, KVCache | ArraysCache) for c in cache)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mtpkit.decoder.options import DecodeOptions, OptionError
-from mtpkit.decoder.prefix import PrefixCache, supported
+from mtpkit.decoder.prefix import FOLLOW_UP, PrefixCache, supported, turn_end
 from mtpkit.decoder.runner import NO_TEMPLATE, Depth, Result, Runner
 from mtpkit.decoder.state import trimmable
 from mtpkit.loaders.findings import UserError
@@ -115,41 +115,34 @@ class Service:
         if self.runner.template is None:  # Runner.render's rule, as a 400 before any work
             raise RequestError(400, f"{NO_TEMPLATE}; use /v1/completions", "messages",
                                code="template.missing")
+        try:
+            text = self._render(req, req.messages)
+        except RENDER_ERRORS as exc:
+            raise RequestError(400, describe_failure(exc), "messages") from None
+        return self._encode(text), text.rstrip().endswith(OPEN)
+
+    def _render(self, req: Request, messages: list[dict[str, Any]]) -> str:
+        """`messages` through the bundle's template with the request's template options."""
         options: dict[str, Any] = {}
         if req.enable_thinking is not None:
             options["enable_thinking"] = req.enable_thinking
         if req.tools:
             options["tools"] = req.tools
-        try:
-            text = self.runner.render(req.messages, **options)
-        except RENDER_ERRORS as exc:
-            raise RequestError(400, describe_failure(exc), "messages") from None
-        tokenizer = self.runner.tokenizer
-        assert tokenizer is not None
-        return list(tokenizer.encode(text, add_special_tokens=False)), text.rstrip().endswith(OPEN)
+        return self.runner.render(messages, **options)
+
+    def _encode(self, text: str) -> list[int]:
+        assert self.runner.tokenizer is not None
+        return list(self.runner.tokenizer.encode(text, add_special_tokens=False))
 
     def _turn_end(self, req: Request, ids: list[int]) -> list[int]:
-        """Where the next turn's prompt will likely leave this one: how far this prompt agrees
-        with the same conversation plus a reply and a user turn. A checkpoint there lets a
-        model whose recurrent states cannot be trimmed (GatedDeltaNet) reuse this turn when
-        the next arrives; attention KV alone needs none (it is trimmed to any prefix)."""
+        """The prefix cache's checkpoint for this chat turn (decoder/prefix.py's turn_end),
+        where recurrent states cannot be trimmed back to it."""
         if self.prefix is None or not req.chat or self.trimmable:
             return []
-        options: dict[str, Any] = {} if req.enable_thinking is None else {
-            "enable_thinking": req.enable_thinking}
-        if req.tools:
-            options["tools"] = req.tools
-        probe = [*req.messages, {"role": "assistant", "content": "x"},
-                 {"role": "user", "content": "x"}]
         try:
-            text = self.runner.render(probe, **options)
+            return turn_end(ids, self._encode(self._render(req, [*req.messages, *FOLLOW_UP])))
         except RENDER_ERRORS:
             return []
-        assert self.runner.tokenizer is not None
-        other = self.runner.tokenizer.encode(text, add_special_tokens=False)
-        agree = next((i for i, (a, b) in enumerate(zip(ids, other, strict=False)) if a != b),
-                     min(len(ids), len(other)))
-        return [agree] if 0 < agree < len(ids) else []
 
     def deltas(self, req: Request, gone: Callable[[], bool] | None = None) -> Ticket:
         """The prompt is prepared and the request admitted to the queue here, before the first

@@ -14,7 +14,7 @@ from mlx_lm.models.cache import KVCache
 import fixtures.numerics  # noqa: F401  (float32 runs in float32 on GPU backends too)
 import mtpkit
 from fixtures.configs import FAMILIES
-from mtpkit.decoder.prefix import CachedSession, PrefixCache, supported
+from mtpkit.decoder.prefix import CachedSession, PrefixCache, supported, turn_end
 from mtpkit.decoder.sampling import SamplingParams
 
 TURN1 = [5, 9, 14, 3, 22, 7, 8, 30, 11, 4] * 3
@@ -119,3 +119,12 @@ def test_a_restored_session_holds_the_cold_sessions_state(built: Callable[..., P
         assert [a.shape for a in got] == [a.shape for a in want] and len(got) > 4
         for a, b in zip(got, want, strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(np.abs(b).max() or 1))
+
+
+def test_turn_end_is_where_the_next_turn_leaves_this_one() -> None:
+    """The checkpoint serve asks for: the length this prompt shares with its follow-up; none
+    where the follow-up keeps all of it (the cache serves it whole) or none of it."""
+    assert turn_end([1, 2, 3, 4, 5], [1, 2, 3, 9, 9, 9]) == [3]
+    assert turn_end([1, 2, 3], [1, 2, 3, 7, 7]) == []
+    assert turn_end([1, 2, 3], [1, 2]) == [2]
+    assert turn_end([1, 2, 3], [8, 2, 3]) == []
