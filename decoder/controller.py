@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+from mtpkit.decoder.caches import extent
 from mtpkit.decoder.drafts import Draft, chain
 from mtpkit.decoder.options import Source
 from mtpkit.decoder.policy import DepthPolicy
 from mtpkit.decoder.session import RoundOutcome, Session
-from mtpkit.decoder.shapes import extent
 from mtpkit.decoder.stats import Stats
 
 CHAIN_MIN_NGRAM = 2  # after the head's guess, a one-token match says little of what follows

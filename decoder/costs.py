@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from mtpkit.decoder.caches import snapshot, trim
 from mtpkit.decoder.curve import (
     CONTEXT,
     MAX_ROWS,
@@ -40,7 +41,7 @@ from mtpkit.decoder.curve import (
 )
 from mtpkit.decoder.sampling import SamplingParams, greedy
 from mtpkit.decoder.session import Session
-from mtpkit.decoder.state import rewind, snapshot, trim
+from mtpkit.decoder.state import rewind
 
 if TYPE_CHECKING:
     from mtpkit.decoder.head import MTPHead

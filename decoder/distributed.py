@@ -23,8 +23,9 @@ import numpy as np
 from mlx_lm.models.cache import ArraysCache
 
 from mtpkit.decoder import peerwatch
+from mtpkit.decoder.caches import Snapshot, snapshot
 from mtpkit.decoder.peerwatch import PEER_LOST
-from mtpkit.decoder.state import Snapshot, commit_recorded, rewind, snapshot
+from mtpkit.decoder.state import commit_recorded, rewind
 from mtpkit.decoder.trunk import Trunk
 from mtpkit.loaders.findings import UserError
 

@@ -19,90 +19,27 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, KVCache, LRUPromptCache
+from mlx_lm.models.cache import LRUPromptCache
 
+from mtpkit.decoder.caches import Positions, freeze, trimmable
 from mtpkit.decoder.session import Session
-from mtpkit.decoder.state import trimmable
 
 MAX_ENTRIES = 1 << 16  # the byte bound is the real one
 KINDS = ("trunk", "head")  # trie partitions: sessions drafting with the head need its state too
 
 
 @dataclass
-class _Positions:
-    """Arrays over a prompt's first `offset` positions, trimmed like an attention cache. An
-    entry's parts are shared by the copies LRUPromptCache makes on fetch (MLX arrays are
-    values); only `offset` is the copy's own."""
-
-    offset: int
-    nbytes: int  # of the buffers the arrays keep alive
-
-    def is_trimmable(self) -> bool:
-        return True
-
-    def trim(self, n: int) -> int:
-        n = min(self.offset, n)
-        self.offset -= n
-        return n
-
-    def __deepcopy__(self, memo: dict) -> _Positions:
-        return replace(self)
-
-
-@dataclass
-class _KV(_Positions):
-    """An attention cache's keys and values (views)."""
-
-    keys: mx.array | None = None
-    values: mx.array | None = None
-
-    def thaw(self, cache: KVCache) -> None:
-        if self.offset and self.keys is not None and self.values is not None:
-            cache.keys = self.keys[..., :self.offset, :]
-            cache.values = self.values[..., :self.offset, :]
-            cache.offset = self.offset
-
-
-@dataclass
-class _Hidden(_Positions):
+class _Hidden(Positions):
     """The trunk hiddens of the prompt's positions, which the head's pairs start from."""
 
     hidden: mx.array | None = None
 
-
-@dataclass
-class _Arrays:
-    """A recurrent cache's arrays (GatedDeltaNet conv and state): not trimmable."""
-
-    arrays: list[mx.array | None]
-    nbytes: int
-
-    def is_trimmable(self) -> bool:
-        return False
-
-    def trim(self, n: int) -> int:
-        return 0
-
-    def __deepcopy__(self, memo: dict) -> _Arrays:
-        return replace(self, arrays=list(self.arrays))
-
-    def thaw(self, cache: ArraysCache) -> None:
-        cache.cache = list(self.arrays)
-
-
-def _freeze(cache: Any) -> _KV | _Arrays:
-    if isinstance(cache, KVCache):
-        if cache.keys is None:
-            return _KV(0, 0)
-        off = cache.offset
-        return _KV(off, cache.keys.nbytes + cache.values.nbytes, cache.keys[..., :off, :],
-                   cache.values[..., :off, :])
-    arrays = list(cache.cache)
-    return _Arrays(arrays, sum(a.nbytes for a in arrays if a is not None))
+    def arrays(self) -> list[mx.array]:
+        return [self.hidden] if self.hidden is not None else []
 
 
 FOLLOW_UP = [{"role": "assistant", "content": "x"}, {"role": "user", "content": "x"}]
@@ -118,10 +55,6 @@ def turn_end(ids: list[int], followed: list[int]) -> list[int]:
                  min(len(ids), len(followed)))
     return [agree] if 0 < agree < len(ids) else []
 
-
-def supported(cache: list[Any]) -> bool:
-    """Caches an entry can hold exactly: mlx-lm's KVCache (and subclasses) and ArraysCache."""
-    return all(isinstance(c, KVCache | ArraysCache) for c in cache)
 
 
 class PrefixCache:
@@ -211,22 +144,15 @@ class CachedSession(Session):
         """Feed the head the prompt's pairs but the last (the first round's draft takes that
         one, with the next token), and freeze the state the prompt left (evaluated here: the
         next session may run on another thread)."""
-        frozen: list[Any] = [_freeze(c) for c in self.cache]
+        frozen: list[Any] = [freeze(c) for c in self.cache]
         if self.mtp_cache:
             assert self.owed is not None and self.head is not None
             hidden = self.owed[0]
             self.feed_head(self.owed[1].shape[1] - 1)
             prompt = mx.concatenate([*self._done, hidden], axis=1)  # every prompt position
             self._done = [prompt[:, :-1]]
-            frozen += [_freeze(c) for c in self.mtp_cache]
+            frozen += [freeze(c) for c in self.mtp_cache]
             frozen.append(_Hidden(prompt.shape[1], prompt.nbytes, prompt))
-        mx.eval([a for f in frozen for a in _arrays(f)])
+        mx.eval([a for f in frozen for a in f.arrays()])
         return frozen
 
-
-def _arrays(frozen: Any) -> list[mx.array]:
-    if isinstance(frozen, _KV):
-        return [a for a in (frozen.keys, frozen.values) if a is not None]
-    if isinstance(frozen, _Arrays):
-        return [a for a in frozen.arrays if a is not None]
-    return [frozen.hidden] if frozen.hidden is not None else []

@@ -23,6 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from mtpkit.decoder import acceptance
+from mtpkit.decoder.caches import snapshot, trim, trimmable
 from mtpkit.decoder.drafts import Draft
 from mtpkit.decoder.head import MTPHead
 from mtpkit.decoder.lookup import ContextIndex
@@ -35,7 +36,7 @@ from mtpkit.decoder.sampling import (
     greedy,
 )
 from mtpkit.decoder.shapes import bounded_by_default, padded, pieces
-from mtpkit.decoder.state import commit_recorded, rewind, snapshot, trim, trimmable
+from mtpkit.decoder.state import commit_recorded, rewind
 from mtpkit.decoder.stats import Stats
 from mtpkit.decoder.trunk import Trunk
 

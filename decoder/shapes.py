@@ -98,12 +98,3 @@ def pieces(n: int) -> list[int]:
             rest -= bit
     return out
 
-
-def extent(caches: list[Any]) -> int:
-    """The key buffer length of the first attention cache (0 where there is none yet): with
-    the rows, what an attention pass's shapes hang on."""
-    for c in caches:
-        keys = getattr(c, "keys", None)
-        if isinstance(keys, mx.array):
-            return keys.shape[2]
-    return 0

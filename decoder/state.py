@@ -11,17 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from mtpkit.decoder.caches import Snapshot, trimmable
 from mtpkit.decoder.recording import StateRecorder
-
-Snapshot = list[list[Any] | None]
-
-
-def trimmable(cache: list[Any]) -> bool:
-    return all(c.is_trimmable() for c in cache)
-
-
-def snapshot(cache: list[Any]) -> Snapshot:
-    return [None if c.is_trimmable() else list(c.cache) for c in cache]
 
 
 def rewind(cache: list[Any], saved: Snapshot, verified: int, keep: int) -> bool:
@@ -39,12 +30,6 @@ def rewind(cache: list[Any], saved: Snapshot, verified: int, keep: int) -> bool:
         else:
             c.cache = state
     return keep > 0
-
-
-def trim(cache: list[Any], counts: list[int]) -> None:
-    for c, n in zip(cache, counts, strict=False):
-        if n:
-            c.trim(n)
 
 
 def commit_recorded(cache: list[Any], recorders: list[StateRecorder], verified: int,

@@ -26,6 +26,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
+from mtpkit.decoder.caches import arrays, traceable
 from mtpkit.decoder.shapes import PaddedKVCache
 from mtpkit.loaders.families import SELECTING_MASK
 
@@ -71,17 +72,6 @@ class _TracedCache:
         return self.keys, self.values
 
 
-def _recurrent(c: Any) -> bool:
-    """A recurrent layer's cache a trace can take: every state present, no batch bookkeeping."""
-    return (type(c) is ArraysCache and all(a is not None for a in c.cache)
-            and c.lengths is None and c.left_padding is None)
-
-
-def _arrays(c: Any) -> list[mx.array]:
-    """What a cache hands a trace: its KV buffers, or a recurrent layer's states."""
-    return list(c.cache) if isinstance(c, ArraysCache) else [c.keys, c.values]
-
-
 class TracedPasses:
     """The trunk's verify passes through `mx.compile`d functions, one per recording mode (MLX
     keeps a trace per input shape, with the weights it saw: make this after the trunk's modules
@@ -123,13 +113,13 @@ class TracedPasses:
         recorded = [a for r in recorders for state in r.states for a in state]
         for recorder in recorders:  # tracers must not outlive the trace
             recorder.adopt(None, [])
-        return (hidden, logits, *[a for c in caches for a in _arrays(c)], *recorded)
+        return (hidden, logits, *[a for c in caches for a in arrays(c)], *recorded)
 
     def usable(self, cache: list[Any]) -> bool:
         attention = [c for c in cache if type(c) is PaddedKVCache]
         return (not self.broken and bool(attention)
                 and all(c.keys is not None for c in attention)
-                and all(type(c) is PaddedKVCache or _recurrent(c) for c in cache)
+                and all(traceable(c, PaddedKVCache) for c in cache)
                 and len({(c.offset, c.keys.shape[2]) for c in attention}) == 1)
 
     def run(self, tokens: mx.array, cache: list[Any], record: bool = False
@@ -148,7 +138,7 @@ class TracedPasses:
         self._layout = [0 if type(c) is PaddedKVCache else len(c.cache) for c in cache]
         try:
             out = self._fns[record](tokens, mx.array(start, mx.int32), _positions(length),
-                                    *[a for c in cache for a in _arrays(c)])
+                                    *[a for c in cache for a in arrays(c)])
         except (NotImplementedError, ValueError, TypeError, RuntimeError):
             self.broken = True  # a forward that needs the offset as a number: stock passes
             return None

@@ -11,10 +11,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from mtpkit.decoder.caches import exportable, trimmable
 from mtpkit.decoder.options import DecodeOptions, OptionError
-from mtpkit.decoder.prefix import FOLLOW_UP, PrefixCache, supported, turn_end
+from mtpkit.decoder.prefix import FOLLOW_UP, PrefixCache, turn_end
 from mtpkit.decoder.runner import NO_TEMPLATE, Depth, Result, Runner
-from mtpkit.decoder.state import trimmable
 from mtpkit.loaders.findings import UserError
 from mtpkit.loaders.templates import RENDER_ERRORS, describe_failure
 from mtpkit.serve.channels import OPEN, ChannelSplitter, StopScanner
@@ -92,7 +92,7 @@ class Service:
         self.runner, self.model_id, self.depth, self.max_tokens = runner, model_id, depth, max_tokens
         self.draft = draft
         caches = runner.trunk.make_cache()
-        self.prefix = PrefixCache(cache_bytes) if cache_bytes > 0 and supported(caches) else None
+        self.prefix = PrefixCache(cache_bytes) if cache_bytes > 0 and exportable(caches) else None
         self.trimmable = trimmable(caches)
         self.queue = Worker(max_queue)  # the line of requests, and the worker serving it
         prefix = self.prefix

@@ -14,7 +14,8 @@ from mlx_lm.models.cache import KVCache
 import fixtures.numerics  # noqa: F401  (float32 runs in float32 on GPU backends too)
 import mtpkit
 from fixtures.configs import FAMILIES
-from mtpkit.decoder.prefix import CachedSession, PrefixCache, supported, turn_end
+from mtpkit.decoder.caches import exportable
+from mtpkit.decoder.prefix import CachedSession, PrefixCache, turn_end
 from mtpkit.decoder.sampling import SamplingParams
 
 TURN1 = [5, 9, 14, 3, 22, 7, 8, 30, 11, 4] * 3
@@ -32,7 +33,7 @@ def _modes(has_head: bool) -> list[dict]:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cached_prompts_decode_exactly_as_cold_ones(built: Callable[..., Path], family: str) -> None:
     runner = mtpkit.load(built(family), dtype="float32")
-    assert supported(runner.trunk.make_cache())
+    assert exportable(runner.trunk.make_cache())
     # --depth auto decides by the curve as given, uncorrected by timings, so cold and warm
     # runs choose alike and their drafts can be compared
     runner._costs = replace(runner.costs(), estimate=False)

@@ -1,0 +1,71 @@
+"""decoder/caches.py: what each cache kind can do, on mlx-lm's own caches."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+
+from mtpkit.decoder.caches import (
+    arrays,
+    batch_size,
+    exportable,
+    freeze,
+    snapshot,
+    traceable,
+    trim,
+    trimmable,
+)
+from mtpkit.decoder.shapes import PaddedKVCache
+
+
+def _kv(cls: type = KVCache, rows: int = 5, batch: int = 1) -> KVCache:
+    cache = cls()
+    keys = mx.arange(batch * 2 * rows * 4, dtype=mx.float32).reshape(batch, 2, rows, 4)
+    cache.update_and_fetch(keys, keys + 1)
+    return cache
+
+
+def _recurrent(batch: int = 1) -> ArraysCache:
+    cache = ArraysCache(2)
+    cache.cache = [mx.ones((batch, 3, 8)), mx.full((batch, 2, 4, 4), 2.0)]
+    return cache
+
+
+def test_attention_trims_and_recurrent_snapshots() -> None:
+    kv, rec = _kv(), _recurrent()
+    assert trimmable([kv]) and not trimmable([kv, rec])
+    saved = snapshot([kv, rec])
+    assert saved[0] is None and saved[1] is not None and saved[1][1] is rec.cache[1]
+    rec.cache = [None, None]
+    rec.cache = saved[1]  # a restore is the references back
+    trim([kv, rec], [2, 0])
+    assert kv.offset == 3
+
+
+def test_an_export_thaws_into_the_same_state_and_trims_like_its_cache() -> None:
+    kv, rec = _kv(), _recurrent()
+    assert exportable([kv, rec]) and not exportable([RotatingKVCache(max_size=8)])
+    frozen_kv, frozen_rec = freeze(kv), freeze(rec)
+    assert frozen_kv.trim(2) == 2 and frozen_rec.trim(2) == 0 and not frozen_rec.is_trimmable()
+    fresh_kv, fresh_rec = KVCache(), ArraysCache(2)
+    frozen_kv.thaw(fresh_kv)
+    frozen_rec.thaw(fresh_rec)
+    assert fresh_kv.offset == 3
+    assert mx.array_equal(fresh_kv.keys, kv.keys[..., :3, :])
+    assert all(a is b for a, b in zip(fresh_rec.cache, rec.cache, strict=True))
+    assert frozen_rec.nbytes == sum(a.nbytes for a in rec.cache)
+
+
+def test_traced_passes_take_padded_attention_and_plain_recurrent_states() -> None:
+    padded, rec = _kv(PaddedKVCache), _recurrent()
+    assert traceable(padded, PaddedKVCache) and traceable(rec, PaddedKVCache)
+    assert not traceable(_kv(), PaddedKVCache)  # unbounded shapes: the stock pass
+    assert not traceable(ArraysCache(2), PaddedKVCache)  # no state yet
+    rec.prepare(lengths=[1])
+    assert not traceable(rec, PaddedKVCache)  # batch bookkeeping: the stock pass
+    assert len(arrays(padded)) == 2 and len(arrays(_recurrent())) == 2
+
+
+def test_the_batch_is_the_first_dimension() -> None:
+    assert batch_size(_kv(batch=3)) == 3 and batch_size(_recurrent(batch=2)) == 2
+    assert batch_size(KVCache()) == 1 and batch_size(ArraysCache(2)) == 1
