@@ -145,6 +145,16 @@ class FrozenArrays:
         return [a for a in self.states if a is not None]
 
 
+@dataclass
+class FrozenHidden(Positions):
+    """The trunk hiddens of a prompt's positions, which the head's pairs start from."""
+
+    hidden: mx.array | None = None
+
+    def arrays(self) -> list[mx.array]:
+        return [self.hidden] if self.hidden is not None else []
+
+
 def freeze(cache: Any) -> FrozenKV | FrozenArrays:
     """An export of one cache (views of its arrays, not copies)."""
     if isinstance(cache, KVCache):

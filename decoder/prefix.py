@@ -3,7 +3,8 @@ that starts with it.
 
 Agents resend a long system prompt, tool schemas and the conversation so far every turn. Entries
 live in mlx-lm's own LRUPromptCache (a token trie, least recently used out first, a byte bound),
-keyed by the prompt's token ids. An entry holds what a started Session holds for its prompt: the
+keyed by the prompt's token ids. An entry holds what a started Session holds for its prompt
+(`Session.export_state`; `restore_state` puts it back): the
 trunk's caches (attention KV, GatedDeltaNet states in ArraysCache) and, for sessions drafting
 with the MTP head, the head's cache over the prompt's (hidden, next token) pairs and the prompt's
 hiddens (the last one is owed to the head with the request's next token). A session restored
@@ -18,28 +19,12 @@ session writing after them gets a fresh buffer (MLX copies a buffer another arra
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import mlx.core as mx
 from mlx_lm.models.cache import LRUPromptCache
-
-from mtpkit.decoder.caches import Positions, freeze, trimmable
-from mtpkit.decoder.session import Session
 
 MAX_ENTRIES = 1 << 16  # the byte bound is the real one
 KINDS = ("trunk", "head")  # trie partitions: sessions drafting with the head need its state too
-
-
-@dataclass
-class _Hidden(Positions):
-    """The trunk hiddens of the prompt's positions, which the head's pairs start from."""
-
-    hidden: mx.array | None = None
-
-    def arrays(self) -> list[mx.array]:
-        return [self.hidden] if self.hidden is not None else []
 
 
 FOLLOW_UP = [{"role": "assistant", "content": "x"}, {"role": "user", "content": "x"}]
@@ -48,7 +33,7 @@ FOLLOW_UP = [{"role": "assistant", "content": "x"}, {"role": "user", "content": 
 def turn_end(ids: list[int], followed: list[int]) -> list[int]:
     """Where the next chat turn's prompt will likely leave this one (`ids`): how far it agrees
     with `followed`, the same conversation plus FOLLOW_UP (a reply and a user turn) rendered
-    and encoded. A checkpoint there (CachedSession's `checkpoints`) lets a model whose recurrent
+    and encoded. A checkpoint there (a Session's `checkpoints`) lets a model whose recurrent
     states cannot be trimmed (GatedDeltaNet) reuse this turn when the next arrives; attention
     KV alone needs none (it is trimmed to any prefix)."""
     agree = next((i for i, (a, b) in enumerate(zip(ids, followed, strict=False)) if a != b),
@@ -88,71 +73,3 @@ class PrefixCache:
     def insert(self, kind: str, ids: list[int], state: list[Any]) -> None:
         with self.lock:
             self.lru.insert_cache(kind, list(ids), state)
-
-
-class CachedSession(Session):
-    """A Session whose prompt starts from the longest cached prefix, and whose prompt state
-    is cached for the prompts after it. `cached_tokens`: prompt tokens not prefilled.
-    `checkpoints`: shorter prompt lengths whose state is kept too, where recurrent states
-    cannot be trimmed back to them (the end of the conversation before the assistant's
-    turn opens, say: the next turn renders the same history, then differs)."""
-
-    def __init__(self, *args: Any, prefix: PrefixCache, checkpoints: Sequence[int] = (),
-                 **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.prefix, self.checkpoints = prefix, checkpoints
-        self.cached_tokens = 0
-        self.kind = KINDS[bool(self.mtp_cache)]
-        self._done: list[mx.array] = []  # head sessions: hiddens before the owed run
-
-    def start(self, ids: list[int]) -> int:
-        state, cached = self.prefix.fetch(self.kind, ids)
-        if state is not None:
-            self._restore(state, ids, cached)
-        self.cached_tokens = at = cached
-        spent = 0.0
-        marks = [] if trimmable(self.cache) else sorted(
-            b for b in set(self.checkpoints) if cached < b < len(ids))
-        for mark in marks:
-            hidden, _ = self._prefill(ids[at:mark], keep_hidden=bool(self.mtp_cache))
-            spent += self.stats.prefill_s
-            if hidden is not None:
-                self._owe(hidden, ids[at + 1:mark + 1])
-            if self.lookup is not None:
-                self.lookup.extend(ids[at:mark])
-            self.prefix.insert(self.kind, ids[:mark], self._settle())
-            at = mark
-        last = super().start(ids[at:])
-        self.stats.prompt_tokens, self.stats.prefill_s = len(ids) - cached, self.stats.prefill_s + spent
-        self.prefix.insert(self.kind, ids, self._settle())
-        return last
-
-    def _restore(self, state: list[Any], ids: list[int], cached: int) -> None:
-        """Caches, lookup index and owed head pair as the cached prefix left them."""
-        n, m = len(self.cache), len(self.mtp_cache)
-        for cache, frozen in zip(self.cache + self.mtp_cache, state[:n + m], strict=True):
-            frozen.thaw(cache)
-        if self.lookup is not None:
-            self.lookup.extend(ids[:cached])
-        if m:
-            hidden = state[-1]
-            assert hidden.offset == cached and hidden.hidden is not None
-            self._done = [hidden.hidden[:, :cached - 1]]
-            self.owed = (hidden.hidden[:, cached - 1:cached], mx.array([[ids[cached]]]))
-
-    def _settle(self) -> list[Any]:
-        """Feed the head the prompt's pairs but the last (the first round's draft takes that
-        one, with the next token), and freeze the state the prompt left (evaluated here: the
-        next session may run on another thread)."""
-        frozen: list[Any] = [freeze(c) for c in self.cache]
-        if self.mtp_cache:
-            assert self.owed is not None and self.head is not None
-            hidden = self.owed[0]
-            self.feed_head(self.owed[1].shape[1] - 1)
-            prompt = mx.concatenate([*self._done, hidden], axis=1)  # every prompt position
-            self._done = [prompt[:, :-1]]
-            frozen += [freeze(c) for c in self.mtp_cache]
-            frozen.append(_Hidden(prompt.shape[1], prompt.nbytes, prompt))
-        mx.eval([a for f in frozen for a in f.arrays()])
-        return frozen
-

@@ -23,7 +23,7 @@ from mtpkit.decoder.curve import CostCurve
 from mtpkit.decoder.head import Contract, MTPHead
 from mtpkit.decoder.options import DecodeOptions, Depth, Source
 from mtpkit.decoder.policy import DepthPolicy, PaidCosts
-from mtpkit.decoder.prefix import CachedSession, PrefixCache
+from mtpkit.decoder.prefix import PrefixCache
 from mtpkit.decoder.rows import use_few_rows_linears, use_kernel_linears
 from mtpkit.decoder.session import Session, Stopped, generate_ids
 from mtpkit.decoder.shapes import bounded_by_default
@@ -218,8 +218,7 @@ class Runner:
         parts = {"trunk": self.trunk, "head": self.head, "params": options.sampling,
                  "depth": depth, "seed": options.seed, "rollback": self.rollback,
                  "draft": draft, "stop": stop}
-        session = Session(**parts) if prefix is None else \
-            CachedSession(**parts, prefix=prefix, checkpoints=checkpoints)
+        session = Session(**parts, prefix=prefix, checkpoints=checkpoints)
         controller = Controller(session, policy) if policy is not None and depth > 0 else None
         eos = set(self.tokenizer.eos_token_ids) if self.tokenizer is not None else set()
         detok = self.tokenizer.detokenizer if self.tokenizer is not None else None
@@ -245,7 +244,7 @@ class Runner:
             tail = detok.last_segment
         text = self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
         reason = "length" if len(tokens) >= max_tokens else "stop"
-        cached = session.cached_tokens if isinstance(session, CachedSession) else 0
+        cached = session.cached_tokens
         yield Piece(tail, [], Result(tokens, text, session.stats, reason, cached))
 
     def generate(self, prompt: Prompt, max_tokens: int = 256, **options: Any) -> Result:

@@ -15,19 +15,20 @@ each round and learns from its outcome (the session never sees the policy). With
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import mlx.core as mx
 import numpy as np
 
 from mtpkit.decoder import acceptance
-from mtpkit.decoder.caches import snapshot, trim, trimmable
+from mtpkit.decoder.caches import FrozenHidden, freeze, snapshot, trim, trimmable
 from mtpkit.decoder.drafts import Draft
 from mtpkit.decoder.head import MTPHead
 from mtpkit.decoder.lookup import ContextIndex
 from mtpkit.decoder.options import Source
+from mtpkit.decoder.prefix import KINDS, PrefixCache
 from mtpkit.decoder.sampling import (
     Candidates,
     SamplingParams,
@@ -82,14 +83,16 @@ class Session:
     def __init__(self, trunk: Trunk, head: MTPHead | None, params: SamplingParams, depth: int,
                  seed: int | None = None, rollback: str = "record",
                  bounded: bool | None = None, draft: Source = Source.HEAD,
-                 stop: Callable[[], bool] | None = None) -> None:
+                 stop: Callable[[], bool] | None = None, prefix: PrefixCache | None = None,
+                 checkpoints: Sequence[int] = ()) -> None:
         """depth: the draft depth (0: plain decoding), or under a controller the deepest it may
         choose. bounded: attention shapes from a bounded set (default: where attention
         compiles per shape, see shapes.bounded_by_default, or where the trunk's verify passes
         are traced, decoder/traced.py). draft: where drafts come from,
         a Source, checked by decoder/options.py (a head is optional under "both").
         stop: asked between prefill chunks; true raises Stopped (the caller's own check between
-        rounds covers the rest)."""
+        rounds covers the rest). prefix, checkpoints: a prefix cache the prompt starts from and
+        leaves its state in (see start)."""
         draft = Source(draft)
         if depth > 0 and head is None and draft is Source.HEAD:
             raise ValueError("head drafts need an MTP head (DecodeOptions.source refuses this)")
@@ -110,6 +113,9 @@ class Session:
         self.last = -1
         self.owed: tuple[mx.array, mx.array] | None = None
         self.plain_paid = (0.0, 0)  # (seconds, tokens) the last plain_steps spent, as paid
+        self.prefix, self.checkpoints = prefix, checkpoints
+        self.cached_tokens = 0  # prompt tokens restored from the prefix cache
+        self._exported: list[mx.array] = []  # head sessions: prompt hiddens before the owed run
 
     # -- shared -----------------------------------------------------------------------------
 
@@ -213,7 +219,69 @@ class Session:
     # -- speculative ------------------------------------------------------------------------
 
     def start(self, ids: list[int]) -> int:
-        """Prefill the prompt and commit its next token."""
+        """Prefill the prompt and commit its next token. With a prefix cache: from its longest
+        cached prefix (`cached_tokens` of the prompt are not prefilled), leaving the prompt's
+        state there, and the state at each of `checkpoints` (shorter prompt lengths kept where
+        recurrent states cannot be trimmed back to them: the end of the conversation before the
+        assistant's turn opens, say; decoder/prefix.py's turn_end)."""
+        if self.prefix is None:
+            return self._first(ids)
+        kind = KINDS[bool(self.mtp_cache)]
+        state, cached = self.prefix.fetch(kind, ids)
+        if state is not None:
+            self.restore_state(state, ids, cached)
+        self.cached_tokens = at = cached
+        spent = 0.0
+        marks = [] if trimmable(self.cache) else sorted(
+            b for b in set(self.checkpoints) if cached < b < len(ids))
+        for mark in marks:
+            hidden, _ = self._prefill(ids[at:mark], keep_hidden=bool(self.mtp_cache))
+            spent += self.stats.prefill_s
+            if hidden is not None:
+                self._owe(hidden, ids[at + 1:mark + 1])
+            if self.lookup is not None:
+                self.lookup.extend(ids[at:mark])
+            self.prefix.insert(kind, ids[:mark], self.export_state())
+            at = mark
+        last = self._first(ids[at:])
+        self.stats.prompt_tokens = len(ids) - cached
+        self.stats.prefill_s += spent
+        self.prefix.insert(kind, ids, self.export_state())
+        return last
+
+    def restore_state(self, state: list[Any], ids: list[int], cached: int) -> None:
+        """Caches, lookup index and owed head pair as an export of the prompt's first `cached`
+        tokens left them (decoder/caches.py thaws each cache)."""
+        n, m = len(self.cache), len(self.mtp_cache)
+        for cache, frozen in zip(self.cache + self.mtp_cache, state[:n + m], strict=True):
+            frozen.thaw(cache)
+        if self.lookup is not None:
+            self.lookup.extend(ids[:cached])
+        if m:
+            hidden = state[-1]
+            assert hidden.offset == cached and hidden.hidden is not None
+            self._exported = [hidden.hidden[:, :cached - 1]]
+            self.owed = (hidden.hidden[:, cached - 1:cached], mx.array([[ids[cached]]]))
+
+    def export_state(self) -> list[Any]:
+        """The state the prompt so far left, frozen (decoder/caches.py: views, not copies): the
+        trunk's caches, and for head sessions the head's cache, fed every pair but the last
+        (the first round's draft takes that one, with the next token), and every prompt
+        position's hidden. Evaluated here: the next session may run on another thread."""
+        frozen: list[Any] = [freeze(c) for c in self.cache]
+        if self.mtp_cache:
+            assert self.owed is not None and self.head is not None
+            hidden = self.owed[0]
+            self.feed_head(self.owed[1].shape[1] - 1)
+            prompt = mx.concatenate([*self._exported, hidden], axis=1)  # every prompt position
+            self._exported = [prompt[:, :-1]]
+            frozen += [freeze(c) for c in self.mtp_cache]
+            frozen.append(FrozenHidden(prompt.shape[1], prompt.nbytes, prompt))
+        mx.eval([a for f in frozen for a in f.arrays()])
+        return frozen
+
+    def _first(self, ids: list[int]) -> int:
+        """Prefill `ids` (after whatever the caches hold) and commit the next token."""
         speculative = bool(self.mtp_cache)
         hidden, logits = self._prefill(ids, keep_hidden=speculative)
         self.last = int(self._sample(logits).item())

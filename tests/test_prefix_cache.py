@@ -15,8 +15,9 @@ import fixtures.numerics  # noqa: F401  (float32 runs in float32 on GPU backends
 import mtpkit
 from fixtures.configs import FAMILIES
 from mtpkit.decoder.caches import exportable
-from mtpkit.decoder.prefix import CachedSession, PrefixCache, turn_end
+from mtpkit.decoder.prefix import PrefixCache, turn_end
 from mtpkit.decoder.sampling import SamplingParams
+from mtpkit.decoder.session import Session
 
 TURN1 = [5, 9, 14, 3, 22, 7, 8, 30, 11, 4] * 3
 TURN2 = TURN1 + [17, 6, 25, 13]  # the next turn: the first, then new tokens
@@ -81,7 +82,7 @@ def test_the_byte_bound_evicts_the_least_recently_used(built: Callable[..., Path
 
 
 
-def _state(session: CachedSession) -> list[np.ndarray]:
+def _state(session: Session) -> list[np.ndarray]:
     """Every array a started session decodes from: trunk caches, head caches, the owed pair."""
     out = []
     for c in session.cache + session.mtp_cache:
@@ -102,9 +103,9 @@ def test_a_restored_session_holds_the_cold_sessions_state(built: Callable[..., P
     there; attention KV is trimmed to it instead)."""
     runner = mtpkit.load(built(family), dtype="float32")
 
-    def session(cache: PrefixCache, marks: tuple[int, ...] = ()) -> CachedSession:
-        return CachedSession(runner.trunk, runner.head, SamplingParams(), 2, None, "record",
-                             bounded, draft="both", prefix=cache, checkpoints=marks)
+    def session(cache: PrefixCache, marks: tuple[int, ...] = ()) -> Session:
+        return Session(runner.trunk, runner.head, SamplingParams(), 2, None, "record", bounded,
+                       draft="both", prefix=cache, checkpoints=marks)
 
     cache = PrefixCache(1 << 30)
     first = session(cache, (12, 12, 500))
