@@ -22,6 +22,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 
+from mtpkit.decoder.shapes import PaddedKVCache
+
 Snapshot = list[list[Any] | None]
 
 
@@ -61,11 +63,12 @@ def batch_size(c: Any) -> int:
     return next((a.shape[0] for a in arrays if isinstance(a, mx.array)), 1)
 
 
-def traceable(c: Any, attention: type) -> bool:
-    """A cache a traced pass (decoder/traced.py) can take: `attention` (its padded KV class),
-    or a recurrent cache with every state present and no batch bookkeeping."""
-    return type(c) is attention or (type(c) is ArraysCache and all(a is not None for a in c.cache)
-                                    and c.lengths is None and c.left_padding is None)
+def traceable(c: Any) -> bool:
+    """A cache a traced pass (decoder/traced.py) can take: a PaddedKVCache, or a recurrent
+    cache with every state present and no batch bookkeeping."""
+    return type(c) is PaddedKVCache or (type(c) is ArraysCache
+                                        and all(a is not None for a in c.cache)
+                                        and c.lengths is None and c.left_padding is None)
 
 
 def arrays(c: Any) -> list[mx.array]:

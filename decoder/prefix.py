@@ -25,8 +25,6 @@ from mlx_lm.models.cache import LRUPromptCache
 
 MAX_ENTRIES = 1 << 16  # the byte bound is the real one
 KINDS = ("trunk", "head")  # trie partitions: sessions drafting with the head need its state too
-
-
 FOLLOW_UP = [{"role": "assistant", "content": "x"}, {"role": "user", "content": "x"}]
 
 
@@ -39,7 +37,6 @@ def turn_end(ids: list[int], followed: list[int]) -> list[int]:
     agree = next((i for i, (a, b) in enumerate(zip(ids, followed, strict=False)) if a != b),
                  min(len(ids), len(followed)))
     return [agree] if 0 < agree < len(ids) else []
-
 
 
 class PrefixCache:

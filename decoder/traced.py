@@ -115,21 +115,16 @@ class TracedPasses:
             recorder.adopt(None, [])
         return (hidden, logits, *[a for c in caches for a in arrays(c)], *recorded)
 
-    def usable(self, cache: list[Any]) -> bool:
-        attention = [c for c in cache if type(c) is PaddedKVCache]
-        return (not self.broken and bool(attention)
-                and all(c.keys is not None for c in attention)
-                and all(traceable(c, PaddedKVCache) for c in cache)
-                and len({(c.offset, c.keys.shape[2]) for c in attention}) == 1)
-
     def run(self, tokens: mx.array, cache: list[Any], record: bool = False
             ) -> tuple[mx.array, mx.array] | None:
         """(hidden, logits) of every row of `tokens` (1, T), the caches advanced by T; None
         (caches untouched) where this trunk or cache cannot take the traced pass. record: the
         trunk's recorders keep the state after every position, as in a stock pass."""
-        if not self.usable(cache):
-            return None
         attention = [c for c in cache if type(c) is PaddedKVCache]
+        if (self.broken or not attention or any(c.keys is None for c in attention)
+                or not all(traceable(c) for c in cache)
+                or len({(c.offset, c.keys.shape[2]) for c in attention}) != 1):
+            return None
         start = attention[0].offset
         end = start + tokens.shape[1]
         for c in attention:

@@ -58,11 +58,11 @@ def test_an_export_thaws_into_the_same_state_and_trims_like_its_cache() -> None:
 
 def test_traced_passes_take_padded_attention_and_plain_recurrent_states() -> None:
     padded, rec = _kv(PaddedKVCache), _recurrent()
-    assert traceable(padded, PaddedKVCache) and traceable(rec, PaddedKVCache)
-    assert not traceable(_kv(), PaddedKVCache)  # unbounded shapes: the stock pass
-    assert not traceable(ArraysCache(2), PaddedKVCache)  # no state yet
+    assert traceable(padded) and traceable(rec)
+    assert not traceable(_kv())  # unbounded shapes: the stock pass
+    assert not traceable(ArraysCache(2))  # no state yet
     rec.prepare(lengths=[1])
-    assert not traceable(rec, PaddedKVCache)  # batch bookkeeping: the stock pass
+    assert not traceable(rec)  # batch bookkeeping: the stock pass
     assert len(arrays(padded)) == 2 and len(arrays(_recurrent())) == 2
 
 
