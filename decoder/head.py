@@ -148,13 +148,16 @@ class MTPHead(nn.Module):
         return self.roles[block] if len(self.roles) > 1 else self.roles[0]
 
     def layer_input(self, hidden: mx.array, tokens: mx.array, block: int = 0,
-                    at_start: bool = True) -> mx.array:
+                    at_start: bool | mx.array = True) -> mx.array:
         """What block's decoder layer reads: fc over the normed embedding of the next tokens
-        and the normed trunk hidden (at_start: the first position is the sequence's first)."""
+        and the normed trunk hidden (at_start: the first position is the sequence's first;
+        per row (B,) for a batch, decoder/batch.py)."""
         roles = self._roles(block)
         embed = roles.embed_tokens(tokens) if "embed_tokens" in roles else self._trunk.embed(tokens)
-        if self.contract.zero_first_embedding and at_start:
+        if self.contract.zero_first_embedding and (not isinstance(at_start, bool) or at_start):
             first = mx.arange(tokens.shape[1])[None, :, None] == 0
+            if not isinstance(at_start, bool):
+                first = first & at_start[:, None, None]
             embed = mx.where(first, mx.zeros_like(embed), embed)
         parts = [roles.pre_fc_norm_embedding(embed), roles.pre_fc_norm_hidden(hidden)]
         if self.contract.concat_order == "hidden_first":
@@ -162,22 +165,26 @@ class MTPHead(nn.Module):
         return roles.fc(mx.concatenate(parts, axis=-1))
 
     def __call__(self, hidden: mx.array, tokens: mx.array, cache: list[KVCache] | None,
-                 step: int, full_vocab: bool = True,
-                 last_only: bool = False) -> tuple[mx.array, mx.array]:
+                 step: int, full_vocab: bool = True, last_only: bool = False,
+                 pick: mx.array | None = None) -> tuple[mx.array, mx.array]:
         """hidden (1, S, H) paired with the next tokens (1, S) -> (logits, hidden to chain).
 
         Chained draft step k uses block k mod blocks, each block with its own KV cache. With a
         draft vocabulary, logits cover it only unless full_vocab (then -inf elsewhere). A draft
         needs the last position only: last_only skips the unembedding of the others (a whole
-        prompt's worth on the first round).
+        prompt's worth on the first round); `pick` (B,) keeps position pick[b] of row b instead
+        (a batch's rows end at their own lengths, decoder/batch.py).
         """
         block = step % self.blocks
         roles = self._roles(block)
         layer_cache = cache[block] if cache is not None else None  # None: training, causal
-        x = self.layer_input(hidden, tokens, block, layer_cache is None or layer_cache.offset == 0)
+        offset = 0 if layer_cache is None else layer_cache.offset
+        x = self.layer_input(hidden, tokens, block, offset == 0)  # per row in a batch
         x = self.layers[block](x, create_attention_mask(x, layer_cache, return_array=True),
                                layer_cache)
-        if last_only:
+        if pick is not None:
+            x = mx.take_along_axis(x, pick[:, None, None], axis=1)
+        elif last_only:
             x = x[:, -1:]
         post = roles.norm(x)
         logits = self.draft_logits(roles, post)

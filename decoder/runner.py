@@ -16,15 +16,18 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import dequantize_model, load_model
 
 from mtpkit.decoder import distributed, kernels, sharding
+from mtpkit.decoder.batch import Batch
+from mtpkit.decoder.batch_policy import BatchPolicy
 from mtpkit.decoder.context import check_prompt, context_of
 from mtpkit.decoder.controller import Controller
 from mtpkit.decoder.costs import Progress, costs_for
 from mtpkit.decoder.curve import CostCurve
 from mtpkit.decoder.head import Contract, MTPHead
-from mtpkit.decoder.options import DecodeOptions, Depth, Source
+from mtpkit.decoder.options import DecodeOptions, Depth, OptionError, Source
 from mtpkit.decoder.policy import DepthPolicy, PaidCosts
 from mtpkit.decoder.prefix import PrefixCache
 from mtpkit.decoder.rows import use_few_rows_linears, use_kernel_linears
+from mtpkit.decoder.scheduler import Request, Scheduler
 from mtpkit.decoder.session import Session, Stopped, generate_ids
 from mtpkit.decoder.shapes import bounded_by_default
 from mtpkit.decoder.stats import Stats
@@ -208,22 +211,13 @@ class Runner:
         and between prefill chunks; true ends the generation there (a stop sequence seen, a
         client gone), result and all (cut in the prefill: no tokens). A prompt over the
         runner's bound is refused first (UserError prompt.too_long)."""
-        options = DecodeOptions.of(depth, draft, temperature, top_p, top_k, min_p, seed)
-        draft = options.source(self.head is not None)
-        depth, policy = self.policy(options.depth, draft)
-        ids = self.encode(prompt)
-        if not ids:
-            raise ValueError("empty prompt")
-        self.check_prompt(len(ids))
-        parts = {"trunk": self.trunk, "head": self.head, "params": options.sampling,
-                 "depth": depth, "seed": options.seed, "rollback": self.rollback,
-                 "draft": draft, "stop": stop}
-        session = Session(**parts, prefix=prefix, checkpoints=checkpoints)
-        controller = Controller(session, policy) if policy is not None and depth > 0 else None
-        eos = set(self.tokenizer.eos_token_ids) if self.tokenizer is not None else set()
+        request = self.prepare(prompt, max_tokens, temperature=temperature, top_p=top_p,
+                               top_k=top_k, min_p=min_p, depth=depth, seed=seed, draft=draft,
+                               prefix=prefix, stop=stop, checkpoints=checkpoints)
+        session, policy = request.session, request.policy
+        controller = Controller(session, policy) if policy is not None else None
+        ids, eos = request.ids, request.eos
         detok = self.tokenizer.detokenizer if self.tokenizer is not None else None
-        if detok is not None:
-            detok.reset()
         tokens: list[int] = []
         try:
             for batch in generate_ids(session, ids, max_tokens, eos, controller):
@@ -246,6 +240,78 @@ class Runner:
         reason = "length" if len(tokens) >= max_tokens else "stop"
         cached = session.cached_tokens
         yield Piece(tail, [], Result(tokens, text, session.stats, reason, cached))
+
+    def prepare(self, prompt: Prompt, max_tokens: int = 256, temperature: float = 0.0,
+                top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, depth: Depth = "auto",
+                seed: int | None = None, draft: str | None = None,
+                prefix: PrefixCache | None = None, stop: Callable[[], bool] | None = None,
+                checkpoints: Sequence[int] = ()) -> Request:
+        """One generation's options checked (decoder/options.py), its prompt encoded and
+        bounded, and the session that will decode it (see stream for the arguments)."""
+        options = DecodeOptions.of(depth, draft, temperature, top_p, top_k, min_p, seed)
+        source = options.source(self.head is not None)
+        deepest, policy = self.policy(options.depth, source)
+        ids = self.encode(prompt)
+        if not ids:
+            raise ValueError("empty prompt")
+        self.check_prompt(len(ids))
+        session = Session(self.trunk, self.head, options.sampling, deepest, options.seed,
+                          self.rollback, draft=source, stop=stop, prefix=prefix,
+                          checkpoints=checkpoints)
+        eos = set(self.tokenizer.eos_token_ids) if self.tokenizer is not None else set()
+        return Request(ids, session, max_tokens, eos, policy if deepest > 0 else None, stop)
+
+    def stream_batch(self, prompts: Sequence[Prompt], max_tokens: int = 256,
+                     max_batch: int = 8, each: Sequence[dict[str, Any]] | None = None,
+                     **options: Any) -> Iterator[tuple[int, Piece]]:
+        """Decode `prompts` together (decoder/scheduler.py: up to `max_batch` at once, the rest
+        joining as others finish), each exactly as `stream` would decode it alone. Yields
+        (prompt index, Piece) as text is committed; each prompt's last piece carries its
+        Result. `options` apply to every prompt, `each[i]` (max_tokens included) to prompt i
+        only."""
+        if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
+            raise OptionError("options.invalid", "max_batch", "{name} must be an integer >= 1",
+                              "give max_batch a value of 1 or more")
+        asks = [options | {"max_tokens": max_tokens} | (dict(each[i]) if each else {})
+                for i in range(len(prompts))]
+        requests = [self.prepare(p, **a) for p, a in zip(prompts, asks, strict=True)]
+        auto = [r.policy for r in requests if r.policy is not None]
+        policy = BatchPolicy(self.costs(), MAX_AUTO_DEPTH) if auto else None
+        scheduler = Scheduler(Batch(self.trunk, self.head), max_batch, policy)
+        index = {id(r): i for i, r in enumerate(requests)}
+        detoks = [self.tokenizer.detokenizer if self.tokenizer is not None else None
+                  for _ in requests]
+        for r in requests:
+            scheduler.add(r)
+        for event in scheduler.run():
+            i, request = index[id(event.request)], event.request
+            detok, text = detoks[i], ""
+            if detok is not None:
+                for t in event.tokens:
+                    detok.add_token(t)
+                text = detok.last_segment
+            if event.tokens:
+                yield i, Piece(text, event.tokens)
+            if event.done:
+                tail = ""
+                if detok is not None:
+                    detok.finalize()
+                    tail = detok.last_segment
+                decoded = (self.tokenizer.decode(request.tokens)
+                           if self.tokenizer is not None else "")
+                reason = "length" if request.finish == "length" else "stop"
+                yield i, Piece(tail, [], Result(request.tokens, decoded, request.stats, reason,
+                                                request.session.cached_tokens))
+
+    def generate_batch(self, prompts: Sequence[Prompt], max_tokens: int = 256,
+                       **options: Any) -> list[Result]:
+        """Results of `prompts` decoded together (see stream_batch), in prompt order."""
+        results: list[Result | None] = [None] * len(prompts)
+        for i, piece in self.stream_batch(prompts, max_tokens, **options):
+            if piece.result is not None:
+                results[i] = piece.result
+        assert all(r is not None for r in results)
+        return results  # type: ignore[return-value]
 
     def generate(self, prompt: Prompt, max_tokens: int = 256, **options: Any) -> Result:
         """Tokens, text and statistics of one generation; depth=0 is plain decoding."""

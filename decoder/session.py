@@ -15,7 +15,7 @@ each round and learns from its outcome (the session never sees the policy). With
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -143,13 +143,17 @@ class Session:
             return [(size, padded(size) - size) for size in sizes]
         return [(size, 0) for size in pieces(n)]
 
-    def _prefill(self, ids: list[int], keep_hidden: bool) -> tuple[mx.array | None, mx.array]:
-        """Run the prompt through the trunk in chunks: (hidden of every position, last logits).
-        Between chunks, stop() may end it (Stopped), the prefilled tokens counted."""
+    def _prefill(self, ids: list[int], keep_hidden: bool
+                 ) -> Generator[None, None, tuple[mx.array | None, mx.array]]:
+        """Run the prompt through the trunk in chunks, pausing (a None) between them; returns
+        (hidden of every position, last logits). Between chunks, stop() may end it (Stopped),
+        the prefilled tokens counted."""
         start = time.perf_counter()
         hiddens, at = [], 0
         chunks = self._chunks(len(ids))
         for i, (size, pad) in enumerate(chunks):
+            if i:
+                yield None
             if i and self.stop is not None and self.stop():
                 self.stats.prompt_tokens, self.stats.prefill_s = at, time.perf_counter() - start
                 raise Stopped()
@@ -208,7 +212,7 @@ class Session:
             if nxt is not None:
                 y, hidden = nxt, nxt_hidden
         if owe and tokens:
-            self._owe(mx.concatenate(hiddens, axis=1), tokens)
+            self.owe(mx.concatenate(hiddens, axis=1), tokens)
         self.plain_paid = (busy + time.perf_counter() - begin, n)
 
     def plain(self, ids: list[int], max_tokens: int) -> Iterator[int]:
@@ -219,13 +223,23 @@ class Session:
     # -- speculative ------------------------------------------------------------------------
 
     def start(self, ids: list[int]) -> int:
-        """Prefill the prompt and commit its next token. With a prefix cache: from its longest
-        cached prefix (`cached_tokens` of the prompt are not prefilled), leaving the prompt's
-        state there, and the state at each of `checkpoints` (shorter prompt lengths kept where
-        recurrent states cannot be trimmed back to them: the end of the conversation before the
-        assistant's turn opens, say; decoder/prefix.py's turn_end)."""
+        """Prefill the prompt and commit its next token (see start_chunks)."""
+        for first in self.start_chunks(ids):
+            if first is not None:
+                return first
+        raise AssertionError("a start ends with its first token")
+
+    def start_chunks(self, ids: list[int]) -> Iterator[int | None]:
+        """Prefill the prompt and commit its next token, in steps: None after each prefill
+        chunk but the last (a batch runs its other rows' round there), then the token. With a
+        prefix cache: from its longest cached prefix (`cached_tokens` of the prompt are not
+        prefilled), leaving the prompt's state there, and the state at each of `checkpoints`
+        (shorter prompt lengths kept where recurrent states cannot be trimmed back to them:
+        the end of the conversation before the assistant's turn opens, say; decoder/prefix.py's
+        turn_end)."""
         if self.prefix is None:
-            return self._first(ids)
+            yield (yield from self._first(ids))
+            return
         kind = KINDS[bool(self.mtp_cache)]
         state, cached = self.prefix.fetch(kind, ids)
         if state is not None:
@@ -235,19 +249,19 @@ class Session:
         marks = [] if trimmable(self.cache) else sorted(
             b for b in set(self.checkpoints) if cached < b < len(ids))
         for mark in marks:
-            hidden, _ = self._prefill(ids[at:mark], keep_hidden=bool(self.mtp_cache))
+            hidden, _ = yield from self._prefill(ids[at:mark], keep_hidden=bool(self.mtp_cache))
             spent += self.stats.prefill_s
             if hidden is not None:
-                self._owe(hidden, ids[at + 1:mark + 1])
+                self.owe(hidden, ids[at + 1:mark + 1])
             if self.lookup is not None:
                 self.lookup.extend(ids[at:mark])
             self.prefix.insert(kind, ids[:mark], self.export_state())
             at = mark
-        last = self._first(ids[at:])
+        last = yield from self._first(ids[at:])
         self.stats.prompt_tokens = len(ids) - cached
         self.stats.prefill_s += spent
         self.prefix.insert(kind, ids, self.export_state())
-        return last
+        yield last
 
     def restore_state(self, state: list[Any], ids: list[int], cached: int) -> None:
         """Caches, lookup index and owed head pair as an export of the prompt's first `cached`
@@ -280,18 +294,18 @@ class Session:
         mx.eval([a for f in frozen for a in f.arrays()])
         return frozen
 
-    def _first(self, ids: list[int]) -> int:
+    def _first(self, ids: list[int]) -> Generator[None, None, int]:
         """Prefill `ids` (after whatever the caches hold) and commit the next token."""
         speculative = bool(self.mtp_cache)
-        hidden, logits = self._prefill(ids, keep_hidden=speculative)
+        hidden, logits = yield from self._prefill(ids, keep_hidden=speculative)
         self.last = int(self._sample(logits).item())
         if speculative:
-            self._owe(hidden, [*ids[1:], self.last])
+            self.owe(hidden, [*ids[1:], self.last])
         if self.lookup is not None:
             self.lookup.extend([*ids, self.last])
         return self.last
 
-    def _owe(self, hidden: mx.array, tokens: list[int]) -> None:
+    def owe(self, hidden: mx.array, tokens: list[int]) -> None:
         pairs = (hidden, mx.array(tokens)[None])
         if self.owed is not None:
             pairs = (mx.concatenate([self.owed[0], pairs[0]], axis=1),
@@ -312,7 +326,7 @@ class Session:
         self.owed = (hidden[:, count:], tokens[:, count:])
         return self.owed
 
-    def _round_noise(self, head_steps: int, drafts: int = 0
+    def round_noise(self, head_steps: int, drafts: int = 0
                      ) -> tuple[mx.array | None, mx.array | None]:
         """Every draw of a sampled round from one random op: (the head's draft draws as
         (head_steps, width) rows, the rule's: a ratio test per possible draft, a chain's
@@ -329,7 +343,7 @@ class Session:
         """The head's `depth` drafts after the last committed token, drawn and chained on the
         device (one host read per round, not per draft); depth 0: the token alone (a plain
         step through the verify path). The head is first fed the pairs it is owed."""
-        draws, rule = self._round_noise(depth)
+        draws, rule = self.round_noise(depth)
         if depth == 0:
             return Draft(mx.array([[self.last]]), None, Source.HEAD, 0, rule=rule)
         assert self.head is not None and self.owed is not None
@@ -354,7 +368,7 @@ class Session:
 
     def context_draft(self, drafts: list[int], match: int) -> Draft:
         """Context drafts (decoder/lookup.py) from a `match`-token match: q is one-hot."""
-        _, rule = self._round_noise(0, len(drafts))
+        _, rule = self.round_noise(0, len(drafts))
         q = None if self.params.greedy else Candidates.one_hot(drafts)
         return Draft(mx.array([[self.last, *drafts]]), q, Source.LOOKUP, 0, match, rule=rule)
 
@@ -372,12 +386,7 @@ class Session:
         saved = snapshot(self.cache)
         hidden, logits = self.trunk(verify, self.cache, real=depth + 1,
                                     record=bool(self.recorders))
-        if draft.rule is None:
-            verdict = acceptance.accept_greedy(tokens[0, 1:], greedy(logits[0]))
-        else:
-            p = candidates(logits[0, :depth + 1], self.params)
-            rule = mx.concatenate([draft.rule[:depth], draft.rule[-p.width:]])
-            verdict = acceptance.accept_sampled(tokens[0, 1:], draft.q, p, rule)
+        verdict = judge(draft, logits[0], self.params)
         # the round's one host read: drafts, kept count and emitted token
         *drafts, kept, token = mx.concatenate([tokens[0, 1:].astype(mx.int32), verdict]).tolist()
         if self.recorders:
@@ -388,7 +397,7 @@ class Session:
         trim(self.mtp_cache, list(draft.chained))
         committed = [*drafts[:kept], token]
         if self.mtp_cache:
-            self._owe(hidden[:, :kept + 1], committed)
+            self.owe(hidden[:, :kept + 1], committed)
         if self.lookup is not None:
             self.lookup.extend(committed)
         self.last = token
@@ -406,6 +415,18 @@ class Session:
             if drafts and depth > 0:
                 return self.round(self.context_draft(drafts, match))
         return self.round(self.head_draft(depth if self.head is not None else 0))
+
+
+def judge(draft: Draft, logits: mx.array, params: SamplingParams) -> mx.array:
+    """[kept, token] for `draft` given the verify pass's logits of its row (its first
+    depth + 1 positions count; padding after them is ignored): the acceptance rule
+    (decoder/acceptance.py), greedy or sampled as the draft was drawn."""
+    depth = draft.depth
+    if draft.rule is None:
+        return acceptance.accept_greedy(draft.tokens[0, 1:], greedy(logits[:depth + 1]))
+    p = candidates(logits[:depth + 1], params)
+    rule = mx.concatenate([draft.rule[:depth], draft.rule[-p.width:]])
+    return acceptance.accept_sampled(draft.tokens[0, 1:], draft.q, p, rule)
 
 
 def generate_ids(session: Session, ids: list[int], max_tokens: int, eos: set[int],

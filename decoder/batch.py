@@ -1,0 +1,260 @@
+"""Many sequences verified in one trunk pass, each exactly as it would be decoded alone.
+
+A row is a Session prefilled on its own (its prompt, prefix cache, first token, seed, context
+index and the pairs it owes the head stay the session's); its caches then join the batch's
+(decoder/batch_cache.py). Each round every row asks for a draft of its own (`Ask`: head drafts,
+context drafts, or none: a plain step through the verify path); the head drafts of every row
+are chained together, one head pass per draft step; one trunk pass verifies every row, right-
+padded to the widest; each row judges its draft by its own sampling parameters and noise
+(session.judge, the rule a lone session applies) and keeps, commits and rolls back on its own.
+The host reads one small array per round for the whole batch.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from mtpkit.decoder.batch_cache import Holes, batched, commit_rows, join, keep_rows, settle
+from mtpkit.decoder.drafts import Draft
+from mtpkit.decoder.head import MTPHead
+from mtpkit.decoder.options import Source
+from mtpkit.decoder.recording import recorded
+from mtpkit.decoder.sampling import Candidates, candidates, greedy
+from mtpkit.decoder.session import SOURCE_NAMES, RoundOutcome, Session, judge
+from mtpkit.decoder.trunk import Trunk
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What a row drafts this round: `context` drafts (from its context index, with the
+    `match` they came from), else `depth` head drafts; neither: a plain step."""
+
+    depth: int = 0
+    context: tuple[int, ...] = ()
+    match: int = 0
+
+    @property
+    def head_steps(self) -> int:
+        return 0 if self.context else self.depth
+
+
+def _padded(a: mx.array, width: int) -> mx.array:
+    """(1, n, ...) right-padded with zeros to (1, width, ...)."""
+    extra = width - a.shape[1]
+    if extra <= 0:
+        return a
+    return mx.concatenate([a, mx.zeros((1, extra, *a.shape[2:]), a.dtype)], axis=1)
+
+
+class Batch:
+    """The caches of every active row and the passes over them. Rows are sessions, in the
+    order they joined (minus those that left)."""
+
+    def __init__(self, trunk: Trunk, head: MTPHead | None) -> None:
+        self.trunk, self.head = trunk, head
+        self.rows: list[Session] = []
+        self.headed: list[bool] = []  # rows with a place in the head's caches
+        self.cache: list | None = None
+        self.holes = Holes()
+        blocks = head.blocks if head is not None else 0
+        self.mtp_cache: list | None = None
+        self.mtp_holes = [Holes() for _ in range(blocks)]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def join(self, session: Session) -> None:
+        """A started session (prefilled alone, first token committed) becomes the last row.
+        A session with head state is first fed every prompt pair but the last, alone: the
+        batch's head passes then carry about a round's worth of pairs per row. Rows without
+        (plain or context drafts only) hold no place in the head's caches."""
+        headed = bool(session.mtp_cache)
+        if headed:
+            assert session.owed is not None and self.head is not None
+            session.feed_head(session.owed[1].shape[1] - 1)
+        self.cache = self._join(self.cache, session.cache, [self.holes])
+        if headed:
+            self.mtp_cache = self._join(self.mtp_cache, session.mtp_cache, self.mtp_holes)
+        session.cache, session.mtp_cache = [], []  # the batch's now
+        self.rows.append(session)
+        self.headed.append(headed)
+        mx.eval(self._arrays())
+
+    @staticmethod
+    def _join(batch: list | None, single: list, holes: list[Holes]) -> list:
+        """`single` (one sequence's caches) appended to `batch` as a row. The trunk's
+        attention layers share one Holes; each head block has its own."""
+        shared = len(holes) == 1
+        rows = [batched([c], holes[0 if shared else i])[0] for i, c in enumerate(single)]
+        if batch is None:
+            seen: set[int] = set()
+            for i, c in enumerate(rows):
+                h = holes[0 if shared else i]
+                if hasattr(c, "holes") and id(h) not in seen:
+                    seen.add(id(h))
+                    h.join(1, c._idx, 0, c._idx)
+            return rows
+        if shared:
+            join(batch, rows, holes[0])
+        else:
+            for b, c, h in zip(batch, rows, holes, strict=True):
+                join([b], [c], h)
+        return batch
+
+    def leave(self, gone: set[int]) -> None:
+        """Rows at the indices `gone` leave (finished, cancelled, disconnected)."""
+        stay = [i for i in range(len(self.rows)) if i not in gone]
+        heads = [sum(self.headed[:i]) for i in stay if self.headed[i]]
+        if not stay:
+            self.__init__(self.trunk, self.head)  # type: ignore[misc]
+            return
+        assert self.cache is not None
+        keep_rows(self.cache, stay, self.holes)
+        if self.mtp_cache is not None:
+            if heads:
+                for c, holes in zip(self.mtp_cache, self.mtp_holes, strict=True):
+                    keep_rows([c], heads, holes)
+            else:
+                self.mtp_cache, self.mtp_holes = None, [Holes() for _ in self.mtp_holes]
+        self.rows = [self.rows[i] for i in stay]
+        self.headed = [self.headed[i] for i in stay]
+        mx.eval(self._arrays())
+
+    def _arrays(self) -> list[mx.array]:
+        out = [h.valid for h in [self.holes, *self.mtp_holes] if h.valid is not None]
+        for c in (self.cache or []) + (self.mtp_cache or []):
+            out += [a for a in (c.state if hasattr(c, "holes") else c.cache)
+                    if isinstance(a, mx.array)]
+        return out
+
+    # -- a round ----------------------------------------------------------------------------
+
+    def round(self, asks: list[Ask]) -> list[RoundOutcome]:
+        """Draft, verify, judge and commit one round of every row (asks in row order)."""
+        assert len(asks) == len(self.rows) and self.cache is not None
+        start = time.perf_counter()
+        owed = [s.owed[1].shape[1] if s.owed is not None else 0 for s in self.rows]
+        drafts = self._drafts(asks)
+        width = max(d.depth + 1 for d in drafts)
+        verify = mx.concatenate([_padded_tokens(d.tokens, width) for d in drafts])
+        real = mx.array([d.depth + 1 for d in drafts])
+        self.holes.open(real, width)
+        recorders = self.trunk.recorders
+        hidden, logits = recorded(recorders, True,
+                                  lambda: self.trunk.forward(verify, self.cache))
+        verdicts = mx.stack([judge(d, logits[b], s.params)
+                             for b, (d, s) in enumerate(zip(drafts, self.rows, strict=True))])
+        # the round's one host read: every row's drafts, kept count and emitted token
+        read = mx.concatenate([verify[:, 1:].astype(mx.int32).reshape(-1),
+                               verdicts.reshape(-1)]).tolist()
+        rows = len(self.rows)
+        tokens = [read[b * (width - 1):(b + 1) * (width - 1)] for b in range(rows)]
+        verdict = read[rows * (width - 1):]
+        kept = [verdict[2 * b] for b in range(rows)]
+        keep = mx.array([k + 1 for k in kept])
+        settle(self.cache, self.holes, keep, width, width - max(kept) - 1)
+        if recorders:
+            commit_rows(recorders, keep - 1)
+        paid = time.perf_counter() - start
+        outcomes = []
+        for b, (session, draft) in enumerate(zip(self.rows, drafts, strict=True)):
+            committed = [*tokens[b][:kept[b]], verdict[2 * b + 1]]
+            if self.headed[b]:
+                session.owe(hidden[b:b + 1, :kept[b] + 1], committed)
+            if session.lookup is not None:
+                session.lookup.extend(committed)
+            session.last = committed[-1]
+            if draft.depth > 0:
+                session.stats.count_round(SOURCE_NAMES[draft.source], draft.depth, kept[b],
+                                          kept[b] == draft.depth)
+            outcomes.append(RoundOutcome(committed, draft.depth, kept[b], draft.source,
+                                         draft.drafted, draft.match, paid, width, owed[b]))
+        return outcomes
+
+    def _drafts(self, asks: list[Ask]) -> list[Draft]:
+        """Every row's draft: context drafts and plain steps as a lone session makes them,
+        head drafts chained for every row at once (`_head`)."""
+        noise = [s.round_noise(a.head_steps) if a.head_steps else (None, None)
+                 for s, a in zip(self.rows, asks, strict=True)]
+        steps = max(a.head_steps for a in asks)
+        headed = [b for b, h in enumerate(self.headed) if h]
+        assert all(self.headed[b] for b, a in enumerate(asks) if a.head_steps)
+        heads = self._head(steps, [asks[b] for b in headed],
+                           [noise[b][0] for b in headed]) if steps else None
+        place = {b: i for i, b in enumerate(headed)}  # a row's place in the head's caches
+        drafts = []
+        for b, (session, ask) in enumerate(zip(self.rows, asks, strict=True)):
+            if ask.context:
+                drafts.append(session.context_draft(list(ask.context), ask.match))
+            elif ask.depth == 0:
+                drafts.append(session.head_draft(0))
+            else:
+                assert heads is not None
+                tokens, q = heads
+                d = ask.depth
+                i = place[b]
+                chain = mx.concatenate([mx.array([[session.last]]), tokens[i:i + 1, :d]], axis=1)
+                drafts.append(Draft(chain, Candidates.concat(q[i]) if q[i] else None,
+                                    Source.HEAD, d, rule=noise[b][1]))
+        return drafts
+
+    def _head(self, steps: int, asks: list[Ask], draws: list[mx.array | None]
+              ) -> tuple[mx.array, list[list[Candidates]]]:
+        """`steps` chained head drafts for every row with a head place ((H, steps) tokens,
+        and per sampled row the law of each of its own drafts; asks and draws: those rows').
+        Each row's owed pairs are fed first (right-padded to the longest); the chained
+        positions leave the head's caches afterwards, as a lone session trims them."""
+        assert self.head is not None and self.mtp_cache is not None
+        head = self.head
+        rows = [s for s, h in zip(self.rows, self.headed, strict=True) if h]
+        owed = [s.owed for s in rows]
+        assert all(o is not None for o in owed)
+        counts = [o[1].shape[1] for o in owed]  # type: ignore[index]
+        width = max(counts)
+        hidden = mx.concatenate([_padded(o[0], width) for o in owed])  # type: ignore[index]
+        tokens = mx.concatenate([_padded(o[1], width) for o in owed])  # type: ignore[index]
+        n = mx.array(counts)
+        chained = [0] * head.blocks
+        out_tokens, laws = [], [[] for _ in rows]
+        for k in range(steps):
+            block = k % head.blocks
+            holes = self.mtp_holes[block]
+            holes.open(n if k == 0 else mx.ones(len(rows), mx.int32), width if k == 0 else 1)
+            logits, hidden = head(hidden, tokens, self.mtp_cache, k,
+                                  pick=n - 1 if k == 0 else None, last_only=True)
+            if k == 0:
+                settle([self.mtp_cache[0]], holes, n, width, width - max(counts))
+            else:
+                chained[block] += 1
+            row_logits = logits[:, -1]
+            picks = greedy(row_logits)
+            for b, (session, ask) in enumerate(zip(rows, asks, strict=True)):
+                if draws[b] is not None and k < ask.head_steps:
+                    law = candidates(row_logits[b:b + 1], session.params, drafter=True)
+                    laws[b].append(law)
+                    picks = _put(picks, b, law.draw(draws[b][k:k + 1])[0])
+            tokens = picks[:, None]
+            out_tokens.append(tokens)
+        for block, count in enumerate(chained):
+            if count:
+                settle([self.mtp_cache[block]], self.mtp_holes[block],
+                       mx.zeros(len(rows), mx.int32), count, count)
+        for session in rows:
+            session.owed = None
+        return mx.concatenate(out_tokens, axis=1), laws
+
+
+def _padded_tokens(tokens: mx.array, width: int) -> mx.array:
+    """(1, n) tokens right-padded to width by repeating the last (never attended to)."""
+    extra = width - tokens.shape[1]
+    if extra <= 0:
+        return tokens
+    return mx.concatenate([tokens] + [tokens[:, -1:]] * extra, axis=1)
+
+
+def _put(a: mx.array, index: int, value: mx.array) -> mx.array:
+    """a with a[index] = value (lazily)."""
+    return mx.where(mx.arange(a.shape[0]) == index, value.astype(a.dtype), a)

@@ -1,0 +1,126 @@
+"""`--depth auto` for a batch: one draft depth per round, where the batch's expected tokens per
+second are highest.
+
+Every row of a pass is padded to its widest, and the head's draft steps run for every row at
+once, so a round's cost hangs on the batch's size and its deepest draft, not on each row's:
+a row drafting fewer than the deepest saves nothing. So the policy picks the depth K that
+maximises the batch's expected committed tokens (each row's 1 + a_1 + ... + a_K, from its own
+acceptance trackers: decoder/policy.py's) over what a round of B rows at depth K costs; each
+row then drafts K from its best source (context drafts where its text offers some that are
+expected to keep more, else the head's), or a plain step where it has neither. Every row
+commits at least one token per pass, so none starves.
+
+The cost of a (B, K) round is measured, not assumed: each round's wall time is kept per
+shape, and until a shape has MIN_OBSERVED rounds its cost is the single-sequence curve's
+(decoder/curve.py) scaled by what rounds of that batch size cost against the curve so far
+(`tune --batch` measures the grid up front: decoder/costs.py). Where no depth beats plain
+steps by MARGIN the batch decodes plain for a stretch, then probes depth 1 (the stretch
+doubling while the probes lose, as for one sequence).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from mtpkit.decoder.batch import Ask
+from mtpkit.decoder.curve import CostCurve
+from mtpkit.decoder.options import Source
+from mtpkit.decoder.policy import MARGIN, MAX_STRETCH, MIN_OBSERVED, MIN_STRETCH, WINDOW
+from mtpkit.decoder.session import RoundOutcome
+
+if TYPE_CHECKING:
+    from mtpkit.decoder.scheduler import Request
+
+
+@dataclass
+class BatchPolicy:
+    """The batch's depth per round, from measured (B, K) round costs and every row's own
+    acceptance. `measured`: costs timed up front per (rows, depth) (tune --batch)."""
+
+    curve: CostCurve
+    max_depth: int
+    measured: dict[tuple[int, int], float] = field(default_factory=dict)
+    paid: dict[tuple[int, int], deque] = field(default_factory=dict)
+    stretch: int = MIN_STRETCH
+    plain_left: int = 0
+    chosen: dict[int, int] = field(default_factory=dict)  # depth -> rounds
+
+    def cost(self, rows: int, depth: int) -> float:
+        """Seconds for a round of `rows` rows at `depth` drafts."""
+        seen = self.paid.get((rows, depth))
+        if seen is not None and len(seen) >= MIN_OBSERVED:
+            return statistics.median(seen)
+        if (rows, depth) in self.measured:
+            return self.measured[(rows, depth)]
+        return self._single(depth) * self._scale(rows)
+
+    def _single(self, depth: int) -> float:
+        """One sequence's round at `depth` on the curve (depth 0: one step through the verify
+        path, as a batch's plain rows take it)."""
+        return self.curve.verify[0] if depth == 0 else self.curve.round_cost(depth)
+
+    def _scale(self, rows: int) -> float:
+        """What rounds of `rows` rows paid against the single-sequence curve (median over
+        every shape seen at that size; else the nearest smaller size seen; else 1)."""
+        for size in range(rows, 0, -1):
+            ratios = [t / self._single(k) for (b, k), seen in self.paid.items() if b == size
+                      for t in seen]
+            ratios += [t / self._single(k) for (b, k), t in self.measured.items() if b == size]
+            if ratios:
+                return statistics.median(ratios)
+        return 1.0
+
+    def expected(self, requests: list[Request], depth: int) -> float:
+        """The batch's expected committed tokens in a round at `depth`."""
+        total = 0.0
+        for request in requests:
+            total += 1.0
+            policy, session = request.policy, request.session
+            if depth == 0 or policy is None:
+                continue
+            sources = [s for s in policy.sources
+                       if s != Source.HEAD or (session.head is not None and session.depth > 0)]
+            if sources:
+                total += max(sum(policy.acceptance(s)[:depth]) for s in sources)
+        return total
+
+    def depth(self, requests: list[Request]) -> int:
+        """The depth of the next round for these rows (0: plain steps)."""
+        if self.plain_left > 0:
+            self.plain_left -= 1
+            return 1 if self.plain_left == 0 else 0  # the stretch's last round probes
+        rows = len(requests)
+        plain = self.expected(requests, 0) / self.cost(rows, 0)
+        rate, depth = max((self.expected(requests, k) / self.cost(rows, k), k)
+                          for k in range(1, self.max_depth + 1))
+        if rate < MARGIN * plain:
+            self.plain_left, self.stretch = self.stretch, min(2 * self.stretch, MAX_STRETCH)
+            return 0
+        self.stretch = MIN_STRETCH
+        return depth
+
+    def ask(self, request: Request, depth: int, most: int, headed: bool) -> Ask:
+        """A row's draft in a round at `depth` (at most `most` drafts): context drafts where
+        they are expected to keep at least what the head's would, else the head's."""
+        depth = min(depth, most)
+        session, policy = request.session, request.policy
+        assert policy is not None
+        headed = headed and Source.HEAD in policy.sources
+        if depth <= 0:
+            return Ask()
+        if session.lookup is not None and Source.LOOKUP in policy.sources:
+            drafts, match = session.lookup.propose(depth)
+            if drafts and (not headed or sum(policy.acceptance(Source.LOOKUP, match)[:len(drafts)])
+                           >= sum(policy.acceptance(Source.HEAD)[:depth])):
+                return Ask(context=tuple(drafts), match=match)
+        return Ask(depth=depth if headed else 0)
+
+    def observe(self, rows: int, outcomes: list[RoundOutcome]) -> None:
+        """What a round of `rows` rows paid, under its shape (the deepest draft)."""
+        depth = max(o.depth for o in outcomes)
+        self.chosen[depth] = self.chosen.get(depth, 0) + 1
+        seen = self.paid.setdefault((rows, depth), deque(maxlen=WINDOW))
+        seen.append(outcomes[0].paid_s)

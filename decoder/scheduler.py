@@ -1,0 +1,183 @@
+"""Continuous batching: requests join between rounds, each decodes at its own depth, and leave
+when done, cancelled or disconnected (decoder/batch.py runs the passes).
+
+A joining request is prefilled alone (a Session: prefix cache, chunks, first token), in chunks
+between the others' rounds: one chunk per round, so a long prompt stalls the batch for no more
+than one chunk at a time. Each round every row asks for its draft: at a fixed depth as a lone
+session would (context drafts where its text offers some, else the head's, else a plain step);
+under `--depth auto` from its own acceptance trackers, with the batch's depth chosen by
+decoder/batch_policy.py from what a pass of this many rows and positions costs here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from mtpkit.decoder.batch import Ask, Batch
+from mtpkit.decoder.batch_policy import BatchPolicy
+from mtpkit.decoder.policy import DepthPolicy
+from mtpkit.decoder.session import RoundOutcome, Session, Stopped
+from mtpkit.decoder.stats import Stats
+
+
+@dataclass
+class Request:
+    """One sequence to decode: its prompt ids and the session that will decode them (made by
+    the runner from the request's options), its stop conditions, and under auto its policy."""
+
+    ids: list[int]
+    session: Session
+    max_tokens: int
+    eos: set[int] = field(default_factory=set)
+    policy: DepthPolicy | None = None
+    stop: Callable[[], bool] | None = None  # a client gone, a stop sequence seen
+    tokens: list[int] = field(default_factory=list)
+    finish: str | None = None  # "stop", "length" or "cancelled" once done
+    started: float = 0.0
+    first_at: float | None = None
+    plain_run: int = 0  # auto: rounds decoded plain since the last probe
+
+    @property
+    def stats(self) -> Stats:
+        return self.session.stats
+
+    @property
+    def left(self) -> int:
+        return self.max_tokens - len(self.tokens)
+
+
+@dataclass(frozen=True)
+class Event:
+    """Tokens a request committed (after EOS and max_tokens are applied); `done` with its
+    finish reason on its last event."""
+
+    request: Request
+    tokens: list[int]
+    done: bool = False
+
+
+class Scheduler:
+    """Up to `max_batch` requests decoding together; more wait in arrival order."""
+
+    def __init__(self, batch: Batch, max_batch: int, policy: BatchPolicy | None = None) -> None:
+        self.batch, self.max_batch, self.policy = batch, max_batch, policy
+        self.waiting: deque[Request] = deque()
+        self.filling: tuple[Request, Iterator[int | None]] | None = None
+        self.active: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        request.started = time.perf_counter()
+        self.waiting.append(request)
+
+    def __bool__(self) -> bool:
+        return bool(self.waiting or self.filling or self.active)
+
+    def step(self) -> list[Event]:
+        """One chunk of a joining prompt's prefill, then one round of every active row."""
+        events = self._fill()
+        if self.active:
+            events += self._round()
+        return events
+
+    def run(self) -> Iterator[Event]:
+        while self:
+            yield from self.step()
+
+    # -- joining ----------------------------------------------------------------------------
+
+    def _fill(self) -> list[Event]:
+        if self.filling is None and self.waiting and len(self.active) < self.max_batch:
+            request = self.waiting.popleft()
+            self.filling = (request, request.session.start_chunks(request.ids))
+        if self.filling is None:
+            return []
+        request, chunks = self.filling
+        try:
+            first = next(chunks)
+        except Stopped:
+            self.filling = None
+            request.finish = "cancelled"
+            return [Event(request, [], True)]
+        if first is None:
+            return []  # more chunks to go: the others' round first
+        self.filling = None
+        mx.reset_peak_memory()
+        return self._commit(request, [first], joining=True)
+
+    # -- rounds -----------------------------------------------------------------------------
+
+    def _round(self) -> list[Event]:
+        asks = self._asks()
+        outcomes = self.batch.round(asks)
+        if self.policy is not None:
+            self.policy.observe(len(asks), outcomes)
+        events = []
+        for request, outcome in zip(list(self.active), outcomes, strict=True):
+            self._learn(request, outcome)
+            events += self._commit(request, outcome.committed)
+        self._leave()
+        return events
+
+    def _asks(self) -> list[Ask]:
+        auto = [r for r in self.active if r.policy is not None]
+        depth = self.policy.depth(auto) if self.policy is not None and auto else 0
+        return [self._ask(r, depth) for r in self.active]
+
+    def _ask(self, request: Request, batch_depth: int) -> Ask:
+        session, most = request.session, request.left - 1
+        headed = session.head is not None and session.depth > 0
+        if request.policy is None:  # a fixed depth, as Session.next_round drafts
+            depth = min(session.depth, most)
+            if session.lookup is not None and depth > 0:
+                drafts, match = session.lookup.propose(depth)
+                if drafts:
+                    return Ask(context=tuple(drafts), match=match)
+            return Ask(depth=depth if headed else 0)
+        return self.policy.ask(request, batch_depth, most, headed)
+
+    def _learn(self, request: Request, outcome: RoundOutcome) -> None:
+        policy = request.policy
+        if policy is None:
+            return
+        if outcome.depth > 0:
+            policy.record(outcome.depth, outcome.kept, outcome.source, outcome.drafted,
+                          outcome.match)
+        else:
+            policy.chosen[0] = policy.chosen.get(0, 0) + 1
+
+    # -- committing and leaving -------------------------------------------------------------
+
+    def _commit(self, request: Request, tokens: list[int], joining: bool = False) -> list[Event]:
+        """Apply EOS and max_tokens to what a request committed, time it, and on its first
+        token let it join the batch (unless that token already ended it)."""
+        now = time.perf_counter()
+        stats = request.stats
+        if request.first_at is None:
+            request.first_at = now
+            stats.ttft_s = now - request.started
+        stop = next((i for i, t in enumerate(tokens) if t in request.eos), None)
+        tokens = tokens[:stop][:request.left]
+        request.tokens += tokens
+        stats.generated_tokens = len(request.tokens)
+        stats.decode_window_s = now - request.first_at
+        stats.peak_memory_bytes = max(stats.peak_memory_bytes, mx.get_peak_memory())
+        if request.policy is not None:
+            stats.depths = dict(sorted(request.policy.chosen.items()))
+        request.finish = ("stop" if stop is not None else "length" if request.left <= 0
+                          else "cancelled" if request.stop is not None and request.stop()
+                          else None)
+        if joining and request.finish is None:
+            self.batch.join(request.session)
+            self.active.append(request)
+        return [Event(request, tokens, request.finish is not None)]
+
+    def _leave(self) -> None:
+        gone = {i for i, r in enumerate(self.active) if r.finish is not None}
+        if gone:
+            self.batch.leave(gone)
+            self.active = [r for i, r in enumerate(self.active) if i not in gone]
