@@ -1,0 +1,232 @@
+"""Many sequences in one batch (decoder/batch.py, scheduler.py): each decodes exactly as alone.
+
+Greedy: every row's tokens (float32) and its acceptance counts (so its drafts too) equal its
+lone decoding, for every family and draft source, with batch-mates at other depths, sources and
+sampling settings, rows joining as others leave, and prompts of very different lengths (one
+over the 2,048-token prefill chunk, prefilled between the others' rounds). An oracle drafter
+forces each row's rejections at its own positions, so rows keep different counts in the same
+pass and the recurrent families commit a different state per row. Sampled: a seeded fixed-depth
+row gives the same text alone and batched, and the round-state law test (test_exactness.py)
+holds for a row decoded among mates with other settings.
+
+Mutants these tests kill (issue 33; each applied to a copy of the tree): one row's kept count
+applied to another row; a rollback that trims every row by the batch's minimum; a joining row
+that attends to the positions of the row before it (a mate's layout).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from scipy.stats import chi2
+from test_exactness import (
+    ALPHA,
+    LONG,
+    MARKOV_LOGITS,
+    MARKOV_PROMPT,
+    MV,
+    SETTINGS,
+    assert_every_outcome,
+    options,
+    stratified_test,
+    transition_law,
+)
+
+import mtpkit
+from fixtures.decoder_models import BatchOracleHead, tiny_runner
+from mtpkit.decoder.options import OptionError
+from mtpkit.decoder.runner import Runner
+from mtpkit.decoder.session import PREFILL_STEP
+
+FAMILIES = ("llama", "qwen3_5", "qwen3_5_moe", "qwen3_next", "deepseek_v3", "mimo")
+REPEAT = [11, 12, 13, 14, 15, 16]  # a prompt whose text repeats: context drafts get kept
+PROMPTS = [[5, 17, 42, 99, 7, 3], [7, 8], REPEAT * 4, [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9],
+           [21, 22, 23] * 3]
+# mates at other depths and sources; different max_tokens, so rows leave at different rounds
+EACH: list[dict[str, Any]] = [
+    {"depth": 2, "max_tokens": 40}, {"depth": 0, "max_tokens": 24},
+    {"depth": 3, "draft": "lookup", "max_tokens": 40}, {"depth": 4, "max_tokens": 33},
+    {"depth": 3, "draft": "both", "max_tokens": 40}]
+
+
+def _bare(runner: Runner) -> Runner:
+    """Token-id prompts and no EOS: every row runs to its max_tokens (test_decoder's _no_eos)."""
+    return Runner(runner.trunk, runner.head, None)
+
+
+def _alone(runner: Runner, prompts: list[list[int]], each: list[dict[str, Any]]) -> list[Any]:
+    return [runner.generate(p, **e) for p, e in zip(prompts, each, strict=True)]
+
+
+def _same(alone: Any, batched: Any) -> None:
+    assert batched.tokens == alone.tokens
+    for name in ("verify_calls", "proposed", "accepted", "bonus", "corrections"):
+        assert getattr(batched.stats, name) == getattr(alone.stats, name), name
+
+
+@pytest.fixture(scope="module")
+def runners(built: Callable[..., Path]) -> Callable[[str], Runner]:
+    cache: dict[str, Runner] = {}
+
+    def get(family: str) -> Runner:
+        if family not in cache:
+            cache[family] = _bare(mtpkit.load(built(family), dtype="float32"))
+        return cache[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_row_decodes_as_alone(runners: Callable[[str], Runner], family: str) -> None:
+    runner = runners(family)
+    each = [e for e in EACH if family != "llama" or e.get("draft") == "lookup"
+            or e["depth"] == 0]  # the llama fixture has no head
+    prompts = PROMPTS[:len(each)]
+    alone = _alone(runner, prompts, each)
+    order: list[int] = []
+    batched: list[Any] = [None] * len(prompts)
+    for i, piece in runner.stream_batch(prompts, max_batch=3, each=each):
+        order.append(i)
+        if piece.result is not None:
+            batched[i] = piece.result
+    for a, b in zip(alone, batched, strict=True):
+        _same(a, b)
+    if len(prompts) > 3:  # the fourth joined after a row left, mid-way through the others
+        assert order.index(3) > order.index(1) > 0
+    verified = [r.stats.verify_calls for r, e in zip(batched, each, strict=True) if e["depth"]]
+    assert all(verified)  # every speculative row verified drafts (kept ones: the oracle test)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_a_long_prompt_joins_in_chunks_between_rounds(runners: Callable[[str], Runner],
+                                                      family: str) -> None:
+    runner = runners(family)
+    long = [(7 * i + 3) % 200 + 1 for i in range(PREFILL_STEP + 60)]
+    prompts = [PROMPTS[0], long, REPEAT * 3]
+    each = [{"depth": 0 if family == "llama" else 2, "max_tokens": 30},
+            {"depth": 0, "max_tokens": 12}, {"depth": 3, "draft": "lookup", "max_tokens": 30}]
+    alone = _alone(runner, prompts, each)
+    order = []
+    batched: list[Any] = [None] * 3
+    for i, piece in runner.stream_batch(prompts, max_batch=4, each=each):
+        order.append(i)
+        if piece.result is not None:
+            batched[i] = piece.result
+    for a, b in zip(alone, batched, strict=True):
+        _same(a, b)
+    # the long prompt's two chunks: the first row's rounds ran between them
+    assert order.index(1) > 2 and order[:order.index(1)].count(0) >= 2
+
+
+def _oracle_batch(runner: Runner, prompts: list[list[int]], seeds: list[int], n: int
+                  ) -> tuple[Runner, list[list[int]]]:
+    """A runner whose head drafts each row's plain greedy continuation, wrong at a fifth of
+    that row's positions (drawn from its seed), and the plain continuations."""
+    vocab = runner.trunk.args.vocab_size
+    plain = [runner.generate(p, n, depth=0).tokens for p in prompts]
+    script: dict[tuple[int, int], int] = {}
+    for prompt, tokens, seed in zip(prompts, plain, seeds, strict=True):
+        seq, wrong = prompt + tokens, random.Random(seed)
+        for i in range(len(prompt) + 1, len(seq)):
+            script[(i, seq[i - 1])] = (seq[i] + 1) % vocab if wrong.random() < 0.2 else seq[i]
+    return Runner(runner.trunk, BatchOracleHead(vocab, script), None), plain  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "qwen3_next"])
+def test_rows_keep_different_counts_in_one_pass(runners: Callable[[str], Runner],
+                                                built: Callable[..., Path], family: str) -> None:
+    """Forced rejections at each row's own positions: in one pass rows keep 0..K drafts each,
+    and every row still decodes its plain greedy tokens (attention holes and recurrent states
+    committed per row)."""
+    base = runners(family) if family != "llama" else _bare(mtpkit.load(built("llama"),
+                                                                        dtype="float32"))
+    prompts = [PROMPTS[0], PROMPTS[3], [9, 8, 7, 6, 5, 4, 3]]
+    oracle, plain = _oracle_batch(base, prompts, [1, 2, 3], 90)
+    each = [{"depth": 1, "max_tokens": 90}, {"depth": 3, "max_tokens": 90},
+            {"depth": 4, "max_tokens": 90}]
+    results = oracle.generate_batch(prompts, each=each)
+    for result, tokens, e in zip(results, plain, each, strict=True):
+        assert result.tokens == tokens
+        stats = result.stats
+        assert stats.bonus > 0 and stats.corrections > 0
+        kept = {k for _, _, d, k in stats.timeline if d == e["depth"]}
+        assert kept == set(range(e["depth"] + 1)), (e, kept)
+
+
+def test_a_seeded_row_samples_the_same_text_alone_and_batched() -> None:
+    runner = tiny_runner(vocab=6)
+    prompts = [[1, 2, 3, 4, 5], [0, 1], [3, 1, 4, 1, 5, 2] * 3, [2, 2, 2, 2]]
+    each = [{"depth": 2, "temperature": 0.9, "seed": 3, "max_tokens": 40},
+            {"depth": 0, "max_tokens": 30},
+            {"depth": 3, "draft": "both", "temperature": 0.7, "top_k": 3, "seed": 1,
+             "max_tokens": 40},
+            {"depth": 4, "temperature": 1.0, "top_p": 0.9, "seed": 9, "max_tokens": 35}]
+    alone = _alone(runner, prompts, each)
+    for a, b in zip(alone, runner.generate_batch(prompts, each=each, max_batch=3),
+                    strict=True):
+        _same(a, b)
+    assert sum(a.stats.accepted[0] for a in alone if a.stats.accepted) > 0
+
+
+def _batch_rounds(runner: Runner, depth: int, **kwargs: Any
+                  ) -> tuple[list[int], list[tuple[int, int]]]:
+    """The first row's tokens and rounds (drafted, kept) decoded among mates with other
+    settings (test_exactness.rounds_of, batched)."""
+    mates = [{"depth": 1, "max_tokens": LONG // 3}, {"depth": 2, "temperature": 0.5, "seed": 2,
+                                                     "max_tokens": LONG // 2}]
+    each = [{"depth": depth, "max_tokens": LONG, **kwargs}, *mates]
+    pieces = [p for i, p in runner.stream_batch([MARKOV_PROMPT, [1, 2], [3, 3, 0]], each=each)
+              if i == 0]
+    *steps, last = pieces
+    tokens, outcomes = list(steps[0].tokens), []
+    for piece in steps[1:]:
+        outcomes.append((min(depth, LONG - len(tokens) - 1), len(piece.tokens) - 1))
+        tokens += piece.tokens
+    assert last.result is not None and last.result.tokens == tokens
+    return tokens, outcomes
+
+
+@pytest.mark.parametrize("setting", ["temperature", "top_p_min_p"])
+def test_a_batched_row_emits_the_target_law_in_every_round_state(setting: str) -> None:
+    params, draft_vocab, head_norm = SETTINGS[setting]
+    runner = tiny_runner(vocab=MV, draft_vocab=draft_vocab, head_norm=head_norm, markov=True,
+                         logit_scale=MARKOV_LOGITS)
+    law = transition_law(runner, params)
+    stat, df = 0.0, 0
+    for depth in (2, 3, 4):
+        tokens, outcomes = _batch_rounds(runner, depth, seed=depth, **options(params))
+        assert len(tokens) == LONG
+        assert_every_outcome(outcomes, (depth,))
+        s, d = stratified_test(law, tokens, outcomes)
+        stat, df = stat + s, df + d
+    assert chi2.sf(stat, df) > ALPHA, (stat, df)
+
+
+def test_a_cancelled_row_leaves_and_the_others_go_on() -> None:
+    runner = tiny_runner(vocab=6)
+    seen: list[int] = []
+
+    def gone() -> bool:
+        return len(seen) >= 5
+
+    each = [{"depth": 2, "max_tokens": 30}, {"depth": 2, "max_tokens": 30, "stop": gone}]
+    alone = runner.generate([1, 2, 3], 30, depth=2)
+    results: list[Any] = [None, None]
+    for i, piece in runner.stream_batch([[1, 2, 3], [4, 5]], each=each):
+        if i == 1:
+            seen += piece.tokens
+        if piece.result is not None:
+            results[i] = piece.result
+    assert results[0].tokens == alone.tokens
+    assert 5 <= len(results[1].tokens) < 30 and results[1].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True])
+def test_max_batch_is_refused_with_its_code(bad: Any) -> None:
+    with pytest.raises(OptionError) as refused:
+        list(tiny_runner(vocab=6).stream_batch([[1, 2]], max_batch=bad))
+    assert refused.value.code == "options.invalid"
