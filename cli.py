@@ -91,6 +91,17 @@ def _depth(value: str) -> str | int | None:
         return None
 
 
+def _max_batch(value: int) -> int:
+    """--max-batch, checked as every entry checks it (decoder/options.py)."""
+    from mtpkit.decoder.options import OptionError, batch_option
+
+    try:
+        return batch_option(value)
+    except OptionError as exc:
+        _fail(exc.code, exc.say("--max-batch"), exc.hint)
+        return 1
+
+
 DRAFT_HELP = ("Draft source: the MTP head, the context (tokens that followed an earlier match; "
               "any bundle) or both. Default: both with --depth auto, the head at a forced "
               "depth, lookup for a bundle without a head.")
@@ -550,6 +561,10 @@ the final chunk carries usage with MTP statistics), POST /v1/messages (Anthropic
 @click.option("--max-queue", type=click.IntRange(0, 4096), default=16, show_default=True,
               help="Requests that may wait behind the running one (first in, first out); one "
               "more gets 503 with Retry-After.")
+@click.option("--max-batch", type=int, default=8, show_default=True,
+              callback=lambda c, p, v: _max_batch(v),
+              help="Requests decoded together in one batch, each at its own depth (1: one at a "
+              "time). --shard serves one at a time.")
 @click.option("--verbose", is_flag=True, help="Log every request to stderr (and, with --depth "
               "auto, the cost curve at start-up).")
 @click.option("--shard", type=click.Choice(["tensor", "pipeline"]), help=SHARD_HELP)
@@ -557,7 +572,7 @@ the final chunk carries usage with MTP statistics), POST /v1/messages (Anthropic
 def serve(bundle: str, host: str, port: int, api_key: str | None, api_key_file: Path | None,
           max_prompt_tokens: int | None, depth_opt: str | int, draft: str | None,
           max_tokens: int, dtype: str | None, keep_quantized: bool, cache_gb: float,
-          max_queue: int, verbose: bool, shard: str | None) -> None:
+          max_queue: int, max_batch: int, verbose: bool, shard: str | None) -> None:
     """Serve BUNDLE over an OpenAI-compatible API with the reference MTP decoder."""
     import os
 
@@ -581,11 +596,15 @@ def serve(bundle: str, host: str, port: int, api_key: str | None, api_key_file: 
             click.echo(summary(runner, draft, verbose, progress_bar()), err=True)
         service = Service(runner, Path(bundle).name, depth_opt, max_tokens, draft,
                           cache_bytes=int(cache_gb * (1 << 30)) if shard is None else 0,
-                          max_queue=max_queue)  # sharded: no prefix cache (followers hold none)
+                          max_queue=max_queue, max_batch=max_batch)  # sharded: no prefix
+        # cache (followers hold none) and one generation at a time
         server = Server(service, host, port, api_key, verbose)
     drafts = f", drafts {source}" if depth_opt != 0 else ""
+    together = (f"up to {service.max_batch} requests at once" if service.max_batch > 1 else
+                "one request at a time" + (" (--shard serves one at a time)"
+                                           if shard is not None and max_batch > 1 else ""))
     click.echo(f"serving {bundle} on http://{host}:{server.server_address[1]}/v1 "
-               f"(MTP depth {depth_opt}){drafts}; chat page at /", err=True)
+               f"(MTP depth {depth_opt}){drafts}, {together}; chat page at /", err=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -42,6 +42,7 @@ from common import save, summary  # noqa: E402
 from mtpkit.verify.run import mean_by_position  # noqa: E402
 
 RATES = (0.73, 0.48, 0.32)
+SUCCESSOR: dict[int, object] = {}  # id(model) -> its greedy walk (oracle_ready), for bench_batch
 
 
 def llama8b(bits: int | None, small: bool = False):
@@ -97,6 +98,7 @@ def oracle_ready(cls, args, bits: int | None):
                 module.weight = module.weight * 0.01
     vocab = text.model.embed_tokens.weight.shape[0]
     successor = mx.random.permutation(vocab)
+    SUCCESSOR[id(model)] = successor
     text.lm_head.weight = text.model.embed_tokens.weight[mx.argsort(successor)]
     for layer in [*text.model.layers, model]:  # materialize layer by layer: bounded peak
         if bits is not None and layer is not model:

@@ -14,6 +14,7 @@ from enum import StrEnum
 from mtpkit.decoder.sampling import SamplingParams
 from mtpkit.loaders.findings import UserError
 
+MAX_BATCH = 64  # the most sequences one batch decodes together (decoder/scheduler.py)
 MAX_DEPTH = 16  # the deepest forced depth (and what the cost curve measures: curve.MAX_ROWS)
 SEED_BOUND = 1 << 63
 
@@ -80,6 +81,11 @@ def source_option(value: object) -> Source | None:
         return Source(value)
     raise OptionError("options.invalid", "draft", '{name} must be "head", "lookup" or "both"',
                       "head: the MTP head; lookup: the context; both: whichever pays")
+
+
+def batch_option(value: object) -> int:
+    """How many sequences may decode together (serve --max-batch, Runner.stream_batch)."""
+    return _integer("max_batch", value, 1, MAX_BATCH)
 
 
 @dataclass(frozen=True)

@@ -17,17 +17,16 @@ from mlx_lm.utils import dequantize_model, load_model
 
 from mtpkit.decoder import distributed, kernels, sharding
 from mtpkit.decoder.batch import Batch
-from mtpkit.decoder.batch_policy import BatchPolicy
 from mtpkit.decoder.context import check_prompt, context_of
 from mtpkit.decoder.controller import Controller
 from mtpkit.decoder.costs import Progress, costs_for
 from mtpkit.decoder.curve import CostCurve
 from mtpkit.decoder.head import Contract, MTPHead
-from mtpkit.decoder.options import DecodeOptions, Depth, OptionError, Source
+from mtpkit.decoder.options import DecodeOptions, Depth, Source, batch_option
 from mtpkit.decoder.policy import DepthPolicy, PaidCosts
 from mtpkit.decoder.prefix import PrefixCache
 from mtpkit.decoder.rows import use_few_rows_linears, use_kernel_linears
-from mtpkit.decoder.scheduler import Request, Scheduler
+from mtpkit.decoder.scheduler import Event, Request, Scheduler
 from mtpkit.decoder.session import Session, Stopped, generate_ids
 from mtpkit.decoder.shapes import bounded_by_default
 from mtpkit.decoder.stats import Stats
@@ -269,29 +268,31 @@ class Runner:
         (prompt index, Piece) as text is committed; each prompt's last piece carries its
         Result. `options` apply to every prompt, `each[i]` (max_tokens included) to prompt i
         only."""
-        if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
-            raise OptionError("options.invalid", "max_batch", "{name} must be an integer >= 1",
-                              "give max_batch a value of 1 or more")
+        scheduler = Scheduler(Batch(self.trunk, self.head), batch_option(max_batch))
         asks = [options | {"max_tokens": max_tokens} | (dict(each[i]) if each else {})
                 for i in range(len(prompts))]
         requests = [self.prepare(p, **a) for p, a in zip(prompts, asks, strict=True)]
-        auto = [r.policy for r in requests if r.policy is not None]
-        policy = BatchPolicy(self.costs(), MAX_AUTO_DEPTH) if auto else None
-        scheduler = Scheduler(Batch(self.trunk, self.head), max_batch, policy)
         index = {id(r): i for i, r in enumerate(requests)}
-        detoks = [self.tokenizer.detokenizer if self.tokenizer is not None else None
-                  for _ in requests]
+        texts = {id(r): self.texts(r) for r in requests}
         for r in requests:
             scheduler.add(r)
         for event in scheduler.run():
-            i, request = index[id(event.request)], event.request
-            detok, text = detoks[i], ""
+            for piece in texts[id(event.request)](event):
+                yield index[id(event.request)], piece
+
+    def texts(self, request: Request) -> Callable[[Event], list[Piece]]:
+        """A batched request's events as Pieces: its text detokenized as it is committed,
+        and on its last event the Result (as `stream` ends)."""
+        detok = self.tokenizer.detokenizer if self.tokenizer is not None else None
+
+        def pieces(event: Event) -> list[Piece]:
+            out, text = [], ""
             if detok is not None:
                 for t in event.tokens:
                     detok.add_token(t)
                 text = detok.last_segment
             if event.tokens:
-                yield i, Piece(text, event.tokens)
+                out.append(Piece(text, event.tokens))
             if event.done:
                 tail = ""
                 if detok is not None:
@@ -300,8 +301,11 @@ class Runner:
                 decoded = (self.tokenizer.decode(request.tokens)
                            if self.tokenizer is not None else "")
                 reason = "length" if request.finish == "length" else "stop"
-                yield i, Piece(tail, [], Result(request.tokens, decoded, request.stats, reason,
-                                                request.session.cached_tokens))
+                out.append(Piece(tail, [], Result(request.tokens, decoded, request.stats, reason,
+                                                  request.session.cached_tokens)))
+            return out
+
+        return pieces
 
     def generate_batch(self, prompts: Sequence[Prompt], max_tokens: int = 256,
                        **options: Any) -> list[Result]:

@@ -69,9 +69,14 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.filling: tuple[Request, Iterator[int | None]] | None = None
         self.active: list[Request] = []
+        self.rows = 0  # rows the last step's round verified (0: none)
 
     def add(self, request: Request) -> None:
+        """Queue a request (prepared by Runner.prepare); the first under auto brings the batch
+        policy its curve."""
         request.started = time.perf_counter()
+        if request.policy is not None and self.policy is None:
+            self.policy = BatchPolicy(request.policy.curve, request.policy.max_depth)
         self.waiting.append(request)
 
     def __bool__(self) -> bool:
@@ -80,6 +85,7 @@ class Scheduler:
     def step(self) -> list[Event]:
         """One chunk of a joining prompt's prefill, then one round of every active row."""
         events = self._fill()
+        self.rows = len(self.active)
         if self.active:
             events += self._round()
         return events

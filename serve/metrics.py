@@ -18,11 +18,13 @@ from mtpkit.decoder.runner import Result
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TPS_BUCKETS = (1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
+ROWS_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
 class Metrics:
     def __init__(self, queue_depth: Callable[[], int], running: Callable[[], int],
-                 cache_bytes: Callable[[], int], cache_entries: Callable[[], int]) -> None:
+                 cache_bytes: Callable[[], int], cache_entries: Callable[[], int],
+                 batch_size: Callable[[], int] = lambda: 0) -> None:
         self.registry = r = CollectorRegistry()
         self.requests = Counter("mtpkit_requests", "Requests answered, by API and outcome "
                                 "(ok, error, cancelled, rejected).", ["api", "outcome"],
@@ -46,15 +48,21 @@ class Metrics:
                                 "position.", ["source", "position"], registry=r)
         self.verify_calls = Counter("mtpkit_verify_calls", "Verify passes (speculative rounds).",
                                     registry=r)
+        self.rows_per_pass = Histogram("mtpkit_rows_per_pass", "Sequences verified together in "
+                                       "one pass of the batch (--max-batch).",
+                                       buckets=ROWS_BUCKETS, registry=r)
         self.cache_hits = Counter("mtpkit_prefix_cache_hits", "Generations that started from "
                                   "a cached prefix.", registry=r)
         self.cache_misses = Counter("mtpkit_prefix_cache_misses", "Generations that found no "
                                     "cached prefix.", registry=r)
         for name, doc, read in (
                 ("mtpkit_queue_depth", "Requests waiting for the decoder.", queue_depth),
-                ("mtpkit_requests_running", "Generations running (0 or 1).", running),
+                ("mtpkit_requests_running", "Generations running (batched ones included: "
+                 "the batch size).", running),
                 ("mtpkit_prefix_cache_bytes", "Bytes the prefix cache holds.", cache_bytes),
-                ("mtpkit_prefix_cache_entries", "Prompts the prefix cache holds.", cache_entries)):
+                ("mtpkit_prefix_cache_entries", "Prompts the prefix cache holds.", cache_entries),
+                ("mtpkit_batch_size", "Generations decoding together in the batch now "
+                 "(--max-batch above 1).", batch_size)):
             Gauge(name, doc, registry=r).set_function(read)
 
     def generation(self, result: Result, cache_on: bool) -> None:

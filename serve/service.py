@@ -11,10 +11,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from mtpkit.decoder.batch import Batch
 from mtpkit.decoder.caches import exportable, trimmable
-from mtpkit.decoder.options import DecodeOptions, OptionError
+from mtpkit.decoder.options import DecodeOptions, OptionError, batch_option
 from mtpkit.decoder.prefix import FOLLOW_UP, PrefixCache, turn_end
-from mtpkit.decoder.runner import NO_TEMPLATE, Depth, Result, Runner
+from mtpkit.decoder.runner import NO_TEMPLATE, Depth, Piece, Result, Runner
+from mtpkit.decoder.scheduler import Event, Scheduler
+from mtpkit.decoder.scheduler import Request as Batched
 from mtpkit.loaders.findings import UserError
 from mtpkit.loaders.templates import RENDER_ERRORS, describe_failure
 from mtpkit.serve.channels import OPEN, ChannelSplitter, StopScanner
@@ -88,17 +91,22 @@ class Service:
 
     def __init__(self, runner: Runner, model_id: str, depth: Depth, max_tokens: int,
                  draft: str | None = None, cache_bytes: int = 0,
-                 max_queue: int = MAX_QUEUE) -> None:
+                 max_queue: int = MAX_QUEUE, max_batch: int = 1) -> None:
         self.runner, self.model_id, self.depth, self.max_tokens = runner, model_id, depth, max_tokens
         self.draft = draft
         caches = runner.trunk.make_cache()
         self.prefix = PrefixCache(cache_bytes) if cache_bytes > 0 and exportable(caches) else None
         self.trimmable = trimmable(caches)
-        self.queue = Worker(max_queue)  # the line of requests, and the worker serving it
+        self.max_batch = batch_option(max_batch) if "shard" not in runner.load_options else 1
         prefix = self.prefix
-        self.metrics = Metrics(lambda: self.queue.depth, lambda: int(self.queue.running is not None),
+        self.metrics = Metrics(lambda: self.queue.depth, lambda: self.queue.busy,
                                lambda: prefix.nbytes if prefix else 0,
-                               lambda: len(prefix) if prefix else 0)
+                               lambda: len(prefix) if prefix else 0,
+                               lambda: len(self.queue.batch))
+        batcher = (lambda: Scheduler(Batch(runner.trunk, runner.head), self.max_batch)) \
+            if self.max_batch > 1 else None
+        # the line of requests, and the worker serving it
+        self.queue = Worker(max_queue, self.max_batch, batcher, self.metrics.rows_per_pass.observe)
 
     def _prompt(self, req: Request) -> tuple[list[int], bool]:
         """Token ids, and whether the rendered prompt leaves the model inside <think>. A request
@@ -165,45 +173,86 @@ class Service:
         marks = self._turn_end(req, ids)
         ticket = self.queue.enter(gone)
         ticket.deltas = self._generate(req, ids, opened, depth, draft, marks, ticket.gone)
+        if self.queue.max_batch > 1:
+            ticket.join = lambda: self._join(req, ids, opened, depth, draft, marks, ticket.gone)
         return ticket
+
+    def _join(self, req: Request, ids: list[int], opened: bool, depth: Depth,
+              draft: str | None, marks: list[int], gone: Callable[[], bool]
+              ) -> tuple[Batched, Callable[[Event], list[Delta]]]:
+        """A generation for the batch (serve/worker.py): its prepared request, and how its
+        events become deltas (as _generate makes them from a lone stream)."""
+        shaper = Shaper(self, req, opened, depth, draft)
+        request = self.runner.prepare(ids, req.max_tokens, depth=depth, prefix=shaper.prefix,
+                                      stop=lambda: shaper.stopped() or gone(),
+                                      checkpoints=marks, **shaper.options)
+        pieces = self.runner.texts(request)
+
+        def shape(event: Event) -> list[Delta]:
+            return [d for p in pieces(event) if (d := shaper.feed(p)) is not None]
+
+        return request, shape
 
     def _generate(self, req: Request, ids: list[int], opened: bool, depth: Depth,
                   draft: str | None, marks: list[int],
                   gone: Callable[[], bool]) -> Iterator[Delta]:
         """The deltas of one generation (the ticket has its turn before the first is asked
         for, and the worker gives its place back after the last: serve/worker.py)."""
-        splitter = ChannelSplitter(opened) if req.chat else None
-        stops = StopScanner(req.stop) if req.stop else None
-        used = self.runner.draft_source(depth, draft) if depth != 0 else None
-        options = req.sampling | ({"draft": draft} if draft else {})
-
-        def stop() -> bool:
-            return (stops is not None and stops.hit is not None) or gone()
-
-        sent = 0
+        shaper = Shaper(self, req, opened, depth, draft)
         try:
-            prefix = self.prefix if req.prefix_cache else None
-            for piece in self.runner.stream(ids, req.max_tokens, depth=depth, prefix=prefix,
-                                            stop=stop, checkpoints=marks, **options):
-                delta = Delta(content=piece.text) if splitter is None else \
-                    Delta(*splitter.feed(piece.text))
-                if piece.result is not None and splitter is not None:
-                    reasoning, content = splitter.flush()
-                    delta = Delta(delta.reasoning + reasoning, delta.content + content)
-                if stops is not None:
-                    delta.content = stops.feed(delta.content)
-                    if piece.result is not None:
-                        delta.content += stops.flush()
-                        delta.stop_sequence = stops.hit
-                delta.result, delta.tokens = piece.result, len(piece.tokens)
-                delta.draft = used if piece.result is not None else None
-                delta.cached = piece.result is not None and prefix is not None
-                sent += delta.tokens
-                if piece.result is not None:
-                    self.metrics.generation(piece.result, prefix is not None)
-                    sent = 0
-                if delta.reasoning or delta.content or delta.tokens or delta.result is not None:
+            for piece in self.runner.stream(ids, req.max_tokens, depth=depth,
+                                            prefix=shaper.prefix,
+                                            stop=lambda: shaper.stopped() or gone(),
+                                            checkpoints=marks, **shaper.options):
+                delta = shaper.feed(piece)
+                if delta is not None:
                     yield delta
         finally:
-            self.metrics.completion_tokens.inc(sent)  # a generation given up: what it made
+            shaper.close()
 
+
+class Shaper:
+    """One generation's pieces as deltas: the reasoning channel split off, stop sequences
+    cut, the draft source and prefix cache noted, and its metrics counted."""
+
+    def __init__(self, service: Service, req: Request, opened: bool, depth: Depth,
+                 draft: str | None) -> None:
+        self.metrics = service.metrics
+        self.splitter = ChannelSplitter(opened) if req.chat else None
+        self.stops = StopScanner(req.stop) if req.stop else None
+        self.used = service.runner.draft_source(depth, draft) if depth != 0 else None
+        self.options = req.sampling | ({"draft": draft} if draft else {})
+        self.prefix = service.prefix if req.prefix_cache else None
+        self.sent = 0  # tokens sent and not yet counted
+
+    def stopped(self) -> bool:
+        """A stop sequence was seen: the generation ends there."""
+        return self.stops is not None and self.stops.hit is not None
+
+    def feed(self, piece: Piece) -> Delta | None:
+        splitter, stops = self.splitter, self.stops
+        delta = Delta(content=piece.text) if splitter is None else \
+            Delta(*splitter.feed(piece.text))
+        if piece.result is not None and splitter is not None:
+            reasoning, content = splitter.flush()
+            delta = Delta(delta.reasoning + reasoning, delta.content + content)
+        if stops is not None:
+            delta.content = stops.feed(delta.content)
+            if piece.result is not None:
+                delta.content += stops.flush()
+                delta.stop_sequence = stops.hit
+        delta.result, delta.tokens = piece.result, len(piece.tokens)
+        delta.draft = self.used if piece.result is not None else None
+        delta.cached = piece.result is not None and self.prefix is not None
+        self.sent += delta.tokens
+        if piece.result is not None:
+            self.metrics.generation(piece.result, self.prefix is not None)
+            self.sent = 0
+        if delta.reasoning or delta.content or delta.tokens or delta.result is not None:
+            return delta
+        return None
+
+    def close(self) -> None:
+        """A generation given up: count what it made."""
+        self.metrics.completion_tokens.inc(self.sent)
+        self.sent = 0

@@ -1,13 +1,15 @@
 """One owner for turns at the decoder: requests wait in a bounded first-in first-out line, and
 every generation a server runs happens on one thread, the one that called serve_forever.
 
-One at a time, because one generation uses the whole machine and MLX state is not shared across
-threads; in arrival order, because threads woken from a lock come in any order (and a full line
-is refused at once, so the client hears 503 with Retry-After instead of waiting without a word).
-On one thread, because MLX keeps compiled functions per thread (a request thread of its own
-traced every verify shape again), and a thread that used them frees them as it ends: one ending
-while the interpreter shut down (Ctrl-C right after an answer) aborted the process under Python
-3.13 and older ("terminate called without an active exception").
+With max_batch above 1, up to that many submitted requests decode together in one batch
+(decoder/scheduler.py): each joins between rounds as a place frees up, in arrival order, and
+leaves when done. Otherwise one at a time. MLX state is not shared across threads; arrival
+order, because threads woken from a lock come in any order (and a full line is refused at
+once, so the client hears 503 with Retry-After instead of waiting without a word). On one
+thread, because MLX keeps compiled functions per thread (a request thread of its own traced
+every verify shape again), and a thread that used them frees them as it ends: one ending while
+the interpreter shut down (Ctrl-C right after an answer) aborted the process under Python 3.13
+and older ("terminate called without an active exception").
 """
 
 from __future__ import annotations
@@ -18,12 +20,15 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from mtpkit.serve.protocol import RequestError
 
 if TYPE_CHECKING:
+    from mtpkit.decoder.scheduler import Event, Request, Scheduler
     from mtpkit.serve.service import Delta
+
+    Shape = Callable[[Event], list[Delta]]  # a batched request's events as its deltas
 
 POLL_S = 0.1  # how often a waiting request looks at its client
 END = object()  # on a ticket's channel: the generation is over, its last delta was sent
@@ -53,6 +58,8 @@ class Ticket:
     def __init__(self, worker: Worker, number: int, gone: Callable[[], bool] | None) -> None:
         self.worker, self.number, self._gone = worker, number, gone
         self.deltas: Iterator[Delta] = iter(())
+        # batched serving: the request for the scheduler, and how its events become deltas
+        self.join: Callable[[], tuple[Request, Shape]] | None = None
         self.submitted = False
         self.channel: queue.SimpleQueue[object] = queue.SimpleQueue()  # serving thread -> request
         self.started: float | None = None  # when its turn came
@@ -119,11 +126,18 @@ class Worker:
     generations of submitted tickets in arrival order on the thread that calls it, until stop().
     A place is given back only in release()."""
 
-    def __init__(self, max_waiting: int) -> None:
-        self.max_waiting = max_waiting
+    def __init__(self, max_waiting: int, max_batch: int = 1,
+                 batcher: Callable[[], Scheduler] | None = None,
+                 on_pass: Callable[[int], Any] | None = None) -> None:
+        """max_batch above 1 (with `batcher`, which makes an empty Scheduler): submitted
+        generations decode together, up to that many; `on_pass` hears each pass's rows."""
+        self.max_waiting, self.max_batch = max_waiting, max_batch if batcher else 1
+        self.batcher, self.on_pass = batcher, on_pass
         self.cond = threading.Condition()  # reentrant: release() may be called holding it
         self.waiting: deque[Ticket] = deque()
-        self.running: Ticket | None = None
+        self.running: Ticket | None = None  # a turn of its own (one at a time)
+        self.batch: list[Ticket] = []  # generations decoding together
+        self.cuts: list[Ticket] = []  # batched generations stop() cancelled
         self.recent_s = 1.0  # a moving mean of turn lengths, for Retry-After
         self.admitted = 0  # tickets handed out: each request's arrival number
         self.cut: Ticket | None = None  # the generation stop() cancelled
@@ -133,12 +147,18 @@ class Worker:
     def depth(self) -> int:
         return len(self.waiting)
 
+    @property
+    def busy(self) -> int:
+        """Generations running now."""
+        return int(self.running is not None) + len(self.batch)
+
     def enter(self, gone: Callable[[], bool] | None = None) -> Ticket:
         """A place at the end of the line. gone(): its client went away (asked while it waits
         and, by its generation, after each round)."""
         with self.cond:
-            busy = self.running is not None or self.waiting
-            if busy and len(self.waiting) >= self.max_waiting:
+            busy = self.running is not None or self.waiting or self.batch
+            room = self.max_batch - len(self.batch) if self.max_batch > 1 else 0
+            if busy and len(self.waiting) >= self.max_waiting + room:
                 ahead = len(self.waiting) + 1
                 raise QueueFull(max(1, min(600, math.ceil(ahead * self.recent_s))))
             self.admitted += 1
@@ -160,7 +180,8 @@ class Worker:
         """Block until `ticket` runs: at the head of the line, once nothing else does."""
         with self.cond:
             while self.running is not ticket:
-                if self.running is None and self.waiting and self.waiting[0] is ticket:
+                if (self.running is None and not self.batch and self.waiting
+                        and self.waiting[0] is ticket):
                     self.waiting.popleft()
                     self.running, ticket.started = ticket, time.monotonic()
                 elif gone is not None and gone():
@@ -181,9 +202,12 @@ class Worker:
         """The one path by which a place is given back: a turn that ended (its length feeds
         Retry-After) or one given up before it came. Again for the same ticket: nothing."""
         with self.cond:
-            if self.running is ticket:
+            if self.running is ticket or ticket in self.batch:
                 assert ticket.started is not None
-                self.running = None
+                if self.running is ticket:
+                    self.running = None
+                else:
+                    self.batch.remove(ticket)
                 self.recent_s = 0.8 * self.recent_s + 0.2 * (time.monotonic() - ticket.started)
             elif ticket in self.waiting:
                 self.waiting.remove(ticket)
@@ -193,6 +217,8 @@ class Worker:
         """Make submitted generations in arrival order until stop(); tickets still waiting then
         are answered 503."""
         try:
+            if self.max_batch > 1:
+                self._run_batched()
             while (ticket := self._next()) is not None:
                 self._serve(ticket)
         finally:
@@ -213,6 +239,9 @@ class Worker:
             if self.running is not None:
                 self.running.cancelled = True
                 self.cut = self.running
+            for ticket in self.batch:
+                ticket.cancelled = True
+            self.cuts = list(self.batch)
             self.cond.notify_all()
 
     def _next(self) -> Ticket | None:
@@ -238,3 +267,64 @@ class Worker:
             raise
         finally:
             ticket._end()
+
+    # -- batched serving --------------------------------------------------------------------
+
+    def _admit(self, busy: bool) -> list[Ticket] | None:
+        """Submitted tickets at the head of the line that join the batch now (arrival order,
+        while it has room); waits for one while nothing runs. None: stopped, nothing left."""
+        with self.cond:
+            while True:
+                if self.stopped.is_set():
+                    return [] if busy else None
+                joining = []
+                while (self.waiting and self.waiting[0].submitted and self.running is None
+                       and len(self.batch) < self.max_batch):
+                    ticket = self.waiting.popleft()
+                    ticket.started = time.monotonic()
+                    self.batch.append(ticket)
+                    joining.append(ticket)
+                if joining or busy:
+                    return joining
+                self.cond.wait(POLL_S)
+
+    def _run_batched(self) -> None:
+        """Decode the submitted generations together until stop() (decoder/scheduler.py): each
+        round every running one commits its tokens, whose deltas go to its channel."""
+        assert self.batcher is not None
+        scheduler = self.batcher()
+        live: dict[int, tuple[Ticket, Shape]] = {}
+        while (joining := self._admit(bool(live))) is not None:
+            for ticket in joining:
+                try:
+                    assert ticket.join is not None
+                    request, shape = ticket.join()
+                except Exception as exc:  # answered as its own request would answer it
+                    ticket.channel.put(exc)
+                    ticket._end()
+                    continue
+                scheduler.add(request)
+                live[id(request)] = (ticket, shape)
+            if not live:
+                continue
+            try:
+                events = scheduler.step()
+            except BaseException as exc:  # every generation in the batch hears of it
+                for ticket, _ in live.values():
+                    ticket.channel.put(exc if isinstance(exc, Exception) else stopping())
+                    ticket._end()
+                if not isinstance(exc, Exception):
+                    raise
+                live, scheduler = {}, self.batcher()
+                continue
+            if scheduler.rows and self.on_pass is not None:
+                self.on_pass(scheduler.rows)
+            for event in events:
+                ticket, shape = live[id(event.request)]
+                for delta in shape(event):
+                    cut = delta.result is not None and ticket in self.cuts
+                    ticket.channel.put(stopping() if cut else delta)
+                if event.done:
+                    ticket.channel.put(END)
+                    ticket._end()
+                    del live[id(event.request)]

@@ -33,14 +33,14 @@ from mtpkit.serve.service import Service, tool_calls
 from mtpkit.verify.endpoint import Endpoint, EndpointError
 
 
-def serving(bundle: Path | Runner, depth: int = 2, api_key: str | None = None,
-            max_tokens: int = 512, cache_bytes: int = 0) -> Any:
+def serving(bundle: Path | Runner, depth: int | str = 2, api_key: str | None = None,
+            max_tokens: int = 512, cache_bytes: int = 0, max_batch: int = 1) -> Any:
     """Our own server over a bundle (or a runner already loaded) on loopback (a context manager
     yielding its base URL)."""
     runner = bundle if isinstance(bundle, Runner) else mtpkit.load(bundle, dtype="float32")
     return in_thread(Server(Service(runner, "m" if isinstance(bundle, Runner) else bundle.name,
-                                    depth, max_tokens, cache_bytes=cache_bytes), "127.0.0.1", 0,
-                            api_key))
+                                    depth, max_tokens, cache_bytes=cache_bytes,
+                                    max_batch=max_batch), "127.0.0.1", 0, api_key))
 
 
 @pytest.mark.parametrize(("pieces", "opened", "want"), [
