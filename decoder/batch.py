@@ -17,13 +17,14 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from mtpkit.decoder.batch_cache import Holes, batched, commit_rows, join, keep_rows, settle
+from mtpkit.decoder.batch_cache import Holes, batched, commit_rows, drop, join, keep_rows, settle
 from mtpkit.decoder.drafts import Draft
 from mtpkit.decoder.head import MTPHead
 from mtpkit.decoder.options import Source
 from mtpkit.decoder.recording import recorded
 from mtpkit.decoder.sampling import Candidates, candidates, greedy
 from mtpkit.decoder.session import SOURCE_NAMES, RoundOutcome, Session, judge
+from mtpkit.decoder.shapes import bounded_by_default
 from mtpkit.decoder.trunk import Trunk
 
 
@@ -53,8 +54,11 @@ class Batch:
     """The caches of every active row and the passes over them. Rows are sessions, in the
     order they joined (minus those that left)."""
 
-    def __init__(self, trunk: Trunk, head: MTPHead | None) -> None:
+    def __init__(self, trunk: Trunk, head: MTPHead | None, bounded: bool | None = None) -> None:
+        """bounded: attention shapes from a bounded set (default: where a GPU compiles each
+        shape, decoder/shapes.py)."""
         self.trunk, self.head = trunk, head
+        self.bounded = bounded_by_default() if bounded is None else bounded
         self.rows: list[Session] = []
         self.headed: list[bool] = []  # rows with a place in the head's caches
         self.cache: list | None = None
@@ -75,20 +79,22 @@ class Batch:
         if headed:
             assert session.owed is not None and self.head is not None
             session.feed_head(session.owed[1].shape[1] - 1)
-        self.cache = self._join(self.cache, session.cache, [self.holes])
+        self.cache = self._join(self.cache, session.cache, [self.holes], self.bounded)
         if headed:
-            self.mtp_cache = self._join(self.mtp_cache, session.mtp_cache, self.mtp_holes)
+            self.mtp_cache = self._join(self.mtp_cache, session.mtp_cache, self.mtp_holes,
+                                        self.bounded)
         session.cache, session.mtp_cache = [], []  # the batch's now
         self.rows.append(session)
         self.headed.append(headed)
         mx.eval(self._arrays())
 
     @staticmethod
-    def _join(batch: list | None, single: list, holes: list[Holes]) -> list:
+    def _join(batch: list | None, single: list, holes: list[Holes], bounded: bool) -> list:
         """`single` (one sequence's caches) appended to `batch` as a row. The trunk's
         attention layers share one Holes; each head block has its own."""
         shared = len(holes) == 1
-        rows = [batched([c], holes[0 if shared else i])[0] for i, c in enumerate(single)]
+        rows = [batched([c], holes[0 if shared else i], bounded)[0]
+                for i, c in enumerate(single)]
         if batch is None:
             seen: set[int] = set()
             for i, c in enumerate(rows):
@@ -109,7 +115,7 @@ class Batch:
         stay = [i for i in range(len(self.rows)) if i not in gone]
         heads = [sum(self.headed[:i]) for i in stay if self.headed[i]]
         if not stay:
-            self.__init__(self.trunk, self.head)  # type: ignore[misc]
+            self.__init__(self.trunk, self.head, self.bounded)  # type: ignore[misc]
             return
         assert self.cache is not None
         keep_rows(self.cache, stay, self.holes)
@@ -228,6 +234,7 @@ class Batch:
             if k == 0:
                 settle([self.mtp_cache[0]], holes, n, width, width - max(counts))
             else:
+                settle([self.mtp_cache[block]], holes, mx.ones(len(rows), mx.int32), 1, 0)
                 chained[block] += 1
             row_logits = logits[:, -1]
             picks = greedy(row_logits)
@@ -240,8 +247,7 @@ class Batch:
             out_tokens.append(tokens)
         for block, count in enumerate(chained):
             if count:
-                settle([self.mtp_cache[block]], self.mtp_holes[block],
-                       mx.zeros(len(rows), mx.int32), count, count)
+                drop([self.mtp_cache[block]], self.mtp_holes[block], count)
         for session in rows:
             session.owed = None
         return mx.concatenate(out_tokens, axis=1), laws

@@ -23,6 +23,7 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from mtpkit.decoder.caches import is_recurrent
 from mtpkit.decoder.recording import StateRecorder
+from mtpkit.decoder.shapes import padded
 
 
 class Holes:
@@ -67,42 +68,81 @@ class Holes:
 
 class RowKVCache(BatchKVCache):
     """mlx-lm's BatchKVCache whose rows keep their own lengths: `offset` (each row's RoPE
-    position) counts a row's real positions only, and the mask hides the holes."""
+    position) counts a row's real positions only, and the mask hides the holes. A pass leaves
+    the offsets alone (every layer reads them before it writes) and `settle` moves them once
+    for all layers. `bounded`: a pass sees keys padded to a multiple of STEP (hidden by the
+    mask), so a GPU compiles each attention shape once (decoder/shapes.py)."""
 
-    def __init__(self, holes: Holes) -> None:
+    def __init__(self, holes: Holes, bounded: bool = False) -> None:
         super().__init__([])
-        self.holes = holes
+        self.holes, self.bounded = holes, bounded
 
     @classmethod
-    def of(cls, single: KVCache, holes: Holes) -> RowKVCache:
+    def of(cls, single: KVCache, holes: Holes, bounded: bool = False) -> RowKVCache:
         """One sequence's KVCache as a batch of one row."""
-        row = cls(holes)
+        row = cls(holes, bounded)
         row.state = BatchKVCache.merge([single]).state
         return row
 
+    def _view(self, end: int) -> int:
+        return padded(end) if self.bounded else end
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        start, end = self._idx, self._idx + keys.shape[2]
+        have = 0 if self.keys is None else self.keys.shape[2]
+        view = self._view(end)
+        if view > have:  # grow to whole steps (the padded view always fits)
+            b, heads, _, kd = keys.shape
+            grow = padded(end) - have
+            extra_k = mx.zeros((b, heads, grow, kd), keys.dtype)
+            extra_v = mx.zeros((b, heads, grow, values.shape[3]), values.dtype)
+            self.keys = extra_k if self.keys is None else mx.concatenate([self.keys, extra_k], 2)
+            self.values = extra_v if self.values is None else \
+                mx.concatenate([self.values, extra_v], 2)
+        self.keys[..., start:end, :] = keys
+        self.values[..., start:end, :] = values
+        self._idx = end
+        return self.keys[..., :view, :], self.values[..., :view, :]
+
     def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> mx.array:
+        end = self._idx + N
         causal = create_causal_mask(N, offset=self._idx, **kwargs)
         valid = self.holes.valid
-        assert valid is not None and valid.shape[1] == self._idx + N
-        return causal & valid[:, None, None, :]
-
-    def settle(self, keep: mx.array, width: int, trimmed: int) -> None:
-        """After a pass of `width` positions: row b keeps keep[b]; the tail drops `trimmed`."""
-        self.offset = self.offset - width + keep
-        self._idx -= trimmed
+        assert valid is not None and valid.shape[1] == end
+        mask = causal & valid[:, None, None, :]
+        view = self._view(end)
+        if view > end:
+            mask = mx.concatenate([mask, mx.zeros((*mask.shape[:3], view - end), mx.bool_)], 3)
+        return mask
 
 
 def settle(caches: list[Any], holes: Holes, keep: mx.array, width: int, trimmed: int) -> None:
-    """Every attention cache of one model, and their holes, after a pass (see RowKVCache)."""
-    for c in caches:
-        if isinstance(c, RowKVCache):
-            c.settle(keep, width, trimmed)
+    """After a pass of `width` positions: row b keeps its first keep[b] (its RoPE offset moves
+    by that much), and the buffers' tail drops `trimmed` (what every row rejected)."""
+    rows = [c for c in caches if isinstance(c, RowKVCache)]
+    if rows:
+        offset = rows[0].offset + keep  # one op for every layer: the offsets are equal
+        for c in rows:
+            c.offset = offset
+            c._idx -= trimmed
     holes.close(keep, width, trimmed)
 
 
-def batched(single: list[Any], holes: Holes) -> list[Any]:
+def drop(caches: list[Any], holes: Holes, count: int) -> None:
+    """The last `count` positions of every row leave (the head's chained drafts)."""
+    rows = [c for c in caches if isinstance(c, RowKVCache)]
+    if rows:
+        offset = rows[0].offset - count
+        for c in rows:
+            c.offset = offset
+            c._idx -= count
+    assert holes.valid is not None
+    holes.valid = holes.valid[:, :holes.valid.shape[1] - count]
+
+
+def batched(single: list[Any], holes: Holes, bounded: bool = False) -> list[Any]:
     """One sequence's caches as batches of one row (recurrent caches are batches already)."""
-    return [c if is_recurrent(c) else RowKVCache.of(c, holes) for c in single]
+    return [c if is_recurrent(c) else RowKVCache.of(c, holes, bounded) for c in single]
 
 
 def join(batch: list[Any], rows: list[Any], holes: Holes) -> None:

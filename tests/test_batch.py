@@ -230,3 +230,27 @@ def test_max_batch_is_refused_with_its_code(bad: Any) -> None:
     with pytest.raises(OptionError) as refused:
         list(tiny_runner(vocab=6).stream_batch([[1, 2]], max_batch=bad))
     assert refused.value.code == "options.invalid"
+
+
+def test_bounded_attention_shapes_decode_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where a GPU compiles each attention shape (decoder/shapes.py), a batch's passes see keys
+    padded to whole steps, hidden by the mask: the same tokens as alone."""
+    import mtpkit.decoder.batch as batch
+
+    monkeypatch.setattr(batch, "bounded_by_default", lambda: True)
+    runner = tiny_runner(vocab=6)
+    prompts = [[1, 2, 3, 4, 5], [0, 1], [3, 1, 4, 1, 5, 2] * 50]
+    each = [{"depth": 2, "max_tokens": 40}, {"depth": 0, "max_tokens": 30},
+            {"depth": 3, "draft": "both", "max_tokens": 40}]
+    alone = _alone(runner, prompts, each)
+    scheduler_batches: list[Any] = []
+    real = batch.Batch.__init__
+
+    def spy(self: Any, *args: Any, **kwargs: Any) -> None:
+        real(self, *args, **kwargs)
+        scheduler_batches.append(self)
+
+    monkeypatch.setattr(batch.Batch, "__init__", spy)
+    for a, b in zip(alone, runner.generate_batch(prompts, each=each), strict=True):
+        _same(a, b)
+    assert scheduler_batches and all(b.bounded for b in scheduler_batches)
