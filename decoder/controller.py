@@ -27,6 +27,8 @@ class Controller:
     def __init__(self, session: Session, policy: DepthPolicy) -> None:
         self.session, self.policy = session, policy
         self.switched = True  # no round since the prefill or a plain stretch
+        self.interrupt: Callable[[], bool] | None = None  # ends plain stretches early (a batch
+        # wants the session: decoder/scheduler.py)
         session.stats.plain_s = policy.curve.plain
 
     def choose(self, most: int) -> tuple[Source | None, int, list[int], int]:
@@ -112,6 +114,8 @@ class Controller:
         policy, session = self.policy, self.session
         if count <= 0:
             return
+        if self.interrupt is not None:
+            stop = _either(self.interrupt, stop)
         for token in session.plain_steps(count, stop):
             policy.chosen[0] = policy.chosen.get(0, 0) + 1
             session.stats.predicted_s += policy.curve.plain
@@ -123,3 +127,7 @@ class Controller:
         """The depths chosen so far and the cost scales in use, into the statistics."""
         stats.depths = dict(sorted(self.policy.chosen.items()))
         stats.cost_scale = self.policy.paid.summary()
+
+
+def _either(first: Callable[[], bool], second: Callable[[], bool] | None) -> Callable[[], bool]:
+    return lambda: first() or (second is not None and second())

@@ -20,6 +20,7 @@ import mlx.core as mx
 
 from mtpkit.decoder.batch import Ask, Batch
 from mtpkit.decoder.batch_policy import BatchPolicy
+from mtpkit.decoder.controller import Controller
 from mtpkit.decoder.policy import DepthPolicy
 from mtpkit.decoder.session import RoundOutcome, Session, Stopped
 from mtpkit.decoder.stats import Stats
@@ -62,14 +63,22 @@ class Event:
 
 
 class Scheduler:
-    """Up to `max_batch` requests decoding together; more wait in arrival order."""
+    """Up to `max_batch` requests decoding together; more wait in arrival order.
 
-    def __init__(self, batch: Batch, max_batch: int, policy: BatchPolicy | None = None) -> None:
+    A request that finds no other decodes `solo`: on its own session exactly as
+    Runner.stream decodes it (its controller, pipelined plain stretches, traced passes), until
+    another arrives; then it ends any plain stretch (its queued step committed) and joins the
+    batch at the next clean point, and the newcomer's prefill starts."""
+
+    def __init__(self, batch: Batch, max_batch: int, policy: BatchPolicy | None = None,
+                 solo: bool = True) -> None:
         self.batch, self.max_batch, self.policy = batch, max_batch, policy
         self.waiting: deque[Request] = deque()
         self.filling: tuple[Request, Iterator[int | None]] | None = None
         self.active: list[Request] = []
         self.rows = 0  # rows the last step's round verified (0: none)
+        self.allow_solo = solo
+        self.solo: tuple[Request, Iterator[list[int]], Controller | None] | None = None
 
     def add(self, request: Request) -> None:
         """Queue a request (prepared by Runner.prepare); the first under auto brings the batch
@@ -80,14 +89,55 @@ class Scheduler:
         self.waiting.append(request)
 
     def __bool__(self) -> bool:
-        return bool(self.waiting or self.filling or self.active)
+        return bool(self.waiting or self.filling or self.active or self.solo)
 
     def step(self) -> list[Event]:
-        """One chunk of a joining prompt's prefill, then one round of every active row."""
+        """One chunk of a joining prompt's prefill, then one round of every active row (or
+        one step of the solo request)."""
+        if self.solo is not None:
+            return self._solo_step()
         events = self._fill()
         self.rows = len(self.active)
         if self.active:
             events += self._round()
+        return events
+
+    # -- alone ------------------------------------------------------------------------------
+
+    def _start_solo(self, request: Request) -> None:
+        session, policy = request.session, request.policy
+        controller = Controller(session, policy) if policy is not None else None
+
+        def left() -> int:
+            return request.left
+
+        def wanted() -> bool:  # another request waits: end the plain stretch
+            return bool(self.waiting) and self.max_batch > 1
+
+        def steps() -> Iterator[list[int]]:
+            if session.depth == 0:
+                yield from ([t] for t in session.plain_steps(left() - 1, wanted))
+            elif controller is not None:
+                controller.interrupt = wanted
+                yield from controller.rounds(left)
+            while True:
+                yield session.next_round(min(session.depth, left() - 1)).committed
+
+        self.solo = (request, steps(), controller)
+
+    def _solo_step(self) -> list[Event]:
+        request, steps, controller = self.solo  # type: ignore[misc]
+        self.rows = 1
+        events = self._commit(request, next(steps))
+        if controller is not None:
+            controller.report(request.stats)
+        if request.finish is not None:
+            self.solo = None
+        elif self.waiting and self.max_batch > 1 and not request.session.pipelined:
+            # a clean point (no plain step queued ahead): into the batch
+            self.solo = None
+            self.batch.join(request.session)
+            self.active.append(request)
         return events
 
     def run(self) -> Iterator[Event]:
@@ -178,8 +228,11 @@ class Scheduler:
                           else "cancelled" if request.stop is not None and request.stop()
                           else None)
         if joining and request.finish is None:
-            self.batch.join(request.session)
-            self.active.append(request)
+            if self.allow_solo and not (self.active or self.waiting):
+                self._start_solo(request)
+            else:
+                self.batch.join(request.session)
+                self.active.append(request)
         return [Event(request, tokens, request.finish is not None)]
 
     def _leave(self) -> None:

@@ -116,6 +116,7 @@ class Session:
         self.prefix, self.checkpoints = prefix, checkpoints
         self.cached_tokens = 0  # prompt tokens restored from the prefix cache
         self._exported: list[mx.array] = []  # head sessions: prompt hiddens before the owed run
+        self.pipelined = False  # a plain stretch holds a queued step: the caches are ahead
 
     # -- shared -----------------------------------------------------------------------------
 
@@ -181,6 +182,7 @@ class Session:
         `stop()` turns true after a token, the one already queued is the last."""
         if count <= 0:
             return
+        self.pipelined = True
         owe = bool(self.mtp_cache)
         hiddens, tokens = [], []
         begin, busy = time.perf_counter(), 0.0  # time spent here, not in the consumer
@@ -214,6 +216,7 @@ class Session:
         if owe and tokens:
             self.owe(mx.concatenate(hiddens, axis=1), tokens)
         self.plain_paid = (busy + time.perf_counter() - begin, n)
+        self.pipelined = False
 
     def plain(self, ids: list[int], max_tokens: int) -> Iterator[int]:
         """Plain decoding: the prompt's next token, then pipelined steps."""

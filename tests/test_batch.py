@@ -254,3 +254,35 @@ def test_bounded_attention_shapes_decode_the_same(monkeypatch: pytest.MonkeyPatc
     for a, b in zip(alone, runner.generate_batch(prompts, each=each), strict=True):
         _same(a, b)
     assert scheduler_batches and all(b.bounded for b in scheduler_batches)
+
+
+@pytest.mark.parametrize("depth", [0, 2, "auto"])
+def test_a_lone_request_decodes_solo_then_joins_the_batch(depth: Any) -> None:
+    """Alone, a request decodes on the single-sequence path (plain stretches pipelined, the
+    controller choosing); when another arrives it ends its stretch at a clean point and joins
+    the batch. Both still decode exactly as alone."""
+    from mtpkit.decoder.batch import Batch
+    from mtpkit.decoder.curve import CostCurve
+    from mtpkit.decoder.scheduler import Scheduler
+
+    runner = tiny_runner(vocab=6)
+    # a what-if curve where plain decoding wins at first: auto starts with a plain stretch
+    runner._costs = CostCurve([0.01 * (1 + t) for t in range(16)], 0.011, 0.004)
+    first = {"depth": depth, "max_tokens": 60}
+    second = {"depth": 3, "draft": "both", "max_tokens": 30}
+    alone = [runner.generate([1, 2, 3, 4], **first), runner.generate([5, 4, 3], **second)]
+    scheduler = Scheduler(Batch(runner.trunk, runner.head), 4)
+    a = runner.prepare([1, 2, 3, 4], **first)
+    scheduler.add(a)
+    rows, steps = [], 0
+    while scheduler:
+        scheduler.step()
+        rows.append(scheduler.rows if scheduler.solo is None else 0)
+        steps += 1
+        if steps == 12:
+            b = runner.prepare([5, 4, 3], **second)
+            scheduler.add(b)
+    assert rows[:12] == [0] * 12, "alone, the first request decoded solo"
+    assert max(rows) == 2, "then both decoded in one batch"
+    assert a.tokens == alone[0].tokens and b.tokens == alone[1].tokens
+    assert a.finish == "length" and b.finish == "length"
