@@ -223,7 +223,7 @@ def serve_bench(args: argparse.Namespace) -> dict:
         api = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
         load = loads[name]
         kwargs = {"model": "m", "max_tokens": args.tokens, "temperature": 0.0, "stream": True}
-        first, times, chunks = None, [], []
+        first, times, chunks, tokens = None, [], [], 0
         if load.chat:
             stream = api.chat.completions.create(
                 messages=[{"role": "user", "content": texts[name]}], **kwargs)
@@ -231,14 +231,18 @@ def serve_bench(args: argparse.Namespace) -> dict:
             stream = api.completions.create(prompt=texts[name], **kwargs)
         for chunk in stream:
             now = time.perf_counter()
+            if getattr(chunk, "usage", None) is not None:  # the last chunk carries usage
+                tokens = chunk.usage.completion_tokens
             piece = (chunk.choices[0].delta.content if load.chat else chunk.choices[0].text) \
                 if chunk.choices else None
             if piece:
                 first = first or now
                 times.append(now)
                 chunks.append(piece)
+        end = times[-1] if times else start
         results[name] = {"text": "".join(chunks), "ttft_s": (first or start) - start,
-                         "end": times[-1] if times else start, "first": first or start}
+                         "end": end, "first": first or start, "tokens": tokens,
+                         "tps": (tokens - 1) / (end - first) if first and end > first else 0.0}
 
     def together(url: str) -> dict:
         results: dict[str, dict] = {}
@@ -249,7 +253,11 @@ def serve_bench(args: argparse.Namespace) -> dict:
             t.start()
         for t in threads:
             t.join()
-        return {"wall_s": max(r["end"] for r in results.values()) - start, "results": results}
+        wall = max(r["end"] for r in results.values()) - start
+        tps = [r["tps"] for r in results.values()]
+        return {"wall_s": wall, "results": results,
+                "aggregate_tps": sum(r["tokens"] for r in results.values()) / wall,
+                "slowest_over_median_tps": min(tps) / statistics.median(tps)}
 
     out: dict[str, Any] = {"loads": list(loads), "tokens": args.tokens, "runs": []}
     options = ["--dtype", args.dtype] if args.dtype else []
@@ -263,7 +271,9 @@ def serve_bench(args: argparse.Namespace) -> dict:
             out["runs"].append({"one_at_a_time": a, "batched": b, "identical": identical,
                                 "ratio": a["wall_s"] / b["wall_s"]})
             print(f"4 clients: one at a time {a['wall_s']:.1f} s, batched {b['wall_s']:.1f} s "
-                  f"({a['wall_s'] / b['wall_s']:.2f}x); identical {identical}", flush=True)
+                  f"({a['wall_s'] / b['wall_s']:.2f}x; {b['aggregate_tps']:.1f} tok/s); slowest "
+                  f"client {b['slowest_over_median_tps']:.2f}x of the median; identical "
+                  f"{identical}", flush=True)
         # a request joining three running ones, against the same request on an idle server
         joins, idle = [], []
         for _ in range(args.runs):

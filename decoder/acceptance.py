@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mtpkit.decoder.sampling import Candidates
+from mtpkit.decoder.sampling import Candidates, greedy
 
 
 def kept_prefix(accepted: mx.array) -> mx.array:
@@ -25,6 +25,22 @@ def accept_greedy(drafts: mx.array, targets: mx.array) -> mx.array:
     next argmax. Returns [kept, token]."""
     kept = kept_prefix(drafts == targets[:drafts.shape[0]])
     return _verdict(kept, targets[kept])
+
+
+def accept_greedy_rows(tokens: mx.array, logits: mx.array, depths: mx.array) -> mx.array:
+    """accept_greedy for every row of a batch at once: tokens (B, T) (the last committed
+    token, then row b's depths[b] drafts, then padding), logits (B, T, V). Returns (B, 2):
+    each row's [kept, token]."""
+    targets = greedy(logits)
+    rows, width = tokens.shape
+    if width == 1:  # no drafts in the pass (and no cumprod of nothing: see kept_prefix)
+        kept = mx.zeros((rows,), mx.int32)
+    else:
+        drafted = mx.arange(width - 1)[None] < depths[:, None]
+        match = (tokens[:, 1:] == targets[:, :-1]) & drafted
+        kept = mx.cumprod(match.astype(mx.int32), axis=1).sum(axis=1)
+    token = mx.take_along_axis(targets, kept[:, None], axis=1)[:, 0]
+    return mx.stack([kept.astype(mx.int32), token.astype(mx.int32)], axis=1)
 
 
 def accept_sampled(drafts: mx.array, q: Candidates | None, p: Candidates,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from mtpkit.decoder import acceptance
 from mtpkit.decoder.batch_cache import Holes, batched, commit_rows, drop, join, keep_rows, settle
 from mtpkit.decoder.drafts import Draft
 from mtpkit.decoder.head import MTPHead
@@ -151,8 +152,12 @@ class Batch:
         recorders = self.trunk.recorders
         hidden, logits = recorded(recorders, True,
                                   lambda: self.trunk.forward(verify, self.cache))
-        verdicts = mx.stack([judge(d, logits[b], s.params)
-                             for b, (d, s) in enumerate(zip(drafts, self.rows, strict=True))])
+        verdicts = acceptance.accept_greedy_rows(verify, logits,
+                                                 mx.array([d.depth for d in drafts]))
+        for b, (d, s) in enumerate(zip(drafts, self.rows, strict=True)):
+            if d.rule is not None:  # a sampled row: its own law and noise
+                verdicts = mx.where((mx.arange(len(drafts)) == b)[:, None],
+                                    judge(d, logits[b], s.params)[None], verdicts)
         # the round's one host read: every row's drafts, kept count and emitted token
         read = mx.concatenate([verify[:, 1:].astype(mx.int32).reshape(-1),
                                verdicts.reshape(-1)]).tolist()

@@ -97,6 +97,9 @@ class Scheduler:
         if self.solo is not None:
             return self._solo_step()
         events = self._fill()
+        self.rows = 0
+        if events:  # a first token: sent now, not after the others' round
+            return events
         self.rows = len(self.active)
         if self.active:
             events += self._round()
