@@ -149,9 +149,10 @@ class Batch:
         verify = mx.concatenate([_padded_tokens(d.tokens, width) for d in drafts])
         real = mx.array([d.depth + 1 for d in drafts])
         self.holes.open(real, width)
-        recorders = self.trunk.recorders
-        hidden, logits = recorded(recorders, True,
-                                  lambda: self.trunk.forward(verify, self.cache))
+        recorders, passes = self.trunk.recorders, self.trunk.passes
+        traced = passes.run_rows(verify, self.cache, self.holes) if passes is not None else None
+        hidden, logits = traced or recorded(recorders, True,
+                                            lambda: self.trunk.forward(verify, self.cache))
         verdicts = acceptance.accept_greedy_rows(verify, logits,
                                                  mx.array([d.depth for d in drafts]))
         for b, (d, s) in enumerate(zip(drafts, self.rows, strict=True)):

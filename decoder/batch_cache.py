@@ -39,6 +39,12 @@ class Holes:
         fresh = mx.arange(width)[None] < real[:, None]
         self.valid = fresh if self.valid is None else mx.concatenate([self.valid, fresh], axis=1)
 
+    def over(self, length: int) -> mx.array:
+        """`valid` padded with holes to `length` positions (a pass's padded key view)."""
+        assert self.valid is not None
+        extra = length - self.valid.shape[1]
+        return mx.pad(self.valid, [(0, 0), (0, extra)]) if extra > 0 else self.valid
+
     def close(self, keep: mx.array, width: int, trimmed: int) -> None:
         """After the pass: row b keeps its first keep[b] positions; the buffers' tail lost
         `trimmed` positions (what every row rejected)."""
@@ -87,11 +93,12 @@ class RowKVCache(BatchKVCache):
     def _view(self, end: int) -> int:
         return padded(end) if self.bounded else end
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        start, end = self._idx, self._idx + keys.shape[2]
+    def reserve(self, end: int, keys: mx.array, values: mx.array) -> int:
+        """Grow the buffers by whole steps so a pass ending at `end` fits with its view
+        (`keys`/`values` give the shape and dtype of new rows); returns the view's length."""
         have = 0 if self.keys is None else self.keys.shape[2]
         view = self._view(end)
-        if view > have:  # grow to whole steps (the padded view always fits)
+        if view > have:
             b, heads, _, kd = keys.shape
             grow = padded(end) - have
             extra_k = mx.zeros((b, heads, grow, kd), keys.dtype)
@@ -99,6 +106,11 @@ class RowKVCache(BatchKVCache):
             self.keys = extra_k if self.keys is None else mx.concatenate([self.keys, extra_k], 2)
             self.values = extra_v if self.values is None else \
                 mx.concatenate([self.values, extra_v], 2)
+        return view
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        start, end = self._idx, self._idx + keys.shape[2]
+        view = self.reserve(end, keys, values)
         self.keys[..., start:end, :] = keys
         self.values[..., start:end, :] = values
         self._idx = end
@@ -107,13 +119,9 @@ class RowKVCache(BatchKVCache):
     def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> mx.array:
         end = self._idx + N
         causal = create_causal_mask(N, offset=self._idx, **kwargs)
-        valid = self.holes.valid
-        assert valid is not None and valid.shape[1] == end
-        mask = causal & valid[:, None, None, :]
-        view = self._view(end)
-        if view > end:
-            mask = mx.concatenate([mask, mx.zeros((*mask.shape[:3], view - end), mx.bool_)], 3)
-        return mask
+        valid = self.holes.over(self._view(end))
+        causal = mx.pad(causal, [(0, 0), (0, valid.shape[1] - end)])
+        return causal & valid[:, None, None, :]
 
 
 def settle(caches: list[Any], holes: Holes, keep: mx.array, width: int, trimmed: int) -> None:

@@ -10,12 +10,16 @@ row then drafts K from its best source (context drafts where its text offers som
 expected to keep more, else the head's), or a plain step where it has neither. Every row
 commits at least one token per pass, so none starves.
 
-The cost of a (B, K) round is measured, not assumed: each round's wall time is kept per
-shape, and until a shape has MIN_OBSERVED rounds its cost is the single-sequence curve's
-(decoder/curve.py) scaled by what rounds of that batch size cost against the curve so far
-(`tune --batch` measures the grid up front: decoder/costs.py). Where no depth beats plain
-steps by MARGIN the batch decodes plain for a stretch, then probes depth 1 (the stretch
-doubling while the probes lose, as for one sequence).
+The cost of a (B, K) round is measured, not assumed: a batch's attention and matmuls over
+B x (K + 1) rows do not scale like one sequence's K + 1 rows (on the H200's 8B oracle, depth-3
+rounds of 8 rows lost to plain rounds of 8 under the single-sequence curve's scaling). Each
+round's wall time is kept per shape (median of the last WINDOW), and the first rounds of each
+batch size explore depths 0..EXPLORE (MIN_OBSERVED rounds each) so that plain and shallow
+rounds are timed at that size too; a deeper shape not yet timed is priced by extending the
+two deepest timed ones linearly in K. The timings live on the runner (`Runner.batch_paid`):
+every batch a runner decodes, and every server's, learns from the ones before. Where no depth
+beats plain steps by MARGIN the batch decodes plain for a stretch, then probes depth 1 (the
+stretch doubling while the probes lose, as for one sequence).
 """
 
 from __future__ import annotations
@@ -34,44 +38,50 @@ from mtpkit.decoder.session import RoundOutcome
 if TYPE_CHECKING:
     from mtpkit.decoder.scheduler import Request
 
+EXPLORE = 3  # depths timed at each batch size before any is chosen (deeper ones extend them)
+
 
 @dataclass
 class BatchPolicy:
     """The batch's depth per round, from measured (B, K) round costs and every row's own
-    acceptance. `measured`: costs timed up front per (rows, depth) (tune --batch)."""
+    acceptance. `paid`: the round times seen so far (shared through the runner)."""
 
     curve: CostCurve
     max_depth: int
-    measured: dict[tuple[int, int], float] = field(default_factory=dict)
-    paid: dict[tuple[int, int], deque] = field(default_factory=dict)
+    paid: dict[tuple[int, int], deque] = field(default_factory=dict)  # (rows, depth) -> s
     stretch: int = MIN_STRETCH
     plain_left: int = 0
     chosen: dict[int, int] = field(default_factory=dict)  # depth -> rounds
 
     def cost(self, rows: int, depth: int) -> float:
-        """Seconds for a round of `rows` rows at `depth` drafts."""
-        seen = self.paid.get((rows, depth))
-        if seen is not None and len(seen) >= MIN_OBSERVED:
-            return statistics.median(seen)
-        if (rows, depth) in self.measured:
-            return self.measured[(rows, depth)]
-        return self._single(depth) * self._scale(rows)
+        """Seconds for a round of `rows` rows at `depth` drafts: the median paid where timed,
+        else extended from the deepest timed depths at this size, else the single-sequence
+        curve (nothing timed at this size yet)."""
+        timed = self._timed(rows)
+        if depth in timed:
+            return timed[depth]
+        below = sorted(k for k in timed if k < depth)
+        if len(below) >= 2:
+            a, b = below[-2], below[-1]
+            step = max((timed[b] - timed[a]) / (b - a), 0.0)
+            return timed[b] + step * (depth - b)
+        return self._single(depth)
+
+    def _timed(self, rows: int) -> dict[int, float]:
+        return {k: statistics.median(seen) for (b, k), seen in self.paid.items()
+                if b == rows and len(seen) >= MIN_OBSERVED}
 
     def _single(self, depth: int) -> float:
         """One sequence's round at `depth` on the curve (depth 0: one step through the verify
         path, as a batch's plain rows take it)."""
         return self.curve.verify[0] if depth == 0 else self.curve.round_cost(depth)
 
-    def _scale(self, rows: int) -> float:
-        """What rounds of `rows` rows paid against the single-sequence curve (median over
-        every shape seen at that size; else the nearest smaller size seen; else 1)."""
-        for size in range(rows, 0, -1):
-            ratios = [t / self._single(k) for (b, k), seen in self.paid.items() if b == size
-                      for t in seen]
-            ratios += [t / self._single(k) for (b, k), t in self.measured.items() if b == size]
-            if ratios:
-                return statistics.median(ratios)
-        return 1.0
+    def _explore(self, rows: int) -> int | None:
+        """A depth up to EXPLORE not yet timed MIN_OBSERVED times at this size, if any."""
+        for depth in range(min(EXPLORE, self.max_depth) + 1):
+            if len(self.paid.get((rows, depth), ())) < MIN_OBSERVED:
+                return depth
+        return None
 
     def expected(self, requests: list[Request], depth: int) -> float:
         """The batch's expected committed tokens in a round at `depth`."""
@@ -93,6 +103,8 @@ class BatchPolicy:
             self.plain_left -= 1
             return 1 if self.plain_left == 0 else 0  # the stretch's last round probes
         rows = len(requests)
+        if (explore := self._explore(rows)) is not None:
+            return explore
         plain = self.expected(requests, 0) / self.cost(rows, 0)
         rate, depth = max((self.expected(requests, k) / self.cost(rows, k), k)
                           for k in range(1, self.max_depth + 1))

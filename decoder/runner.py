@@ -139,6 +139,7 @@ class Runner:
         self.root, self.load_options = root, load_options or {}
         self._costs: CostCurve | None = None
         self.paid = PaidCosts()  # what rounds and plain steps really cost here (policy.py)
+        self.batch_paid: dict = {}  # what a batch's rounds cost, by (rows, depth): batch_policy.py
 
     def costs(self, refresh: bool = False, progress: Progress | None = None) -> CostCurve:
         """This machine's cost curve for this runner (measured once, cached per bundle).
@@ -146,6 +147,7 @@ class Runner:
         if self._costs is None or refresh:
             self._costs = costs_for(self, refresh, progress)
             self.paid = PaidCosts()
+            self.batch_paid.clear()  # (in place: schedulers made before share it)
         return self._costs
 
     def draft_source(self, depth: Depth, draft: str | None) -> Source:
@@ -268,7 +270,8 @@ class Runner:
         (prompt index, Piece) as text is committed; each prompt's last piece carries its
         Result. `options` apply to every prompt, `each[i]` (max_tokens included) to prompt i
         only."""
-        scheduler = Scheduler(Batch(self.trunk, self.head), batch_option(max_batch))
+        scheduler = Scheduler(Batch(self.trunk, self.head), batch_option(max_batch),
+                              self.batch_paid)
         asks = [options | {"max_tokens": max_tokens} | (dict(each[i]) if each else {})
                 for i in range(len(prompts))]
         requests = [self.prepare(p, **a) for p, a in zip(prompts, asks, strict=True)]

@@ -70,9 +70,13 @@ class Scheduler:
     another arrives; then it ends any plain stretch (its queued step committed) and joins the
     batch at the next clean point, and the newcomer's prefill starts."""
 
-    def __init__(self, batch: Batch, max_batch: int, policy: BatchPolicy | None = None,
+    def __init__(self, batch: Batch, max_batch: int, paid: dict | None = None,
                  solo: bool = True) -> None:
-        self.batch, self.max_batch, self.policy = batch, max_batch, policy
+        """paid: round times by (rows, depth), shared by the batches of one runner (its
+        `batch_paid`), for the batch policy under auto."""
+        self.batch, self.max_batch = batch, max_batch
+        self.policy: BatchPolicy | None = None
+        self.paid = {} if paid is None else paid
         self.waiting: deque[Request] = deque()
         self.filling: tuple[Request, Iterator[int | None]] | None = None
         self.active: list[Request] = []
@@ -85,7 +89,8 @@ class Scheduler:
         policy its curve."""
         request.started = time.perf_counter()
         if request.policy is not None and self.policy is None:
-            self.policy = BatchPolicy(request.policy.curve, request.policy.max_depth)
+            self.policy = BatchPolicy(request.policy.curve, request.policy.max_depth,
+                                      paid=self.paid)
         self.waiting.append(request)
 
     def __bool__(self) -> bool:

@@ -26,6 +26,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
+from mtpkit.decoder.batch_cache import RowKVCache
 from mtpkit.decoder.caches import arrays, traceable
 from mtpkit.decoder.shapes import PaddedKVCache
 from mtpkit.loaders.families import SELECTING_MASK
@@ -72,6 +73,32 @@ class _TracedCache:
         return self.keys, self.values
 
 
+class _TracedRows(_TracedCache):
+    """Stands in for one RowKVCache (decoder/batch_cache.py) inside a trace: a batch's rows
+    are written at one physical position `start`, each row keeps its own RoPE `offset` (B,),
+    and the mask adds the holes (`valid`, (B, buffer), an input of the trace)."""
+
+    def __init__(self, keys: mx.array, values: mx.array, offset: mx.array, start: mx.array,
+                 positions: mx.array, valid: mx.array, selecting: bool) -> None:
+        super().__init__(keys, values, offset, positions, selecting)
+        self.start, self.valid = start, valid
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.keys = mx.slice_update(self.keys, keys, self.start[None], axes=(2,))
+        self.values = mx.slice_update(self.values, values, self.start[None], axes=(2,))
+        return self.keys, self.values
+
+    def make_mask(self, n: int, return_array: bool = False,
+                  window_size: int | None = None) -> mx.array:
+        if window_size is not None:
+            raise NotImplementedError("sliding-window attention is not traced")
+        seen = self.positions[None] <= self.start + self.positions[:n, None]
+        seen = seen[None, None] & self.valid[:, None, None, :]
+        if self.selecting:
+            return seen
+        return mx.where(seen, mx.array(0, self.keys.dtype), mx.array(-mx.inf, self.keys.dtype))
+
+
 class TracedPasses:
     """The trunk's verify passes through `mx.compile`d functions, one per recording mode (MLX
     keeps a trace per input shape, with the weights it saw: make this after the trunk's modules
@@ -83,6 +110,8 @@ class TracedPasses:
         self.selecting = getattr(trunk.args, "model_type", "") in SELECTING_MASK
         self._fns = {record: mx.compile(functools.partial(self._forward, record))
                      for record in (False, True)}
+        self._rows = mx.compile(self._forward_rows)
+        self.rows_broken = False
         self._layout: list[int] = []  # per cache: 0 for attention, else its state count
         self._slots: list[int] = []  # per recorder: its cache's index among the recurrent ones
 
@@ -150,4 +179,41 @@ class TracedPasses:
                 per = [rest[i:i + states] for i in range(0, tokens.shape[1] * states, states)]
                 recorder.adopt(recurrent[slot], per)
                 rest = rest[tokens.shape[1] * states:]
+        return hidden, logits
+
+    # -- a batch's passes (decoder/batch.py) ------------------------------------------------
+
+    def _forward_rows(self, tokens: mx.array, start: mx.array, offset: mx.array,
+                      positions: mx.array, valid: mx.array, *buffers: mx.array
+                      ) -> tuple[mx.array, ...]:
+        caches = [_TracedRows(buffers[i], buffers[i + 1], offset, start, positions, valid,
+                              self.selecting) for i in range(0, len(buffers), 2)]
+        hidden, logits = self.trunk.forward(tokens, caches)
+        return (hidden, logits, *[a for c in caches for a in (c.keys, c.values)])
+
+    def run_rows(self, tokens: mx.array, cache: list[Any], holes: Any
+                 ) -> tuple[mx.array, mx.array] | None:
+        """A batch's verify pass (tokens (B, T)) traced: (hidden, logits) of every row, the
+        buffers written and advanced by T (offsets and holes are the batch's to settle);
+        None where the caches are not all a batch's attention caches (recurrent layers step
+        their recording outside a trace)."""
+        if (self.rows_broken or not cache or not all(type(c) is RowKVCache for c in cache)
+                or any(c.keys is None for c in cache)
+                or len({(c._idx, c.keys.shape[2]) for c in cache}) != 1):
+            return None
+        first = cache[0]
+        start, end = first._idx, first._idx + tokens.shape[1]
+        view = 0
+        for c in cache:
+            view = c.reserve(end, c.keys, c.values)
+        buffers = [a[..., :view, :] for c in cache for a in (c.keys, c.values)]
+        try:
+            out = self._rows(tokens, mx.array(start, mx.int32), first.offset.astype(mx.int32),
+                             _positions(view), holes.over(view), *buffers)
+        except (NotImplementedError, ValueError, TypeError, RuntimeError):
+            self.rows_broken = True
+            return None
+        hidden, logits, *rest = out
+        for i, c in enumerate(cache):
+            c.keys, c.values, c._idx = rest[2 * i], rest[2 * i + 1], end
         return hidden, logits
