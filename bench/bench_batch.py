@@ -176,9 +176,11 @@ def oracle_bench(args: argparse.Namespace) -> dict:
     out: dict[str, Any] = {"curve": runner._costs.to_dict(), "rates": RATES, "streams": {}}
     for n in [int(s) for s in args.streams.split(",")]:
         prompts = [[(13 * i + 7 + 101 * s) % vocab for i in range(PROMPT)] for s in range(n)]
-        ours(runner, prompts, 16, "auto")  # warm-up, each arm
-        ours(plain_runner, prompts, 16, 0)
-        theirs(model, prompts, 16)
+        # warm-up, each arm at full length: every traced shape compiled once, and the batch
+        # policy's round timings at this size learned, as a running server has them
+        ours(runner, prompts, args.tokens, "auto")
+        ours(plain_runner, prompts, args.tokens, 0)
+        theirs(model, prompts, args.tokens)
         arms: dict[str, list[dict]] = {"mtp_auto": [], "plain": [], "mlx_lm": []}
         if n == 1:
             arms["single_auto"] = []

@@ -15,9 +15,11 @@ B x (K + 1) rows do not scale like one sequence's K + 1 rows (on the H200's 8B o
 rounds of 8 rows lost to plain rounds of 8 under the single-sequence curve's scaling). Each
 round's wall time is kept per shape (median of the last WINDOW), and the first rounds of each
 batch size explore depths 0..EXPLORE (MIN_OBSERVED rounds each) so that plain and shallow
-rounds are timed at that size too; a deeper shape not yet timed is priced by extending the
-two deepest timed ones linearly in K. The timings live on the runner (`Runner.batch_paid`):
-every batch a runner decodes, and every server's, learns from the ones before. Where no depth
+rounds are timed at that size too; one depth beyond the deepest timed is a candidate, priced
+by extending the two deepest timed ones linearly in K (so the policy climbs one untimed depth
+at a time, never jumping to a deep shape on an extrapolation). The timings live on the runner
+(`Runner.batch_paid`): every batch a runner decodes, and every server's, learns from the ones
+before. Where no depth
 beats plain steps by MARGIN the batch decodes plain for a stretch, then probes depth 1 (the
 stretch doubling while the probes lose, as for one sequence).
 """
@@ -106,8 +108,9 @@ class BatchPolicy:
         if (explore := self._explore(rows)) is not None:
             return explore
         plain = self.expected(requests, 0) / self.cost(rows, 0)
+        deepest = min(max(self._timed(rows)) + 1, self.max_depth)  # climb one untimed depth
         rate, depth = max((self.expected(requests, k) / self.cost(rows, k), k)
-                          for k in range(1, self.max_depth + 1))
+                          for k in range(1, deepest + 1))
         if rate < MARGIN * plain:
             self.plain_left, self.stretch = self.stretch, min(2 * self.stretch, MAX_STRETCH)
             return 0

@@ -321,7 +321,7 @@ def test_traced_batch_passes_decode_the_same(monkeypatch: pytest.MonkeyPatch) ->
 def test_the_batch_policy_times_each_depth_and_drops_a_losing_one() -> None:
     """A single-sequence curve that makes drafts look free, rows that keep 90% of their drafts,
     and a batch whose rounds really cost 3 plain rounds per draft: the policy times depths 0 to
-    EXPLORE first, then decodes plain; where drafts are cheap it goes deep."""
+    EXPLORE first, then decodes plain; where drafts are cheap it climbs to the deepest."""
     from types import SimpleNamespace
 
     from mtpkit.decoder.batch_policy import EXPLORE, BatchPolicy
@@ -342,7 +342,7 @@ def test_the_batch_policy_times_each_depth_and_drops_a_losing_one() -> None:
     for per_draft, want in ((3.0, 0), (0.02, 8)):
         policy, batch = BatchPolicy(curve, 8), rows()
         chosen = []
-        for _ in range((EXPLORE + 1) * MIN_OBSERVED + 5):
+        for _ in range((EXPLORE + 1) * MIN_OBSERVED + 30):  # deeper depths: one at a time
             depth = policy.depth(batch)
             chosen.append(depth)
             policy.observe(4, [SimpleNamespace(depth=depth, paid_s=0.01 * (1 + per_draft * depth))])
