@@ -60,10 +60,14 @@ class _TracedCache:
                   window_size: int | None = None) -> mx.array:
         if window_size is not None:
             raise NotImplementedError("sliding-window attention is not traced")
-        seen = self.positions[None] <= self.offset + self.positions[:n, None]
+        seen = self.seen(n)
         if self.selecting:
             return seen
         return mx.where(seen, mx.array(0, self.keys.dtype), mx.array(-mx.inf, self.keys.dtype))
+
+    def seen(self, n: int) -> mx.array:
+        """Which keys each of the pass's n rows may attend to (bool)."""
+        return self.positions[None] <= self.offset + self.positions[:n, None]
 
     def is_trimmable(self) -> bool:
         return True
@@ -88,15 +92,9 @@ class _TracedRows(_TracedCache):
         self.values = mx.slice_update(self.values, values, self.start[None], axes=(2,))
         return self.keys, self.values
 
-    def make_mask(self, n: int, return_array: bool = False,
-                  window_size: int | None = None) -> mx.array:
-        if window_size is not None:
-            raise NotImplementedError("sliding-window attention is not traced")
-        seen = self.positions[None] <= self.start + self.positions[:n, None]
-        seen = seen[None, None] & self.valid[:, None, None, :]
-        if self.selecting:
-            return seen
-        return mx.where(seen, mx.array(0, self.keys.dtype), mx.array(-mx.inf, self.keys.dtype))
+    def seen(self, n: int) -> mx.array:
+        causal = self.positions[None] <= self.start + self.positions[:n, None]
+        return causal[None, None] & self.valid[:, None, None, :]
 
 
 class TracedPasses:

@@ -62,6 +62,18 @@ def _alone(runner: Runner, prompts: list[list[int]], each: list[dict[str, Any]])
     return [runner.generate(p, **e) for p, e in zip(prompts, each, strict=True)]
 
 
+def _streamed(runner: Runner, prompts: list[list[int]], each: list[dict[str, Any]],
+              max_batch: int) -> tuple[list[int], list[Any]]:
+    """Which prompt each streamed piece belonged to, in order, and every prompt's Result."""
+    order: list[int] = []
+    results: list[Any] = [None] * len(prompts)
+    for i, piece in runner.stream_batch(prompts, max_batch=max_batch, each=each):
+        order.append(i)
+        if piece.result is not None:
+            results[i] = piece.result
+    return order, results
+
+
 def _same(alone: Any, batched: Any) -> None:
     assert batched.tokens == alone.tokens
     for name in ("verify_calls", "proposed", "accepted", "bonus", "corrections"):
@@ -87,12 +99,7 @@ def test_every_row_decodes_as_alone(runners: Callable[[str], Runner], family: st
             or e["depth"] == 0]  # the llama fixture has no head
     prompts = PROMPTS[:len(each)]
     alone = _alone(runner, prompts, each)
-    order: list[int] = []
-    batched: list[Any] = [None] * len(prompts)
-    for i, piece in runner.stream_batch(prompts, max_batch=3, each=each):
-        order.append(i)
-        if piece.result is not None:
-            batched[i] = piece.result
+    order, batched = _streamed(runner, prompts, each, max_batch=3)
     for a, b in zip(alone, batched, strict=True):
         _same(a, b)
     if len(prompts) > 3:  # the fourth joined after a row left, mid-way through the others
@@ -110,12 +117,7 @@ def test_a_long_prompt_joins_in_chunks_between_rounds(runners: Callable[[str], R
     each = [{"depth": 0 if family == "llama" else 2, "max_tokens": 30},
             {"depth": 0, "max_tokens": 12}, {"depth": 3, "draft": "lookup", "max_tokens": 30}]
     alone = _alone(runner, prompts, each)
-    order = []
-    batched: list[Any] = [None] * 3
-    for i, piece in runner.stream_batch(prompts, max_batch=4, each=each):
-        order.append(i)
-        if piece.result is not None:
-            batched[i] = piece.result
+    order, batched = _streamed(runner, prompts, each, max_batch=4)
     for a, b in zip(alone, batched, strict=True):
         _same(a, b)
     # the long prompt's chunks (more where recurrent caches take bounded pieces): the first
