@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from mtpkit.decoder import acceptance
-from mtpkit.decoder.batch_cache import Holes, batched, commit_rows, drop, join, keep_rows, settle
-from mtpkit.decoder.drafts import Draft
+from mtpkit.decoder.batch_cache import Holes, RowKVCache, batched, commit_rows, drop, join, keep_rows, settle
+from mtpkit.decoder.drafts import Draft, widened
 from mtpkit.decoder.head import MTPHead
 from mtpkit.decoder.options import Source
 from mtpkit.decoder.recording import recorded
@@ -100,7 +100,7 @@ class Batch:
             seen: set[int] = set()
             for i, c in enumerate(rows):
                 h = holes[0 if shared else i]
-                if hasattr(c, "holes") and id(h) not in seen:
+                if isinstance(c, RowKVCache) and id(h) not in seen:
                     seen.add(id(h))
                     h.join(1, c._idx, 0, c._idx)
             return rows
@@ -133,7 +133,7 @@ class Batch:
     def _arrays(self) -> list[mx.array]:
         out = [h.valid for h in [self.holes, *self.mtp_holes] if h.valid is not None]
         for c in (self.cache or []) + (self.mtp_cache or []):
-            out += [a for a in (c.state if hasattr(c, "holes") else c.cache)
+            out += [a for a in (c.state if isinstance(c, RowKVCache) else c.cache)
                     if isinstance(a, mx.array)]
         return out
 
@@ -146,7 +146,7 @@ class Batch:
         owed = [s.owed[1].shape[1] if s.owed is not None else 0 for s in self.rows]
         drafts = self._drafts(asks)
         width = max(d.depth + 1 for d in drafts)
-        verify = mx.concatenate([_padded_tokens(d.tokens, width) for d in drafts])
+        verify = mx.concatenate([widened(d.tokens, width) for d in drafts])
         real = mx.array([d.depth + 1 for d in drafts])
         self.holes.open(real, width)
         recorders, passes = self.trunk.recorders, self.trunk.passes
@@ -157,8 +157,7 @@ class Batch:
                                                  mx.array([d.depth for d in drafts]))
         for b, (d, s) in enumerate(zip(drafts, self.rows, strict=True)):
             if d.rule is not None:  # a sampled row: its own law and noise
-                verdicts = mx.where((mx.arange(len(drafts)) == b)[:, None],
-                                    judge(d, logits[b], s.params)[None], verdicts)
+                verdicts = _put(verdicts, b, judge(d, logits[b], s.params))
         # the round's one host read: every row's drafts, kept count and emitted token
         read = mx.concatenate([verify[:, 1:].astype(mx.int32).reshape(-1),
                                verdicts.reshape(-1)]).tolist()
@@ -259,14 +258,7 @@ class Batch:
         return mx.concatenate(out_tokens, axis=1), laws
 
 
-def _padded_tokens(tokens: mx.array, width: int) -> mx.array:
-    """(1, n) tokens right-padded to width by repeating the last (never attended to)."""
-    extra = width - tokens.shape[1]
-    if extra <= 0:
-        return tokens
-    return mx.concatenate([tokens] + [tokens[:, -1:]] * extra, axis=1)
-
-
 def _put(a: mx.array, index: int, value: mx.array) -> mx.array:
-    """a with a[index] = value (lazily)."""
-    return mx.where(mx.arange(a.shape[0]) == index, value.astype(a.dtype), a)
+    """a with row `index` replaced by `value` (lazily)."""
+    row = (mx.arange(a.shape[0]) == index).reshape(-1, *[1] * (a.ndim - 1))
+    return mx.where(row, value.astype(a.dtype), a)

@@ -124,26 +124,27 @@ class RowKVCache(BatchKVCache):
         return causal & valid[:, None, None, :]
 
 
-def settle(caches: list[Any], holes: Holes, keep: mx.array, width: int, trimmed: int) -> None:
-    """After a pass of `width` positions: row b keeps its first keep[b] (its RoPE offset moves
-    by that much), and the buffers' tail drops `trimmed` (what every row rejected)."""
+def _move(caches: list[Any], by: mx.array | int, trimmed: int) -> None:
+    """Every batch attention cache's RoPE offsets moved by `by` (one op for every layer: the
+    offsets are equal) and its buffer's tail shortened by `trimmed`."""
     rows = [c for c in caches if isinstance(c, RowKVCache)]
     if rows:
-        offset = rows[0].offset + keep  # one op for every layer: the offsets are equal
+        offset = rows[0].offset + by
         for c in rows:
             c.offset = offset
             c._idx -= trimmed
+
+
+def settle(caches: list[Any], holes: Holes, keep: mx.array, width: int, trimmed: int) -> None:
+    """After a pass of `width` positions: row b keeps its first keep[b] (its RoPE offset moves
+    by that much), and the buffers' tail drops `trimmed` (what every row rejected)."""
+    _move(caches, keep, trimmed)
     holes.close(keep, width, trimmed)
 
 
 def drop(caches: list[Any], holes: Holes, count: int) -> None:
     """The last `count` positions of every row leave (the head's chained drafts)."""
-    rows = [c for c in caches if isinstance(c, RowKVCache)]
-    if rows:
-        offset = rows[0].offset - count
-        for c in rows:
-            c.offset = offset
-            c._idx -= count
+    _move(caches, -count, count)
     assert holes.valid is not None
     holes.valid = holes.valid[:, :holes.valid.shape[1] - count]
 

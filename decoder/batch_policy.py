@@ -55,11 +55,11 @@ class BatchPolicy:
     plain_left: int = 0
     chosen: dict[int, int] = field(default_factory=dict)  # depth -> rounds
 
-    def cost(self, rows: int, depth: int) -> float:
+    def cost(self, rows: int, depth: int, timed: dict[int, float] | None = None) -> float:
         """Seconds for a round of `rows` rows at `depth` drafts: the median paid where timed,
         else extended from the deepest timed depths at this size, else the single-sequence
-        curve (nothing timed at this size yet)."""
-        timed = self._timed(rows)
+        curve (nothing timed at this size yet). `timed`: _timed(rows), if already at hand."""
+        timed = self._timed(rows) if timed is None else timed
         if depth in timed:
             return timed[depth]
         below = sorted(k for k in timed if k < depth)
@@ -107,9 +107,10 @@ class BatchPolicy:
         rows = len(requests)
         if (explore := self._explore(rows)) is not None:
             return explore
-        plain = self.expected(requests, 0) / self.cost(rows, 0)
-        deepest = min(max(self._timed(rows)) + 1, self.max_depth)  # climb one untimed depth
-        rate, depth = max((self.expected(requests, k) / self.cost(rows, k), k)
+        timed = self._timed(rows)  # (explored: depths 0..EXPLORE are in it)
+        plain = self.expected(requests, 0) / self.cost(rows, 0, timed)
+        deepest = min(max(timed) + 1, self.max_depth)  # climb one untimed depth
+        rate, depth = max((self.expected(requests, k) / self.cost(rows, k, timed), k)
                           for k in range(1, deepest + 1))
         if rate < MARGIN * plain:
             self.plain_left, self.stretch = self.stretch, min(2 * self.stretch, MAX_STRETCH)

@@ -41,3 +41,10 @@ def chain(draft: Draft, more: list[int]) -> Draft:
     q = None if draft.q is None else Candidates.concat([draft.q, Candidates.one_hot(more, draft.q)])
     return replace(draft, tokens=mx.concatenate([draft.tokens, mx.array([more])], axis=1), q=q,
                    source=Source.CHAIN)
+
+
+def widened(tokens: mx.array, width: int) -> mx.array:
+    """A draft's (1, n) tokens right-padded to `width` by repeating the last: padding rows are
+    verified like rejected drafts and never kept."""
+    extra = width - tokens.shape[1]
+    return tokens if extra <= 0 else mx.concatenate([tokens] + [tokens[:, -1:]] * extra, axis=1)

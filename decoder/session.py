@@ -24,7 +24,7 @@ import numpy as np
 
 from mtpkit.decoder import acceptance
 from mtpkit.decoder.caches import FrozenHidden, freeze, snapshot, trim, trimmable
-from mtpkit.decoder.drafts import Draft
+from mtpkit.decoder.drafts import Draft, widened
 from mtpkit.decoder.head import MTPHead
 from mtpkit.decoder.lookup import ContextIndex
 from mtpkit.decoder.options import Source
@@ -383,9 +383,7 @@ class Session:
         owed = self.owed[1].shape[1] if self.owed is not None else 0
         tokens, depth = draft.tokens, draft.depth
         width = max(width or 0, depth + 1)
-        verify = tokens
-        if width > depth + 1:
-            verify = mx.concatenate([tokens] + [tokens[:, -1:]] * (width - depth - 1), axis=1)
+        verify = widened(tokens, width)
         saved = snapshot(self.cache)
         hidden, logits = self.trunk(verify, self.cache, real=depth + 1,
                                     record=bool(self.recorders))
