@@ -16,6 +16,7 @@ import click
 from mtpkit import __version__
 from mtpkit.convert.sidecar import POLICIES, SidecarOptions
 from mtpkit.convert.trunk import MODES, RECIPES, QuantOptions, parse_override
+from mtpkit.decoder.options import DTYPES as DTYPE_NAMES
 from mtpkit.verify import doctor as doctor_mod
 
 EXAMPLES_CONVERT = """
@@ -107,6 +108,10 @@ DRAFT_HELP = ("Draft source: the MTP head, the context (tokens that followed an 
               "depth, lookup for a bundle without a head.")
 
 
+DTYPES = click.Choice(DTYPE_NAMES)
+DTYPE_HELP = ("auto: the bundle's own float dtype, or float32 where that is clearly faster (MLX's "
+              "CPU backend) and fits; said on stderr. float32 also keeps greedy output identical "
+              "to plain decoding at near-ties.")
 KEEP_QUANTIZED_HELP = ("Run a quantized bundle's quantized matmuls as mlx-lm does (on MLX's CPU "
                       "backend they run dequantized by default: faster, but greedy text can "
                       "differ from mlx-lm's on the same bundle).")
@@ -330,9 +335,7 @@ def convert(src: str, out: Path, quantize: bool, q_bits: int | None, q_group_siz
 @click.option("--top-k", type=click.IntRange(0), default=0)
 @click.option("--min-p", type=click.FloatRange(0, 1), default=0.0)
 @click.option("--seed", type=int, help="Make sampling reproducible.")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
-              help="Cast weights (float32: verify passes round like single steps, so greedy "
-                   "output stays identical to plain even at near-ties).")
+@click.option("--dtype", type=DTYPES, default="auto", show_default=True, help=DTYPE_HELP)
 @click.option("--keep-quantized", is_flag=True, help=KEEP_QUANTIZED_HELP)
 @click.option("--rollback", type=click.Choice(["record", "replay"]), default="record",
               show_default=True, help="How linear-attention state returns to the last kept "
@@ -356,7 +359,7 @@ def generate(bundle: str, prompt: str, raw: bool, max_tokens: int, depth: str | 
     from mtpkit.decoder.interrupt import first_ctrl_c
     from mtpkit.decoder.runner import load, numerics_note
     from mtpkit.verify.run import depths_text
-    from mtpkit.verify.tune import progress_bar
+    from mtpkit.verify.tune import progress_bar, reference_bar
 
     with _user_errors("OUT"):
         runner = lead(load(bundle, "auto" if not keep_quantized else False, dtype=dtype,
@@ -377,7 +380,8 @@ def generate(bundle: str, prompt: str, raw: bool, max_tokens: int, depth: str | 
             runner.costs(progress=progress_bar())
         # the warm-up (--compare) runs at the deepest depth
         deepest = runner.policy(depth, source)[0]
-        plain = baseline(runner, ids, max_tokens, deepest, **sampling) if compare else None
+        plain = baseline(runner, ids, max_tokens, deepest, reference_bar(max_tokens),
+                         **sampling) if compare else None
         result = None
         interrupted = threading.Event()
         with first_ctrl_c(interrupted.set):  # ends between rounds: sharded ranks stay in step
@@ -424,8 +428,8 @@ def generate(bundle: str, prompt: str, raw: bool, max_tokens: int, depth: str | 
 @click.argument("bundle")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document (tune schema).")
 @click.option("--refresh", is_flag=True, help="Measure again even when the cache has the curve.")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
-              help="Cast the weights as generate/serve --dtype do (each has its own curve).")
+@click.option("--dtype", type=DTYPES, default="auto", show_default=True,
+              help="Cast the weights as generate/serve --dtype do (each dtype has its own curve).")
 def tune(bundle: str, as_json: bool, refresh: bool, dtype: str | None) -> None:
     """Measure (or read the cached) cost curve --depth auto decides by, for BUNDLE here."""
     from mtpkit.decoder.runner import load
@@ -458,7 +462,8 @@ def tune(bundle: str, as_json: bool, refresh: bool, dtype: str | None) -> None:
 @click.option("--mtp-bits", type=click.IntRange(2, 8), default=4, show_default=True)
 @click.option("--mtp-group-size", type=click.Choice(["32", "64", "128"]), default="64",
               show_default=True)
-@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists, and graft over an MTP "
+              "head BUNDLE already has (refused otherwise: graft.has_head).")
 @click.pass_context
 def graft(ctx: click.Context, bundle: str, out: Path, corpus: tuple[Path, ...],
           steps: int | None, minutes: float | None, seq_len: int, batch: int,
@@ -553,7 +558,7 @@ the final chunk carries usage with MTP statistics), POST /v1/messages (Anthropic
               help=DRAFT_HELP + " Requests may name their own (\"mtp_draft\").")
 @click.option("--max-tokens", type=click.IntRange(1, 1 << 16), default=4096, show_default=True,
               help="Ceiling on any request's max_tokens.")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]))
+@click.option("--dtype", type=DTYPES, default="auto", show_default=True, help=DTYPE_HELP)
 @click.option("--keep-quantized", is_flag=True, help=KEEP_QUANTIZED_HELP)
 @click.option("--cache-gb", type=click.FloatRange(0), default=2.0, show_default=True,
               help="Memory bound of the prefix cache (prompt states reused by the prompts that "
@@ -647,9 +652,8 @@ Exit codes: 0 every check passed, 1 a check failed or a floor was not met, 2 bad
 @click.option("--min-speedup", type=click.FloatRange(0), help="Fail below this MTP speedup.")
 @click.option("--timeout", type=click.FloatRange(0.1), default=60.0, show_default=True,
               help="Seconds an endpoint may stay silent before it counts as stalled.")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
-              help="Local bundles: cast the weights (bf16 verify passes can flip near-ties, "
-                   "so float32 is the exactness proof).")
+@click.option("--dtype", type=DTYPES, default="auto", show_default=True,
+              help="Local bundles: " + DTYPE_HELP)
 @click.option("--report", "report_path", type=click.Path(path_type=Path), help="Also write the "
               "run as one self-contained HTML page with charts (written even when checks fail).")
 @click.option("--compare", type=click.Path(path_type=Path), metavar="EARLIER.json",
@@ -706,8 +710,12 @@ def verify_run(bundle: str | None, endpoint: str | None, api_key: str | None, as
                                       depth=depth_opt, loads=chosen, min_accept=min_accept,
                                       min_speedup=min_speedup, draft=draft)
         # the cost curve before any timed request: no run's TTFT pays for measuring it
-        costs = target.costs(depth_opt, progress_bar()) if view is not None else None
         stopped = threading.Event()
+        try:
+            costs = target.costs(depth_opt, progress_bar()) if view is not None else None
+        except KeyboardInterrupt:  # nothing measured yet: the report says so, marked incomplete
+            costs = None
+            stopped.set()
         with first_ctrl_c(stopped.set):  # the first Ctrl-C ends after the request in flight
             report = run(target, facts, options, progress=lambda s: click.echo(
                 f"verify-run: {s}", err=True), stop=stopped.is_set, costs=costs)

@@ -6,6 +6,7 @@ decode window (never chunks per second), so the ratio is the honest one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,12 +36,23 @@ class Comparison:
                 "tokens_identical": self.identical}
 
 
+Told = Callable[[int, int], None]  # (tokens decoded, of at most) of the reference run
+
+
 def baseline(runner: Runner, prompt: Prompt, max_tokens: int, depth: int,
-             **sampling: Any) -> Result:
-    """Warm up plain and MTP decoding, then run plain decoding: the reference for `depth`."""
+             progress: Told | None = None, **sampling: Any) -> Result:
+    """Warm up plain and MTP decoding, then run plain decoding: the reference for `depth`.
+    progress: told as the reference run's tokens come (it can take many seconds, silently)."""
     for d in (0, depth):
         runner.generate(prompt, WARMUP_TOKENS, depth=d, **sampling)
-    return runner.generate(prompt, max_tokens, depth=0, **sampling)
+    done = 0
+    for piece in runner.stream(prompt, max_tokens, depth=0, **sampling):
+        done += len(piece.tokens)
+        if progress is not None:
+            progress(done, max_tokens)
+        if piece.result is not None:
+            return piece.result
+    raise AssertionError("stream ended without a result")
 
 
 def compare(runner: Runner, prompt: Prompt, max_tokens: int, depth: int,

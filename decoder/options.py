@@ -14,6 +14,7 @@ from enum import StrEnum
 from mtpkit.decoder.sampling import SamplingParams
 from mtpkit.loaders.findings import UserError
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # load's dtype (decoder/dtypes.py); None too
 MAX_BATCH = 64  # the most sequences one batch decodes together (decoder/scheduler.py)
 MAX_DEPTH = 16  # the deepest forced depth (and what the cost curve measures: curve.MAX_ROWS)
 SEED_BOUND = 1 << 63
@@ -81,6 +82,14 @@ def source_option(value: object) -> Source | None:
         return Source(value)
     raise OptionError("options.invalid", "draft", '{name} must be "head", "lookup" or "both"',
                       "head: the MTP head; lookup: the context; both: whichever pays")
+
+
+def dtype_option(value: object) -> str | None:
+    """A load dtype as given: one of DTYPES, or None (the bundle's own, always)."""
+    if value is not None and value not in DTYPES:
+        raise OptionError("options.invalid", "dtype", f"{{name}} must be one of {', '.join(DTYPES)}",
+                          "auto picks the fastest here; float32 proves greedy identity")
+    return value  # type: ignore[return-value]
 
 
 def batch_option(value: object) -> int:

@@ -9,7 +9,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_map, tree_unflatten
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from mlx_lm.models.mla import MultiLinear, QuantizedMultiLinear
 from mlx_lm.models.switch_layers import SwitchLinear
 from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -21,8 +21,9 @@ from mtpkit.decoder.context import check_prompt, context_of
 from mtpkit.decoder.controller import Controller
 from mtpkit.decoder.costs import Progress, costs_for
 from mtpkit.decoder.curve import CostCurve
+from mtpkit.decoder.dtypes import choose as choose_dtype
 from mtpkit.decoder.head import Contract, MTPHead
-from mtpkit.decoder.options import DecodeOptions, Depth, Source, batch_option
+from mtpkit.decoder.options import DecodeOptions, Depth, Source, batch_option, dtype_option
 from mtpkit.decoder.policy import DepthPolicy, PaidCosts
 from mtpkit.decoder.prefix import PrefixCache
 from mtpkit.decoder.rows import use_few_rows_linears, use_kernel_linears
@@ -137,6 +138,7 @@ class Runner:
         self.template, self.special = template, special or {}
         self.rollback = rollback
         self.root, self.load_options = root, load_options or {}
+        self.dtype_note = ""  # what dtype="auto" chose and why (decoder/dtypes.py)
         self._costs: CostCurve | None = None
         self.paid = PaidCosts()  # what rounds and plain steps really cost here (policy.py)
         self.batch_paid: dict = {}  # what a batch's rounds cost, by (rows, depth): batch_policy.py
@@ -333,14 +335,17 @@ def cast_floats(module: nn.Module, dtype: mx.Dtype) -> None:
                            else a, module.parameters()))
 
 
-def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None = None,
+def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None = "auto",
          hidden_feed: str | None = None, next_hidden: str | None = None,
          concat_order: str | None = None, rollback: str = "record",
          shard: str | None = None) -> Runner:
     """Load a converted bundle: trunk through mlx-lm's own classes, MTP head from the sidecar.
 
     dequantize="auto" runs quantized weights as bf16 (and MoE experts as float32) on MLX's CPU
-    backend, where that is much faster. dtype="float32" widens every float weight: verify passes
+    backend, where that is much faster. dtype="auto" keeps the bundle's float dtype except where
+    float32 is clearly faster and fits (MLX's CPU backend; decoder/dtypes.py says why, and
+    `Runner.dtype_note` what it chose); None keeps it always; "float32" widens every
+    float weight: verify passes
     over K+1 positions then round like one-token steps to ~1e-6, so greedy identity with plain
     decoding holds even where bf16 rounding would flip a near-tie. The contract knobs override
     the family/manifest values. On CPU, the trunk's and head's float linears multiply verify
@@ -350,7 +355,8 @@ def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None
     part of the trunk (decoder/sharding.py), the head on rank 0 only, which drives the other
     ranks (decoder/distributed.py).
     """
-    if dequantize is False and dtype is not None:
+    dtype_option(dtype)
+    if dequantize is False and dtype not in (None, "auto"):
         raise UserError("usage", "keeping the quantized weights and casting them to "
                         f"{dtype} contradict each other", "drop --keep-quantized or --dtype")
     view = open_bundle(path)
@@ -373,6 +379,9 @@ def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None
                                 "concat_order": concat_order})
     group = sharding.join(shard) if shard is not None else None
     model, _ = load_model(view.root, lazy=True, trust_remote_code=False)  # never bundle code
+    chosen = choose_dtype(dtype, [a for _, a in tree_flatten(model.parameters())],
+                          dequantize is False)
+    dtype = chosen.dtype
     flat = _wants_dequantize(dequantize) or dtype is not None
     if flat:
         dequantize_for_cpu(model)
@@ -410,17 +419,20 @@ def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None
         sharding.barrier(group)
     runner = Runner(trunk, head, tokenizer, safe_template(view), view.tokenizer.special_tokens(),
                     rollback, Path(view.root), options, context_of(view.config.text))
+    runner.dtype_note = chosen.reason
     return distributed.attach(runner, group, shard) if group is not None else runner
 
 
 def numerics_note(runner: Runner) -> str | None:
-    """One line where the numerics are not mlx-lm's on this bundle (its quantized weights run
-    dequantized), so that a greedy text differing from stock mlx-lm is never a surprise."""
-    if not runner.load_options.get("dequantized"):
-        return None
-    return ("note: this quantized bundle runs dequantized (faster on MLX's CPU backend), so its "
-            "greedy text can differ from mlx-lm's on the same bundle; --keep-quantized runs "
-            "mlx-lm's quantized numerics")
+    """A line each where the numerics are not mlx-lm's on this bundle (its quantized weights run
+    dequantized; dtype auto widened them, or said why not), so that a greedy text differing from
+    stock mlx-lm is never a surprise."""
+    notes = [f"note: {runner.dtype_note}"] if runner.dtype_note else []
+    if runner.load_options.get("dequantized"):
+        notes.append("note: this quantized bundle runs dequantized (faster on MLX's CPU backend), "
+                     "so its greedy text can differ from mlx-lm's on the same bundle; "
+                     "--keep-quantized runs mlx-lm's quantized numerics")
+    return "\n".join(notes) or None
 
 
 def safe_template(view: BundleView) -> str | None:

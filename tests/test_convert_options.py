@@ -36,13 +36,19 @@ def test_quantization_mlx_cannot_do_is_one_line(built, tmp_path, options):
     assert not any(tmp_path.iterdir())
 
 
-def test_bits_without_q_quantize_and_say_so(built, tmp_path):
+@pytest.mark.parametrize("option, bits", [
+    (["--q-bits", "4"], 4),  # the input: it wrote an unquantized copy, silently
+    (["--q-bits", "8"], 8),
+    (["--q-group-size", "32"], 4),
+    (["--quant-override", "*.mlp.*=8"], 4),
+])
+def test_quant_options_without_q_quantize_and_say_so(built, tmp_path, option, bits):
     out = tmp_path / "out"
-    result = _run("convert", str(built("qwen3_5", hf=True)), str(out), "--q-bits", "8")
+    result = _run("convert", str(built("qwen3_5", hf=True)), str(out), *option)
     assert result.exit_code == 0, result.output
     assert "quantizing the trunk (as -q)" in result.output
     config = json.loads((out / "config.json").read_text())
-    assert config["quantization"]["bits"] == 8
+    assert config["quantization"]["bits"] == bits
 
 
 def test_the_answer_is_mlx_own():

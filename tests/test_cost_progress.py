@@ -240,3 +240,19 @@ def test_the_real_smollm2_curve_is_measured_in_the_budget(smollm2_bf16: Path,
     took = time.perf_counter() - start
     assert took <= 30 and curve.seconds <= costs.BUDGET_S * (1 + costs.RETRY_SHARE) + 2, took
     assert breaks(curve.verify) == []
+
+
+def test_compare_says_it_runs_plain_first_with_a_bar(built: Callable[..., Path],
+                                                     tmp_path: Path) -> None:
+    """generate --compare (what scripts/demo.sh runs) warms up and decodes plain first, many
+    seconds with nothing on stdout: it says so, with a bar and an ETA on a terminal."""
+    args = [EXE, "generate", str(built("qwen3_5")), "Hi", "--raw", "--depth", "2",
+            "--max-tokens", "24", "--compare"]
+    code, out, term = _on_a_terminal(args, _env(tmp_path))
+    assert code == 0, term
+    said = "warming up, then plain decoding first (the reference for --compare): up to 24 tokens"
+    assert said in term, term
+    assert re.search(r"plain reference\s+\[[#-]+\]\s+\d+%", term), term
+    assert term.index(said) < term.index("[plain ") and "speedup" in term
+    piped = subprocess.run(args, capture_output=True, text=True, env=_env(tmp_path), timeout=300)
+    assert piped.returncode == 0 and said in piped.stderr and "plain reference" not in piped.stderr

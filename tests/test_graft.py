@@ -375,3 +375,9 @@ def test_a_bundle_with_a_head_is_not_grafted_over_unasked(built, tmp_path):
     assert result.exit_code == 2, result.output
     assert "error [graft.has_head]" in result.output and "--force" in result.output
     assert not (tmp_path / "g").exists() and time.perf_counter() - start < 30
+    forced = CliRunner().invoke(main, ["graft", str(source), "--out", str(tmp_path / "g"),
+                                       "--corpus", str(CORPUS), "--steps", "1", "--batch", "2",
+                                       "--seq-len", "16", "--force"])
+    assert forced.exit_code == 0, forced.output  # asked: the shipped head is replaced
+    assert (tmp_path / "g/mtp.safetensors").read_bytes() != (source / "mtp.safetensors").read_bytes()
+    assert (source / "mtp.safetensors").is_file(), "the source keeps its own"

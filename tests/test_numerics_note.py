@@ -34,8 +34,8 @@ def test_a_dequantized_bundle_says_so(built):
     assert load(bundle, False).load_options["dequantized"] is False
 
 
-def test_a_float_bundle_has_nothing_to_say(built):
-    runner = load(built("llama", quantize=False))
+def test_a_float_bundle_in_its_own_dtype_has_nothing_to_say(built):
+    runner = load(built("llama", quantize=False), dtype=None)  # (auto's widening: test_dtype_auto)
     assert numerics_note(runner) is None
 
 

@@ -191,6 +191,33 @@ def test_first_ctrl_c_reports_what_was_measured_marked_incomplete(built, tmp_pat
     assert 'id="verdict">FAIL<' in html
 
 
+def test_ctrl_c_while_the_curve_is_measured_still_reports(built, tmp_path: Path) -> None:
+    """A Ctrl-C before the first request (the cost curve is being measured) writes the report
+    too: nothing measured, marked incomplete, exit 1, no "Aborted!"."""
+    page, json_out = tmp_path / "r.html", (tmp_path / "out.json").open("w")
+    os.environ["MTPKIT_COST_BUDGET"] = "120"  # the measurement lasts until the signal comes
+    try:
+        proc = _verify_process(built("mimo"), tmp_path / "cache", "--loads", "code", "--json",
+                               "--report", str(page), stdout=json_out)
+    finally:
+        del os.environ["MTPKIT_COST_BUDGET"]
+    assert proc.stderr is not None
+    seen = []
+    while not any("verify costs" in s for s in seen):
+        line = proc.stderr.readline()
+        assert line or proc.poll() is None, "".join(seen)
+        seen.append(line)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    json_out.close()
+    assert proc.returncode == 1, err
+    assert "Traceback" not in err and "Aborted!" not in err
+    doc = json.loads((tmp_path / "out.json").read_text())
+    validate(doc, "verify_run")
+    assert doc["incomplete"] is True and doc["interrupted"]["runs_measured"] == 0
+    assert "incomplete: interrupted after 0 of" in page.read_text()
+
+
 def test_a_second_ctrl_c_interrupts_at_once(built, tmp_path: Path) -> None:
     proc = _verify_process(built("mimo"), tmp_path / "cache", "--loads", "code", "--runs", "50",
                            "--max-tokens", "400", "--depth", "2", stdout=subprocess.DEVNULL)

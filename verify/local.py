@@ -64,7 +64,7 @@ def cpu_backend() -> bool:
     return mx.default_device().type == mx.DeviceType.cpu
 
 
-def open_local(bundle: str, dtype: str | None = None,
+def open_local(bundle: str, dtype: str | None = "auto",
                shard: str | None = None) -> tuple[Local, Facts, BundleView]:
     """The bundle loaded behind serve's service, what verify-run knows of it (the template
     verdict, its thinking switch), and its view. shard: this rank's part (load's shard)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -131,6 +132,26 @@ def progress_bar(file: Any = None) -> Progress:
                 bar.update(moved)
             else:
                 bar.render_progress()
+
+    return show
+
+
+def reference_bar(total: int, file: Any = None) -> Callable[[int, int], None]:
+    """generate --compare's plain reference run on stderr: said before it starts, then a bar
+    with an ETA on a terminal (elsewhere the one line), as its tokens come."""
+    out = sys.stderr if file is None else file
+    click.echo(f"warming up, then plain decoding first (the reference for --compare): up to "
+               f"{total} tokens", file=out)
+    if not (hasattr(out, "isatty") and out.isatty()):
+        return lambda done, most: None
+    bar = click.progressbar(length=total, label="  plain reference", file=out, show_eta=True,
+                            width=30)
+    bar.__enter__()
+
+    def show(done: int, most: int) -> None:
+        bar.update(done - bar.pos)
+        if done >= most:
+            bar.render_finish()
 
     return show
 
