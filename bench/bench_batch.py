@@ -150,6 +150,19 @@ def theirs(model, prompts: list[list[int]], tokens: int) -> tuple[dict, list[lis
     return _report(start, first, last, [len(t) for t in out]), out
 
 
+def ideal(paid: dict, rows: int) -> dict[str, Any]:
+    """What the measured round costs of `rows` rows promise at the oracle's acceptance: the
+    median paid per depth (0: a plain step) and the best depth's tokens per second over plain
+    steps' (each row commits 1 + a_1 + ... + a_K a round), beside the measured ratio."""
+    cost = {k: statistics.median(seen) for (b, k), seen in paid.items() if b == rows and seen}
+    if 0 not in cost or len(cost) < 2:
+        return {}
+    gain = {k: (1 + sum(RATES[:k])) / cost[k] * cost[0] for k in cost if k > 0}
+    best = max(gain, key=gain.__getitem__)
+    return {"round_ms": {k: round(1000 * c, 2) for k, c in sorted(cost.items())},
+            "ideal_over_plain": round(gain[best], 3), "ideal_depth": best}
+
+
 def oracle_bench(args: argparse.Namespace) -> dict:
     import mlx.core as mx
     from bench_gpu import SUCCESSOR, llama8b
@@ -205,10 +218,12 @@ def oracle_bench(args: argparse.Namespace) -> dict:
                  "greedy_tokens_identical": same}
         if n == 1:
             entry["batch_over_single"] = med["mtp_auto"] / med["single_auto"]
+        entry |= ideal(runner.batch_paid, n)
         out["streams"][str(n)] = entry
         print(n, "streams", {k: round(v, 1) for k, v in med.items()},
               f"mtp/mlx_lm {entry['mtp_over_mlx_lm']:.2f}x mtp/plain {entry['mtp_over_plain']:.2f}x"
-              f" identical {same}", flush=True)
+              f" identical {same}; round ms {entry.get('round_ms')}, ideal "
+              f"{entry.get('ideal_over_plain')}", flush=True)
     return out
 
 

@@ -13,6 +13,7 @@ The host reads one small array per round for the whole batch.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -24,7 +25,7 @@ from mtpkit.decoder.head import MTPHead
 from mtpkit.decoder.options import Source
 from mtpkit.decoder.recording import recorded
 from mtpkit.decoder.sampling import Candidates, candidates, greedy
-from mtpkit.decoder.session import SOURCE_NAMES, RoundOutcome, Session, judge
+from mtpkit.decoder.session import SOURCE_NAMES, STREAM, RoundOutcome, Session, judge
 from mtpkit.decoder.shapes import bounded_by_default
 from mtpkit.decoder.trunk import Trunk
 
@@ -147,12 +148,7 @@ class Batch:
         drafts = self._drafts(asks)
         width = max(d.depth + 1 for d in drafts)
         verify = mx.concatenate([widened(d.tokens, width) for d in drafts])
-        real = mx.array([d.depth + 1 for d in drafts])
-        self.holes.open(real, width)
-        recorders, passes = self.trunk.recorders, self.trunk.passes
-        traced = passes.run_rows(verify, self.cache, self.holes) if passes is not None else None
-        hidden, logits = traced or recorded(recorders, True,
-                                            lambda: self.trunk.forward(verify, self.cache))
+        hidden, logits = self._pass(verify, mx.array([d.depth + 1 for d in drafts]), width)
         verdicts = acceptance.accept_greedy_rows(verify, logits,
                                                  mx.array([d.depth for d in drafts]))
         for b, (d, s) in enumerate(zip(drafts, self.rows, strict=True)):
@@ -166,9 +162,7 @@ class Batch:
         verdict = read[rows * (width - 1):]
         kept = [verdict[2 * b] for b in range(rows)]
         keep = mx.array([k + 1 for k in kept])
-        settle(self.cache, self.holes, keep, width, width - max(kept) - 1)
-        if recorders:
-            commit_rows(recorders, keep - 1)
+        self._settle(keep, width, width - max(kept) - 1)
         paid = time.perf_counter() - start
         outcomes = []
         for b, (session, draft) in enumerate(zip(self.rows, drafts, strict=True)):
@@ -184,6 +178,69 @@ class Batch:
             outcomes.append(RoundOutcome(committed, draft.depth, kept[b], draft.source,
                                          draft.drafted, draft.match, paid, width, owed[b]))
         return outcomes
+
+    def _pass(self, tokens: mx.array, real: mx.array, width: int) -> tuple[mx.array, mx.array]:
+        """One trunk pass over every row's `width` tokens, row b's first real[b] real (the
+        rest pad it): (hidden, logits), traced where the caches allow (decoder/traced.py)."""
+        self.holes.open(real, width)
+        passes = self.trunk.passes
+        traced = passes.run_rows(tokens, self.cache, self.holes) if passes is not None else None
+        return traced or recorded(self.trunk.recorders, True,
+                                  lambda: self.trunk.forward(tokens, self.cache))
+
+    def _settle(self, keep: mx.array, width: int, trimmed: int) -> None:
+        """After a pass: row b keeps its first keep[b] positions (attention and recurrent)."""
+        settle(self.cache, self.holes, keep, width, trimmed)
+        if self.trunk.recorders:
+            commit_rows(self.trunk.recorders, keep - 1)
+
+    def plain_steps(self, count: int, stop: Callable[[], bool] | None = None
+                    ) -> Iterator[tuple[list[int], float]]:
+        """`count` plain steps of every row, each next pass queued before the last one's
+        tokens are read (as Session.plain_steps does for one sequence, mlx-lm's
+        BatchGenerator for many): the host builds step t+1 while the device runs step t.
+        Yields every row's token and the seconds the step cost here (not the consumer's);
+        headed rows owe the head their hiddens. When `stop()` turns true after a step, the
+        one already queued is the last."""
+        if count <= 0:
+            return
+        rows = len(self.rows)
+        ones = mx.ones(rows, mx.int32)
+        sampled = [b for b, s in enumerate(self.rows) if not s.params.greedy]
+
+        def step(tokens: mx.array) -> tuple[mx.array, mx.array]:
+            with mx.stream(STREAM):
+                hidden, logits = self._pass(tokens, ones, 1)
+                self._settle(ones, 1, 0)
+                picks = greedy(logits[:, -1])
+                for b in sampled:
+                    picks = _put(picks, b, self.rows[b].sample(logits[b:b + 1, -1]))
+            mx.async_eval(picks)
+            return hidden, picks
+
+        begin = time.perf_counter()
+        hidden, y = step(mx.array([[s.last] for s in self.rows]))
+        hiddens, steps, n = [], [], 0
+        while n < count:
+            queued = step(y[:, None].astype(mx.int32)) if n + 1 < count else None
+            got = y.tolist()
+            hiddens.append(hidden)
+            steps.append(got)
+            for session, token in zip(self.rows, got, strict=True):
+                session.last = token
+                if session.lookup is not None:
+                    session.lookup.extend([token])
+            yield got, time.perf_counter() - begin
+            begin = time.perf_counter()
+            n += 1
+            if stop is not None and n + 1 < count and stop():
+                count = n + 1  # the queued step is the last
+            if queued is not None:
+                hidden, y = queued
+        for b, session in enumerate(self.rows):
+            if self.headed[b]:
+                session.owe(mx.concatenate([h[b:b + 1] for h in hiddens], axis=1),
+                            [got[b] for got in steps])
 
     def _drafts(self, asks: list[Ask]) -> list[Draft]:
         """Every row's draft: context drafts and plain steps as a lone session makes them,

@@ -99,12 +99,13 @@ class BatchPolicy:
                 total += max(sum(policy.acceptance(s)[:depth]) for s in sources)
         return total
 
-    def depth(self, requests: list[Request]) -> int:
-        """The depth of the next round for these rows (0: plain steps)."""
+    def depth(self, requests: list[Request], rows: int | None = None) -> int:
+        """The depth of the next round for these requests (0: plain steps); `rows`: the
+        batch's, where mates at fixed depths share the pass (its cost is that many rows')."""
         if self.plain_left > 0:
             self.plain_left -= 1
             return 1 if self.plain_left == 0 else 0  # the stretch's last round probes
-        rows = len(requests)
+        rows = len(requests) if rows is None else rows
         if (explore := self._explore(rows)) is not None:
             return explore
         timed = self._timed(rows)  # (explored: depths 0..EXPLORE are in it)
@@ -133,6 +134,18 @@ class BatchPolicy:
                            >= sum(policy.acceptance(Source.HEAD)[:depth])):
                 return Ask(context=tuple(drafts), match=match)
         return Ask(depth=depth if headed else 0)
+
+    def stretch_steps(self) -> int:
+        """Plain steps the batch may take pipelined now (Batch.plain_steps): what is left of
+        a plain stretch but its closing probe round, which the stretch then owes."""
+        steps = max(self.plain_left - 1, 0)
+        self.plain_left -= steps
+        return steps
+
+    def observe_plain(self, rows: int, paid_s: float) -> None:
+        """What one pipelined plain step of `rows` rows paid (a depth-0 round's price)."""
+        self.chosen[0] = self.chosen.get(0, 0) + 1
+        self.paid.setdefault((rows, 0), deque(maxlen=WINDOW)).append(paid_s)
 
     def observe(self, rows: int, outcomes: list[RoundOutcome]) -> None:
         """What a round of `rows` rows paid, under its shape (the deepest draft)."""

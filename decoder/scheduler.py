@@ -83,6 +83,7 @@ class Scheduler:
         self.rows = 0  # rows the last step's round verified (0: none)
         self.allow_solo = solo
         self.solo: tuple[Request, Iterator[list[int]], Controller | None] | None = None
+        self.stretch: Iterator[tuple[list[int], float]] | None = None  # pipelined plain steps
 
     def add(self, request: Request) -> None:
         """Queue a request (prepared by Runner.prepare); the first under auto brings the batch
@@ -101,6 +102,8 @@ class Scheduler:
         one step of the solo request)."""
         if self.solo is not None:
             return self._solo_step()
+        if self.stretch is not None and (events := self._stretch_step()) is not None:
+            return events
         events = self._fill()
         self.rows = 0
         if events:  # a first token: sent now, not after the others' round
@@ -176,6 +179,10 @@ class Scheduler:
     # -- rounds -----------------------------------------------------------------------------
 
     def _round(self) -> list[Event]:
+        if self._start_stretch():
+            events = self._stretch_step()
+            if events is not None:
+                return events
         asks = self._asks()
         outcomes = self.batch.round(asks)
         if self.policy is not None:
@@ -187,9 +194,53 @@ class Scheduler:
         self._leave()
         return events
 
+    def _start_stretch(self) -> bool:
+        """Plain steps pipelined (Batch.plain_steps) where every row decodes plain for a
+        while: rows at a fixed depth 0, and under auto a plain stretch the policy chose. A row
+        at a fixed depth above 0 keeps every round a speculative one."""
+        if any(r.policy is None and r.session.depth > 0 for r in self.active):
+            return False
+        fewest = min(r.left for r in self.active)
+        if not any(r.policy is not None for r in self.active):
+            steps = fewest  # all plain, for good
+        elif self.policy is not None and self.policy.plain_left >= 3:
+            steps = min(self.policy.stretch_steps(), fewest)
+        else:
+            return False
+        if steps < 2:
+            return False
+
+        def stop() -> bool:  # a row done, or a request waiting for a place: end the stretch
+            return (any(r.finish is not None for r in self.active)
+                    or bool(self.waiting) and len(self.active) < self.max_batch)
+
+        self.stretch = self.batch.plain_steps(steps, stop)
+        return True
+
+    def _stretch_step(self) -> list[Event] | None:
+        """The stretch's next step of every row (None once it has ended: rows done leave)."""
+        assert self.stretch is not None
+        try:
+            tokens, paid = next(self.stretch)
+        except StopIteration:
+            self.stretch = None
+            self._leave()
+            return None
+        self.rows = len(self.active)
+        if self.policy is not None:
+            self.policy.observe_plain(self.rows, paid)
+        events = []
+        for request, token in zip(self.active, tokens, strict=True):
+            if request.finish is None:  # a row done earlier in the stretch takes no more
+                if request.policy is not None:
+                    request.policy.chosen[0] = request.policy.chosen.get(0, 0) + 1
+                events += self._commit(request, [token])
+        return events
+
     def _asks(self) -> list[Ask]:
         auto = [r for r in self.active if r.policy is not None]
-        depth = self.policy.depth(auto) if self.policy is not None and auto else 0
+        depth = (self.policy.depth(auto, len(self.active)) if self.policy is not None and auto
+                 else 0)
         return [self._ask(r, depth) for r in self.active]
 
     def _ask(self, request: Request, batch_depth: int) -> Ask:

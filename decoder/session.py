@@ -125,7 +125,7 @@ class Session:
         self.key, sub = mx.random.split(self.key)
         return mx.random.uniform(shape=(count,), key=sub)
 
-    def _sample(self, logits: mx.array) -> mx.array:
+    def sample(self, logits: mx.array) -> mx.array:
         """A lazy token from logits (1, V), drawn from mlx-lm's sampler's law."""
         if self.params.greedy:
             return greedy(logits)
@@ -188,7 +188,7 @@ class Session:
         begin, busy = time.perf_counter(), 0.0  # time spent here, not in the consumer
         with mx.stream(STREAM):
             hidden, logits = self.trunk(mx.array([[self.last]]), self.cache, logits_for=1)
-            y = self._sample(logits[:, -1])
+            y = self.sample(logits[:, -1])
         mx.async_eval(y)
         n = 0
         while n < count:
@@ -196,7 +196,7 @@ class Session:
             if n + 1 < count:
                 with mx.stream(STREAM):
                     nxt_hidden, logits = self.trunk(y[None], self.cache, logits_for=1)
-                    nxt = self._sample(logits[:, -1])
+                    nxt = self.sample(logits[:, -1])
                 mx.async_eval(nxt)
             token = int(y.item())
             if owe:
@@ -301,7 +301,7 @@ class Session:
         """Prefill `ids` (after whatever the caches hold) and commit the next token."""
         speculative = bool(self.mtp_cache)
         hidden, logits = yield from self._prefill(ids, keep_hidden=speculative)
-        self.last = int(self._sample(logits).item())
+        self.last = int(self.sample(logits).item())
         if speculative:
             self.owe(hidden, [*ids[1:], self.last])
         if self.lookup is not None:

@@ -350,3 +350,75 @@ def test_the_batch_policy_times_each_depth_and_drops_a_losing_one() -> None:
             policy.observe(4, [SimpleNamespace(depth=depth, paid_s=0.01 * (1 + per_draft * depth))])
         assert sorted(set(chosen[:(EXPLORE + 1) * MIN_OBSERVED])) == list(range(EXPLORE + 1))
         assert chosen[-1] == want, (per_draft, chosen)
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_a_plain_stretch_runs_pipelined_and_decodes_the_same(
+        monkeypatch: pytest.MonkeyPatch, traced: bool) -> None:
+    """Under auto, where no draft pays (a head always wrong), the batch decodes plain
+    stretches as pipelined steps of every row (Batch.plain_steps: the next pass queued before
+    the last one's tokens are read); auto rows and a fixed plain one still decode as alone,
+    rows leave mid-stretch at their max_tokens, and a request that arrives mid-stretch ends it
+    and joins."""
+    import mtpkit.decoder.batch as batch
+    from mtpkit.decoder.batch import Batch
+    from mtpkit.decoder.batch_policy import BatchPolicy
+
+    if traced:
+        monkeypatch.setattr(batch, "bounded_by_default", lambda: True)
+    base = tiny_runner(vocab=6)
+    if traced:
+        base.trunk.use_traced()
+    prompts = [[1, 2, 3, 4], [5, 4, 3], [2, 2, 1], [0, 1, 2, 3, 4, 5]]
+    each = [{"depth": "auto", "draft": "head", "max_tokens": 90},
+            {"depth": "auto", "draft": "head", "max_tokens": 50}, {"depth": 0, "max_tokens": 70},
+            {"depth": "auto", "draft": "head", "max_tokens": 40}]
+    plain = [base.generate(p, e["max_tokens"], depth=0).tokens for p, e in zip(prompts, each, strict=True)]
+    script = {}
+    for prompt, tokens in zip(prompts, plain, strict=True):
+        seq = prompt + tokens
+        for i in range(len(prompt) + 1, len(seq)):
+            script[(i, seq[i - 1])] = (seq[i] + 1) % 6  # never the right token
+    runner = Runner(base.trunk, BatchOracleHead(6, script), None)  # type: ignore[arg-type]
+    steps: list[int] = []
+    real = Batch.plain_steps
+
+    def spy(self: Batch, count: int, stop: Any = None) -> Any:
+        for out in real(self, count, stop):
+            steps.append(len(out[0]))
+            yield out
+
+    monkeypatch.setattr(Batch, "plain_steps", spy)
+    # what-if round costs (a draft costs a plain round): the policy's choice, not this
+    # machine's timings, is what this test holds fixed
+    monkeypatch.setattr(BatchPolicy, "cost", lambda self, rows, depth, timed=None:
+                        0.01 * (1 + depth))
+    order, batched = _streamed(runner, prompts, each, max_batch=3)
+    assert [b.tokens for b in batched] == plain
+    assert len(steps) > 40 and max(steps) == 3, "most steps ran pipelined, three rows at once"
+    assert order.index(3) > order.index(1), "the fourth request joined after a row left"
+    assert runner.batch_paid.get((3, 0)), "pipelined steps price the batch's plain rounds"
+
+
+def test_a_batch_of_plain_rows_steps_pipelined(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows at a fixed depth 0 (greedy and seeded sampled) decode in pipelined plain steps, as
+    alone: the sampled row draws what its lone plain decoding draws."""
+    from mtpkit.decoder.batch import Batch
+
+    runner = tiny_runner(vocab=6)
+    steps: list[int] = []
+    real = Batch.plain_steps
+
+    def spy(self: Batch, count: int, stop: Any = None) -> Any:
+        for out in real(self, count, stop):
+            steps.append(len(out[0]))
+            yield out
+
+    monkeypatch.setattr(Batch, "plain_steps", spy)
+    prompts = [[1, 2, 3, 4], [5, 4, 3], [2, 2, 1]]
+    each = [{"depth": 0, "max_tokens": 30}, {"depth": 0, "temperature": 0.8, "seed": 5,
+                                             "max_tokens": 40}, {"depth": 0, "max_tokens": 25}]
+    alone = _alone(runner, prompts, each)
+    batched = runner.generate_batch(prompts, each=each, max_batch=3)
+    assert [b.tokens for b in batched] == [a.tokens for a in alone]
+    assert len(steps) > 20 and max(steps) == 3
