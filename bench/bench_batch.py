@@ -152,14 +152,19 @@ def theirs(model, prompts: list[list[int]], tokens: int) -> tuple[dict, list[lis
 
 def ideal(paid: dict, rows: int) -> dict[str, Any]:
     """What the measured round costs of `rows` rows promise at the oracle's acceptance: the
-    median paid per depth (0: a plain step) and the best depth's tokens per second over plain
-    steps' (each row commits 1 + a_1 + ... + a_K a round), beside the measured ratio."""
+    median paid per depth (0: a plain round, "piped": a pipelined plain step) and the best
+    depth's tokens per second over plain steps' (each row commits 1 + a_1 + ... + a_K a
+    round), beside the measured ratio."""
+    from mtpkit.decoder.batch_policy import PIPED
+
     cost = {k: statistics.median(seen) for (b, k), seen in paid.items() if b == rows and seen}
-    if 0 not in cost or len(cost) < 2:
+    plain = cost.get(PIPED, cost.get(0))  # a pipelined plain step's, where timed
+    if plain is None or len(cost) < 2:
         return {}
-    gain = {k: (1 + sum(RATES[:k])) / cost[k] * cost[0] for k in cost if k > 0}
+    gain = {k: (1 + sum(RATES[:k])) / cost[k] * plain for k in cost if k > 0}
     best = max(gain, key=gain.__getitem__)
-    return {"round_ms": {k: round(1000 * c, 2) for k, c in sorted(cost.items())},
+    return {"round_ms": {("piped" if k == PIPED else k): round(1000 * c, 2)
+                         for k, c in sorted(cost.items())},
             "ideal_over_plain": round(gain[best], 3), "ideal_depth": best}
 
 

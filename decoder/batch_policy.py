@@ -21,7 +21,9 @@ at a time, never jumping to a deep shape on an extrapolation). The timings live 
 (`Runner.batch_paid`): every batch a runner decodes, and every server's, learns from the ones
 before. Where no depth
 beats plain steps by MARGIN the batch decodes plain for a stretch, then probes depth 1 (the
-stretch doubling while the probes lose, as for one sequence).
+stretch doubling while the probes lose, as for one sequence). A stretch runs pipelined
+(Batch.plain_steps) and costs less per step than a depth-0 round: once its steps are timed
+(under PIPED), they are plain decoding's price at that size.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ if TYPE_CHECKING:
     from mtpkit.decoder.scheduler import Request
 
 EXPLORE = 3  # depths timed at each batch size before any is chosen (deeper ones extend them)
+PIPED = -1  # the "depth" pipelined plain steps are timed under: what a plain stretch costs
 
 
 @dataclass
@@ -60,9 +63,11 @@ class BatchPolicy:
         else extended from the deepest timed depths at this size, else the single-sequence
         curve (nothing timed at this size yet). `timed`: _timed(rows), if already at hand."""
         timed = self._timed(rows) if timed is None else timed
+        if depth == 0 and PIPED in timed:  # plain is chosen as a stretch: pipelined steps
+            return timed[PIPED]
         if depth in timed:
             return timed[depth]
-        below = sorted(k for k in timed if k < depth)
+        below = sorted(k for k in timed if 0 <= k < depth)
         if len(below) >= 2:
             a, b = below[-2], below[-1]
             step = max((timed[b] - timed[a]) / (b - a), 0.0)
@@ -81,7 +86,8 @@ class BatchPolicy:
     def _explore(self, rows: int) -> int | None:
         """A depth up to EXPLORE not yet timed MIN_OBSERVED times at this size, if any."""
         for depth in range(min(EXPLORE, self.max_depth) + 1):
-            if len(self.paid.get((rows, depth), ())) < MIN_OBSERVED:
+            if len(self.paid.get((rows, depth), ())) < MIN_OBSERVED and (
+                    depth > 0 or len(self.paid.get((rows, PIPED), ())) < MIN_OBSERVED):
                 return depth
         return None
 
@@ -143,9 +149,10 @@ class BatchPolicy:
         return steps
 
     def observe_plain(self, rows: int, paid_s: float) -> None:
-        """What one pipelined plain step of `rows` rows paid (a depth-0 round's price)."""
+        """What one pipelined plain step of `rows` rows paid: once timed, the price of plain
+        decoding at this size (a depth-0 round through the verify path costs more)."""
         self.chosen[0] = self.chosen.get(0, 0) + 1
-        self.paid.setdefault((rows, 0), deque(maxlen=WINDOW)).append(paid_s)
+        self.paid.setdefault((rows, PIPED), deque(maxlen=WINDOW)).append(paid_s)
 
     def observe(self, rows: int, outcomes: list[RoundOutcome]) -> None:
         """What a round of `rows` rows paid, under its shape (the deepest draft)."""

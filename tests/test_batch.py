@@ -352,6 +352,32 @@ def test_the_batch_policy_times_each_depth_and_drops_a_losing_one() -> None:
         assert chosen[-1] == want, (per_draft, chosen)
 
 
+def test_plain_is_priced_by_pipelined_steps_once_timed() -> None:
+    """Depth-1 rounds that beat plain rounds through the verify path but lose to pipelined
+    plain steps: once a stretch's steps are timed, the policy decodes plain."""
+    from types import SimpleNamespace
+
+    from mtpkit.decoder.batch_policy import PIPED, BatchPolicy
+    from mtpkit.decoder.curve import CostCurve
+    from mtpkit.decoder.policy import MIN_OBSERVED, DepthPolicy
+
+    curve = CostCurve([0.01] * 16, 0.01, 0.0)
+    rows = []
+    for _ in range(4):
+        row = DepthPolicy(curve, 1)
+        for i in range(40):
+            row.record(1, i % 2)  # half the drafts kept
+        rows.append(SimpleNamespace(policy=row, session=SimpleNamespace(head=1, depth=1)))
+    policy = BatchPolicy(curve, 1)
+    for depth, paid in ((0, 0.020), (1, 0.025)):  # a round's 1.5 tokens for 1.25 plain rounds
+        for _ in range(MIN_OBSERVED):
+            policy.observe(4, [SimpleNamespace(depth=depth, paid_s=paid)])
+    assert policy.depth(rows) == 1
+    for _ in range(MIN_OBSERVED):
+        policy.observe_plain(4, 0.012)  # a pipelined step: 1.5 tokens would need <= 0.018
+    assert (4, PIPED) in policy.paid and policy.depth(rows) == 0
+
+
 @pytest.mark.parametrize("traced", [False, True])
 def test_a_plain_stretch_runs_pipelined_and_decodes_the_same(
         monkeypatch: pytest.MonkeyPatch, traced: bool) -> None:
