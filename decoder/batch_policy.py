@@ -14,8 +14,9 @@ The cost of a (B, K) round is measured, not assumed: a batch's attention and mat
 B x (K + 1) rows do not scale like one sequence's K + 1 rows (on the H200's 8B oracle, depth-3
 rounds of 8 rows lost to plain rounds of 8 under the single-sequence curve's scaling). Each
 round's wall time is kept per shape (median of the last WINDOW), and the first rounds of each
-batch size explore depths 0..EXPLORE (MIN_OBSERVED rounds each) so that plain and shallow
-rounds are timed at that size too; one depth beyond the deepest timed is a candidate, priced
+batch size explore depths 0..EXPLORE (MIN_OBSERVED rounds each; plain as a short pipelined
+stretch, the way it runs when chosen) so that plain and shallow rounds are timed at that size
+too; one depth beyond the deepest timed is a candidate, priced
 by extending the two deepest timed ones linearly in K (so the policy climbs one untimed depth
 at a time, never jumping to a deep shape on an extrapolation). The timings live on the runner
 (`Runner.batch_paid`): every batch a runner decodes, and every server's, learns from the ones
@@ -113,6 +114,8 @@ class BatchPolicy:
             return 1 if self.plain_left == 0 else 0  # the stretch's last round probes
         rows = len(requests) if rows is None else rows
         if (explore := self._explore(rows)) is not None:
+            if explore == 0:  # plain is timed as a stretch runs it: pipelined steps
+                self.plain_left = MIN_OBSERVED + 2
             return explore
         timed = self._timed(rows)  # (explored: depths 0..EXPLORE are in it)
         plain = self.expected(requests, 0) / self.cost(rows, 0, timed)
