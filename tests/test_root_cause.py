@@ -35,7 +35,10 @@ def test_a_cut_shard_is_one_finding_with_its_count(cut):
 
 @pytest.mark.parametrize("command", [["generate", "{b}", "hi", "--max-tokens", "1"],
                                      ["convert", "{b}", "{out}"],
-                                     ["graft", "{b}", "--out", "{out}", "--force"]])
+                                     ["graft", "{b}", "--out", "{out}", "--force"],
+                                     ["serve", "{b}", "--port", "0"],
+                                     ["tune", "{b}"],
+                                     ["verify-run", "{b}", "--loads", "code"]])
 def test_every_entry_names_the_root_cause(cut, tmp_path, command):
     args = [a.format(b=cut, out=tmp_path / "out") for a in command]
     result = CliRunner().invoke(main, args)
