@@ -352,6 +352,22 @@ def test_the_batch_policy_times_each_depth_and_drops_a_losing_one() -> None:
         assert chosen[-1] == want, (per_draft, chosen)
 
 
+def _plain_steps_seen(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The rows of every pipelined plain step batches take from now on (Batch.plain_steps)."""
+    from mtpkit.decoder.batch import Batch
+
+    steps: list[int] = []
+    real = Batch.plain_steps
+
+    def spy(self: Batch, count: int, stop: Any = None) -> Any:
+        for out in real(self, count, stop):
+            steps.append(len(out[0]))
+            yield out
+
+    monkeypatch.setattr(Batch, "plain_steps", spy)
+    return steps
+
+
 def test_plain_is_priced_by_pipelined_steps_once_timed() -> None:
     """Depth-1 rounds that beat plain rounds through the verify path but lose to pipelined
     plain steps: once a stretch's steps are timed, the policy decodes plain."""
@@ -387,8 +403,7 @@ def test_a_plain_stretch_runs_pipelined_and_decodes_the_same(
     rows leave mid-stretch at their max_tokens, and a request that arrives mid-stretch ends it
     and joins."""
     import mtpkit.decoder.batch as batch
-    from mtpkit.decoder.batch import Batch
-    from mtpkit.decoder.batch_policy import BatchPolicy
+    from mtpkit.decoder.batch_policy import PIPED, BatchPolicy
 
     if traced:
         monkeypatch.setattr(batch, "bounded_by_default", lambda: True)
@@ -406,15 +421,7 @@ def test_a_plain_stretch_runs_pipelined_and_decodes_the_same(
         for i in range(len(prompt) + 1, len(seq)):
             script[(i, seq[i - 1])] = (seq[i] + 1) % 6  # never the right token
     runner = Runner(base.trunk, BatchOracleHead(6, script), None)  # type: ignore[arg-type]
-    steps: list[int] = []
-    real = Batch.plain_steps
-
-    def spy(self: Batch, count: int, stop: Any = None) -> Any:
-        for out in real(self, count, stop):
-            steps.append(len(out[0]))
-            yield out
-
-    monkeypatch.setattr(Batch, "plain_steps", spy)
+    steps = _plain_steps_seen(monkeypatch)
     # what-if round costs (a draft costs a plain round): the policy's choice, not this
     # machine's timings, is what this test holds fixed
     monkeypatch.setattr(BatchPolicy, "cost", lambda self, rows, depth, timed=None:
@@ -423,24 +430,14 @@ def test_a_plain_stretch_runs_pipelined_and_decodes_the_same(
     assert [b.tokens for b in batched] == plain
     assert len(steps) > 40 and max(steps) == 3, "most steps ran pipelined, three rows at once"
     assert order.index(3) > order.index(1), "the fourth request joined after a row left"
-    assert runner.batch_paid.get((3, 0)), "pipelined steps price the batch's plain rounds"
+    assert runner.batch_paid.get((3, PIPED)), "pipelined steps price the batch's plain decoding"
 
 
 def test_a_batch_of_plain_rows_steps_pipelined(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows at a fixed depth 0 (greedy and seeded sampled) decode in pipelined plain steps, as
     alone: the sampled row draws what its lone plain decoding draws."""
-    from mtpkit.decoder.batch import Batch
-
     runner = tiny_runner(vocab=6)
-    steps: list[int] = []
-    real = Batch.plain_steps
-
-    def spy(self: Batch, count: int, stop: Any = None) -> Any:
-        for out in real(self, count, stop):
-            steps.append(len(out[0]))
-            yield out
-
-    monkeypatch.setattr(Batch, "plain_steps", spy)
+    steps = _plain_steps_seen(monkeypatch)
     prompts = [[1, 2, 3, 4], [5, 4, 3], [2, 2, 1]]
     each = [{"depth": 0, "max_tokens": 30}, {"depth": 0, "temperature": 0.8, "seed": 5,
                                              "max_tokens": 40}, {"depth": 0, "max_tokens": 25}]

@@ -119,13 +119,26 @@ def test_load_nonces_are_fresh_or_drawn_from_a_seed() -> None:
 
 
 # A real `mtpkit verify-run` on a fixture bundle, as a terminal runs it (Ctrl-C included).
-def _verify_process(bundle: Path, cache: Path, *options: str, stdout: Any = subprocess.PIPE
-                    ) -> subprocess.Popen:
+def _verify_process(bundle: Path, cache: Path, *options: str, stdout: Any = subprocess.PIPE,
+                    env: dict[str, str] | None = None) -> subprocess.Popen:
     """stdout: a file where stderr is read line by line (a full stdout pipe would block it)."""
     return subprocess.Popen([sys.executable, "-m", "mtpkit.cli", "verify-run", str(bundle),
-                             *options], stdout=stdout, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "MTPKIT_CACHE": str(cache)},
+                             *options], stdout=stdout, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "MTPKIT_CACHE": str(cache), **(env or {})},
                             preexec_fn=interruptible)
+
+
+def _ctrl_c_after(proc: subprocess.Popen, said: str) -> str:
+    """Send Ctrl-C once stderr has said `said`; everything it wrote to stderr."""
+    assert proc.stderr is not None
+    seen = []
+    while not any(said in s for s in seen):
+        line = proc.stderr.readline()
+        assert line or proc.poll() is None, "".join(seen)
+        seen.append(line)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    return "".join(seen) + err
 
 
 def test_plan_eta_and_cpu_defaults_are_said_before_the_runs(built, tmp_path: Path) -> None:
@@ -166,14 +179,7 @@ def test_first_ctrl_c_reports_what_was_measured_marked_incomplete(built, tmp_pat
     proc = _verify_process(built("mimo"), tmp_path / "cache", "--loads", "code,memo", "--runs",
                            "3", "--max-tokens", "400", "--depth", "2", "--json", "--report",
                            str(page), stdout=json_out)
-    assert proc.stderr is not None
-    seen = []
-    while not any("[2 of 6]" in s for s in seen):  # the first run is measured, the second runs
-        line = proc.stderr.readline()
-        assert line or proc.poll() is None, "".join(seen)
-        seen.append(line)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    err = _ctrl_c_after(proc, "[2 of 6]")  # the first run is measured, the second runs
     json_out.close()
     out = (tmp_path / "out.json").read_text()
     assert proc.returncode == 1, err
@@ -195,20 +201,10 @@ def test_ctrl_c_while_the_curve_is_measured_still_reports(built, tmp_path: Path)
     """A Ctrl-C before the first request (the cost curve is being measured) writes the report
     too: nothing measured, marked incomplete, exit 1, no "Aborted!"."""
     page, json_out = tmp_path / "r.html", (tmp_path / "out.json").open("w")
-    os.environ["MTPKIT_COST_BUDGET"] = "120"  # the measurement lasts until the signal comes
-    try:
-        proc = _verify_process(built("mimo"), tmp_path / "cache", "--loads", "code", "--json",
-                               "--report", str(page), stdout=json_out)
-    finally:
-        del os.environ["MTPKIT_COST_BUDGET"]
-    assert proc.stderr is not None
-    seen = []
-    while not any("verify costs" in s for s in seen):
-        line = proc.stderr.readline()
-        assert line or proc.poll() is None, "".join(seen)
-        seen.append(line)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    proc = _verify_process(built("mimo"), tmp_path / "cache", "--loads", "code", "--json",
+                           "--report", str(page), stdout=json_out,
+                           env={"MTPKIT_COST_BUDGET": "120"})  # measuring until the signal
+    err = _ctrl_c_after(proc, "verify costs")
     json_out.close()
     assert proc.returncode == 1, err
     assert "Traceback" not in err and "Aborted!" not in err
