@@ -131,6 +131,19 @@ class Batch:
         self.headed = [self.headed[i] for i in stay]
         mx.eval(self._arrays())
 
+    def part(self) -> Session:
+        """The one row left decodes alone again (the solo path is the faster one): its caches,
+        compacted to its real positions, become its session's own, as before it joined."""
+        assert len(self.rows) == 1 and self.cache is not None
+        session = self.rows[0]
+        session.cache = _alone(self.cache, [self.holes], session.trunk.make_cache(session.bounded))
+        if self.headed[0]:
+            assert self.head is not None and self.mtp_cache is not None
+            session.mtp_cache = _alone(self.mtp_cache, self.mtp_holes,
+                                       self.head.make_cache(session.bounded))
+        self.__init__(self.trunk, self.head, self.bounded)  # type: ignore[misc]
+        return session
+
     def _arrays(self) -> list[mx.array]:
         out = [h.valid for h in [self.holes, *self.mtp_holes] if h.valid is not None]
         for c in (self.cache or []) + (self.mtp_cache or []):
@@ -313,6 +326,24 @@ class Batch:
         for session in rows:
             session.owed = None
         return mx.concatenate(out_tokens, axis=1), laws
+
+
+def _alone(batch: list, holes: list[Holes], fresh: list) -> list:
+    """A batch-of-one's caches as one sequence's (`fresh`: its empty ones): attention keys at
+    the row's real positions only (its holes dropped); recurrent states as they are. The trunk's
+    attention layers share one Holes; each head block has its own."""
+    out = []
+    for i, (b, f) in enumerate(zip(batch, fresh, strict=True)):
+        if not isinstance(b, RowKVCache):
+            out.append(b)
+            continue
+        valid = holes[0 if len(holes) == 1 else i].valid
+        assert valid is not None
+        kept = [p for p, v in enumerate(valid[0, :b._idx].tolist()) if v]
+        real = mx.array(kept)
+        f.state = (b.keys[:, :, real, :], b.values[:, :, real, :], len(kept))
+        out.append(f)
+    return out
 
 
 def _put(a: mx.array, index: int, value: mx.array) -> mx.array:

@@ -127,7 +127,7 @@ class Scheduler:
 
         def steps() -> Iterator[list[int]]:
             if session.depth == 0:
-                yield from ([t] for t in session.plain_steps(left() - 1, wanted))
+                yield from ([t] for t in session.plain_steps(left(), wanted))
             elif controller is not None:
                 controller.interrupt = wanted
                 yield from controller.rounds(left)
@@ -299,3 +299,7 @@ class Scheduler:
         if gone:
             self.batch.leave(gone)
             self.active = [r for i, r in enumerate(self.active) if i not in gone]
+            if (len(self.active) == 1 and self.allow_solo and not self.waiting
+                    and self.filling is None):  # the last one left: solo again
+                self.batch.part()
+                self._start_solo(self.active.pop())

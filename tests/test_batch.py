@@ -445,3 +445,27 @@ def test_a_batch_of_plain_rows_steps_pipelined(monkeypatch: pytest.MonkeyPatch) 
     batched = runner.generate_batch(prompts, each=each, max_batch=3)
     assert [b.tokens for b in batched] == [a.tokens for a in alone]
     assert len(steps) > 20 and max(steps) == 3
+
+
+def test_the_last_row_left_decodes_solo_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """When the batch drops to one row, that row's caches are compacted to its real positions
+    and it decodes on the single-sequence path again (Batch.part), still exactly as alone:
+    greedy and seeded sampled, head and context drafts, its acceptance counts too."""
+    from mtpkit.decoder.batch import Batch
+
+    runner = tiny_runner(vocab=6)
+    parted: list[int] = []
+    real = Batch.part
+
+    def spy(self: Batch) -> Any:
+        parted.append(len(self.rows))
+        return real(self)
+
+    monkeypatch.setattr(Batch, "part", spy)
+    prompts = [[1, 2, 3, 4, 5], [0, 1], [3, 1, 4, 1, 5, 2] * 3]
+    each = [{"depth": 2, "max_tokens": 12}, {"depth": 3, "draft": "both", "max_tokens": 20},
+            {"depth": 2, "temperature": 0.9, "seed": 3, "max_tokens": 60}]
+    alone = _alone(runner, prompts, each)
+    for a, b in zip(alone, runner.generate_batch(prompts, each=each, max_batch=3), strict=True):
+        _same(a, b)
+    assert parted == [1], "the longest request finished alone, on the solo path"
