@@ -332,16 +332,18 @@ def _alone(batch: list, holes: list[Holes], fresh: list) -> list:
     """A batch-of-one's caches as one sequence's (`fresh`: its empty ones): attention keys at
     the row's real positions only (its holes dropped); recurrent states as they are. The trunk's
     attention layers share one Holes; each head block has its own."""
-    out = []
+    out, real = [], {}  # one host read per Holes, not per layer
     for i, (b, f) in enumerate(zip(batch, fresh, strict=True)):
         if not isinstance(b, RowKVCache):
             out.append(b)
             continue
-        valid = holes[0 if len(holes) == 1 else i].valid
-        assert valid is not None
-        kept = [p for p, v in enumerate(valid[0, :b._idx].tolist()) if v]
-        real = mx.array(kept)
-        f.state = (b.keys[:, :, real, :], b.values[:, :, real, :], len(kept))
+        h = holes[0 if len(holes) == 1 else i]
+        if id(h) not in real:
+            assert h.valid is not None
+            real[id(h)] = [p for p, v in enumerate(h.valid[0, :b._idx].tolist()) if v]
+        kept = real[id(h)]
+        at = mx.array(kept)
+        f.state = (b.keys[:, :, at, :], b.values[:, :, at, :], len(kept))
         out.append(f)
     return out
 
