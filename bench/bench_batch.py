@@ -152,18 +152,21 @@ def theirs(model, prompts: list[list[int]], tokens: int) -> tuple[dict, list[lis
 
 def ideal(paid: dict, rows: int) -> dict[str, Any]:
     """What the measured round costs of `rows` rows promise at the oracle's acceptance: the
-    median paid per depth (0: a plain round, "piped": a pipelined plain step) and the best
+    median paid per depth (0: a plain round; "piped K": pipelined rounds, K=0 plain) and the best
     depth's tokens per second over plain steps' (each row commits 1 + a_1 + ... + a_K a
     round), beside the measured ratio."""
-    from mtpkit.decoder.batch_policy import PIPED
+    from mtpkit.decoder.batch_policy import piped
 
     cost = {k: statistics.median(seen) for (b, k), seen in paid.items() if b == rows and seen}
-    plain = cost.get(PIPED, cost.get(0))  # a pipelined plain step's, where timed
-    if plain is None or len(cost) < 2:
+    plain = cost.get(piped(0), cost.get(0))  # a pipelined plain step's, where timed
+    # each depth at its pipelined price where timed (as the batch runs it), else synchronous
+    price = {k: cost.get(piped(k), cost.get(k)) for k in range(1, 9)
+             if piped(k) in cost or k in cost}
+    if plain is None or not price:
         return {}
-    gain = {k: (1 + sum(RATES[:k])) / cost[k] * plain for k in cost if k > 0}
+    gain = {k: (1 + sum(RATES[:k])) / c * plain for k, c in price.items()}
     best = max(gain, key=gain.__getitem__)
-    return {"round_ms": {("piped" if k == PIPED else k): round(1000 * c, 2)
+    return {"round_ms": {(f"piped {-1 - k}" if k < 0 else k): round(1000 * c, 2)
                          for k, c in sorted(cost.items())},
             "ideal_over_plain": round(gain[best], 3), "ideal_depth": best}
 

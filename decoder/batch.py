@@ -44,6 +44,9 @@ class Ask:
         return 0 if self.context else self.depth
 
 
+Owed = tuple[mx.array, mx.array, mx.array, int]  # hidden, tokens, counts (rows,), width
+
+
 def _padded(a: mx.array, width: int) -> mx.array:
     """(1, n, ...) right-padded with zeros to (1, width, ...)."""
     extra = width - a.shape[1]
@@ -168,29 +171,98 @@ class Batch:
             if d.rule is not None:  # a sampled row: its own law and noise
                 verdicts = _put(verdicts, b, judge(d, logits[b], s.params))
         # the round's one host read: every row's drafts, kept count and emitted token
-        read = mx.concatenate([verify[:, 1:].astype(mx.int32).reshape(-1),
-                               verdicts.reshape(-1)]).tolist()
-        rows = len(self.rows)
-        tokens = [read[b * (width - 1):(b + 1) * (width - 1)] for b in range(rows)]
-        verdict = read[rows * (width - 1):]
-        kept = [verdict[2 * b] for b in range(rows)]
-        keep = mx.array([k + 1 for k in kept])
-        self._settle(keep, width, width - max(kept) - 1)
+        committed, kept = self._read(_verdicts(verify, verdicts).tolist(), width)
+        self._settle(mx.array([k + 1 for k in kept]), width, width - max(kept) - 1)
         paid = time.perf_counter() - start
         outcomes = []
-        for b, (session, draft) in enumerate(zip(self.rows, drafts, strict=True)):
-            committed = [*tokens[b][:kept[b]], verdict[2 * b + 1]]
+        for b, draft in enumerate(drafts):
             if self.headed[b]:
-                session.owe(hidden[b:b + 1, :kept[b] + 1], committed)
-            if session.lookup is not None:
-                session.lookup.extend(committed)
-            session.last = committed[-1]
-            if draft.depth > 0:
-                session.stats.count_round(SOURCE_NAMES[draft.source], draft.depth, kept[b],
-                                          kept[b] == draft.depth)
-            outcomes.append(RoundOutcome(committed, draft.depth, kept[b], draft.source,
-                                         draft.drafted, draft.match, paid, width, owed[b]))
+                self.rows[b].owe(hidden[b:b + 1, :kept[b] + 1], committed[b])
+            outcomes.append(self._outcome(b, RoundOutcome(
+                committed[b], draft.depth, kept[b], draft.source, draft.drafted, draft.match,
+                paid, width, owed[b])))
         return outcomes
+
+    def spec_rounds(self, depth: int, count: int, stop: Callable[[], bool] | None = None,
+                    done: Callable[[int], bool] | None = None) -> Iterator[list[RoundOutcome]]:
+        """`count` rounds in which every row drafts `depth` from the head, each next round
+        queued before the last one's verdicts are read (as plain_steps queues plain steps):
+        the host builds round t+1 while the device runs round t. Round t+1's head is fed the
+        pairs round t committed straight from the device (right-padded to depth + 1, each
+        row's count a device array) and its pass starts at each row's emitted token; no
+        tail is trimmed (that needs the verdicts), so rejected positions stay as holes. Each
+        row drafts, judges, keeps and commits as in `round`. Yields every row's outcome
+        (paid: the seconds between reads); when stop() turns true, the round already queued
+        is the last. A row whose generation is `done(b)` takes nothing more (its session's
+        counts stay as its result reported them)."""
+        assert self.cache is not None and all(self.headed) and depth > 0 and count > 0
+        rows, width = len(self.rows), depth + 1
+        asks = [Ask(depth=depth)] * rows
+        full = mx.full((rows,), width, mx.int32)
+        depths = mx.full((rows,), depth, mx.int32)
+        columns = mx.arange(width)[None]
+
+        def queue(last: mx.array, owed: Owed | None) -> tuple[mx.array, Owed, mx.array]:
+            noise = [s.round_noise(depth) for s in self.rows]
+            tokens, laws = self._head(depth, asks, [d for d, _ in noise], owed)
+            verify = mx.concatenate([last[:, None], tokens], axis=1)
+            hidden, logits = self._pass(verify, full, width)
+            verdicts = acceptance.accept_greedy_rows(verify, logits, depths)
+            for b, (session, (_, rule)) in enumerate(zip(self.rows, noise, strict=True)):
+                if rule is not None:  # a sampled row: its own law and noise
+                    draft = Draft(verify[b:b + 1], Candidates.concat(laws[b]), Source.HEAD,
+                                  depth, rule=rule)
+                    verdicts = _put(verdicts, b, judge(draft, logits[b], session.params))
+            kept, token = verdicts[:, 0], verdicts[:, 1:].astype(verify.dtype)
+            self._settle(kept + 1, width, 0)
+            after = mx.concatenate([verify[:, 1:], token], axis=1)
+            pairs = (hidden, mx.where(columns < kept[:, None], after, token), kept + 1, width)
+            read = _verdicts(verify, verdicts)
+            mx.async_eval(read)
+            return read, pairs, token[:, 0]
+
+        owed = [0 if s.owed is None else s.owed[1].shape[1] for s in self.rows]
+        begin = time.perf_counter()
+        current = queue(mx.array([s.last for s in self.rows]), None)
+        n = 0
+        while n < count:
+            queued = queue(current[2], current[1]) if n + 1 < count else None
+            committed, kept = self._read(current[0].tolist(), width)
+            paid = time.perf_counter() - begin  # the consumer's time between reads is not
+            outcomes = [RoundOutcome(committed[b], depth, kept[b], Source.HEAD, depth, 0, paid,
+                                     width, owed[b]) for b in range(rows)]
+            yield [o if done is not None and done(b) else self._outcome(b, o)
+                   for b, o in enumerate(outcomes)]
+            begin = time.perf_counter()
+            owed = [k + 1 for k in kept]
+            n += 1
+            if stop is not None and n + 1 < count and stop():
+                count = n + 1  # the queued round is the last
+            if queued is not None:
+                current = queued
+        hidden = current[1][0]
+        for b, session in enumerate(self.rows):  # the last round's pairs, as round leaves them
+            session.owe(hidden[b:b + 1, :kept[b] + 1], committed[b])
+
+    def _read(self, read: list[int], width: int) -> tuple[list[list[int]], list[int]]:
+        """Every row's committed tokens and kept count from a round's one host read."""
+        rows = len(self.rows)
+        verdict = read[rows * (width - 1):]
+        kept = [verdict[2 * b] for b in range(rows)]
+        at = [b * (width - 1) for b in range(rows)]
+        return [[*read[at[b]:at[b] + kept[b]], verdict[2 * b + 1]] for b in range(rows)], kept
+
+    def _outcome(self, b: int, outcome: RoundOutcome) -> RoundOutcome:
+        """Row b's session takes what its round committed (its context index, last token,
+        acceptance counts)."""
+        session = self.rows[b]
+        if session.lookup is not None:
+            session.lookup.extend(outcome.committed)
+        session.last = outcome.committed[-1]
+        if outcome.depth > 0:
+            session.stats.count_round(SOURCE_NAMES[outcome.source], outcome.depth,
+                                      outcome.kept, outcome.kept == outcome.depth)
+        return outcome
 
     def _pass(self, tokens: mx.array, real: mx.array, width: int) -> tuple[mx.array, mx.array]:
         """One trunk pass over every row's `width` tokens, row b's first real[b] real (the
@@ -282,22 +354,19 @@ class Batch:
                                     Source.HEAD, d, rule=noise[b][1]))
         return drafts
 
-    def _head(self, steps: int, asks: list[Ask], draws: list[mx.array | None]
-              ) -> tuple[mx.array, list[list[Candidates]]]:
+    def _head(self, steps: int, asks: list[Ask], draws: list[mx.array | None],
+              owed: Owed | None = None) -> tuple[mx.array, list[list[Candidates]]]:
         """`steps` chained head drafts for every row with a head place ((H, steps) tokens,
         and per sampled row the law of each of its own drafts; asks and draws: those rows').
-        Each row's owed pairs are fed first (right-padded to the longest); the chained
-        positions leave the head's caches afterwards, as a lone session trims them."""
+        Each row's owed pairs are fed first, right-padded to the longest: the sessions' own,
+        or `owed` (the last pipelined round's, still on the device); the chained positions
+        leave the head's caches afterwards, as a lone session trims them."""
         assert self.head is not None and self.mtp_cache is not None
         head = self.head
         rows = [s for s, h in zip(self.rows, self.headed, strict=True) if h]
-        owed = [s.owed for s in rows]
-        assert all(o is not None for o in owed)
-        counts = [o[1].shape[1] for o in owed]  # type: ignore[index]
-        width = max(counts)
-        hidden = mx.concatenate([_padded(o[0], width) for o in owed])  # type: ignore[index]
-        tokens = mx.concatenate([_padded(o[1], width) for o in owed])  # type: ignore[index]
-        n = mx.array(counts)
+        if owed is None:
+            owed = _owed(rows)
+        hidden, tokens, n, width = owed
         chained = [0] * head.blocks
         out_tokens, laws = [], [[] for _ in rows]
         for k in range(steps):
@@ -307,7 +376,7 @@ class Batch:
             logits, hidden = head(hidden, tokens, self.mtp_cache, k,
                                   pick=n - 1 if k == 0 else None, last_only=True)
             if k == 0:
-                settle([self.mtp_cache[0]], holes, n, width, width - max(counts))
+                settle([self.mtp_cache[0]], holes, n, width, 0)
             else:
                 settle([self.mtp_cache[block]], holes, mx.ones(len(rows), mx.int32), 1, 0)
                 chained[block] += 1
@@ -328,6 +397,18 @@ class Batch:
         return mx.concatenate(out_tokens, axis=1), laws
 
 
+def _owed(rows: list[Session]) -> Owed:
+    """The pairs each session owes the head, right-padded to the longest, with each row's
+    count (on the device) and the padded width."""
+    owed = [s.owed for s in rows]
+    assert all(o is not None for o in owed)
+    counts = [o[1].shape[1] for o in owed]  # type: ignore[index]
+    width = max(counts)
+    hidden = mx.concatenate([_padded(o[0], width) for o in owed])  # type: ignore[index]
+    tokens = mx.concatenate([_padded(o[1], width) for o in owed])  # type: ignore[index]
+    return hidden, tokens, mx.array(counts), width
+
+
 def _alone(batch: list, holes: list[Holes], fresh: list) -> list:
     """A batch-of-one's caches as one sequence's (`fresh`: its empty ones): attention keys at
     the row's real positions only (its holes dropped); recurrent states as they are. The trunk's
@@ -346,6 +427,12 @@ def _alone(batch: list, holes: list[Holes], fresh: list) -> list:
         f.state = (b.keys[:, :, at, :], b.values[:, :, at, :], len(kept))
         out.append(f)
     return out
+
+
+def _verdicts(verify: mx.array, verdicts: mx.array) -> mx.array:
+    """What a round's one host read holds: every row's drafts, then its kept count and
+    emitted token."""
+    return mx.concatenate([verify[:, 1:].astype(mx.int32).reshape(-1), verdicts.reshape(-1)])
 
 
 def _put(a: mx.array, index: int, value: mx.array) -> mx.array:

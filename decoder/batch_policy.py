@@ -44,7 +44,16 @@ if TYPE_CHECKING:
     from mtpkit.decoder.scheduler import Request
 
 EXPLORE = 3  # depths timed at each batch size before any is chosen (deeper ones extend them)
-PIPED = -1  # the "depth" pipelined plain steps are timed under: what a plain stretch costs
+
+
+def piped(depth: int) -> int:
+    """The key pipelined rounds at `depth` are timed under (0: plain steps), beside the
+    synchronous rounds' `depth`: a pipelined round overlaps its host work with the last one's
+    pass and costs less."""
+    return -1 - depth
+
+
+PIPED = piped(0)  # what a plain stretch's pipelined steps cost
 
 
 @dataclass
@@ -58,22 +67,26 @@ class BatchPolicy:
     stretch: int = MIN_STRETCH
     plain_left: int = 0
     chosen: dict[int, int] = field(default_factory=dict)  # depth -> rounds
+    decided: bool = False  # the last depth was chosen on prices (not an exploration or probe)
 
     def cost(self, rows: int, depth: int, timed: dict[int, float] | None = None) -> float:
         """Seconds for a round of `rows` rows at `depth` drafts: the median paid where timed,
         else extended from the deepest timed depths at this size, else the single-sequence
         curve (nothing timed at this size yet). `timed`: _timed(rows), if already at hand."""
         timed = self._timed(rows) if timed is None else timed
-        if depth == 0 and PIPED in timed:  # plain is chosen as a stretch: pipelined steps
-            return timed[PIPED]
+        if piped(depth) in timed:  # as it runs: plain as a stretch, rounds pipelined
+            return timed[piped(depth)]
         if depth in timed:
-            return timed[depth]
-        below = sorted(k for k in timed if 0 <= k < depth)
-        if len(below) >= 2:
+            cost = timed[depth]
+        else:
+            below = sorted(k for k in timed if 0 <= k < depth)
+            if len(below) < 2:
+                return self._single(depth)
             a, b = below[-2], below[-1]
-            step = max((timed[b] - timed[a]) / (b - a), 0.0)
-            return timed[b] + step * (depth - b)
-        return self._single(depth)
+            cost = timed[b] + max((timed[b] - timed[a]) / (b - a), 0.0) * (depth - b)
+        # a synchronous price, scaled by what pipelining saved at the depths run both ways
+        saved = [timed[piped(k)] / timed[k] for k in timed if k > 0 and piped(k) in timed]
+        return cost * statistics.median(saved) if saved and depth > 0 else cost
 
     def _timed(self, rows: int) -> dict[int, float]:
         return {k: statistics.median(seen) for (b, k), seen in self.paid.items()
@@ -109,6 +122,7 @@ class BatchPolicy:
     def depth(self, requests: list[Request], rows: int | None = None) -> int:
         """The depth of the next round for these requests (0: plain steps); `rows`: the
         batch's, where mates at fixed depths share the pass (its cost is that many rows')."""
+        self.decided = False
         if self.plain_left > 0:
             self.plain_left -= 1
             return 1 if self.plain_left == 0 else 0  # the stretch's last round probes
@@ -125,7 +139,7 @@ class BatchPolicy:
         if rate < MARGIN * plain:
             self.plain_left, self.stretch = self.stretch, min(2 * self.stretch, MAX_STRETCH)
             return 0
-        self.stretch = MIN_STRETCH
+        self.stretch, self.decided = MIN_STRETCH, True
         return depth
 
     def ask(self, request: Request, depth: int, most: int, headed: bool) -> Ask:
@@ -157,9 +171,11 @@ class BatchPolicy:
         self.chosen[0] = self.chosen.get(0, 0) + 1
         self.paid.setdefault((rows, PIPED), deque(maxlen=WINDOW)).append(paid_s)
 
-    def observe(self, rows: int, outcomes: list[RoundOutcome]) -> None:
-        """What a round of `rows` rows paid, under its shape (the deepest draft)."""
+    def observe(self, rows: int, outcomes: list[RoundOutcome], pipelined: bool = False) -> None:
+        """What a round of `rows` rows paid, under its shape (the deepest draft) and whether
+        it ran pipelined (Batch.spec_rounds)."""
         depth = max(o.depth for o in outcomes)
         self.chosen[depth] = self.chosen.get(depth, 0) + 1
-        seen = self.paid.setdefault((rows, depth), deque(maxlen=WINDOW))
+        key = piped(depth) if pipelined else depth
+        seen = self.paid.setdefault((rows, key), deque(maxlen=WINDOW))
         seen.append(outcomes[0].paid_s)

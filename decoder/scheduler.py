@@ -25,6 +25,8 @@ from mtpkit.decoder.policy import DepthPolicy
 from mtpkit.decoder.session import RoundOutcome, Session, Stopped
 from mtpkit.decoder.stats import Stats
 
+SPEC_ROUNDS = 16  # pipelined speculative rounds between two synchronous ones (policy, context)
+
 
 @dataclass
 class Request:
@@ -84,6 +86,8 @@ class Scheduler:
         self.allow_solo = solo
         self.solo: tuple[Request, Iterator[list[int]], Controller | None] | None = None
         self.stretch: Iterator[tuple[list[int], float]] | None = None  # pipelined plain steps
+        self.entering: Request | None = None  # first token sent; joins the batch next step
+        self.spec: Iterator[list[RoundOutcome]] | None = None  # pipelined speculative rounds
 
     def add(self, request: Request) -> None:
         """Queue a request (prepared by Runner.prepare); the first under auto brings the batch
@@ -95,14 +99,22 @@ class Scheduler:
         self.waiting.append(request)
 
     def __bool__(self) -> bool:
-        return bool(self.waiting or self.filling or self.active or self.solo)
+        return bool(self.waiting or self.filling or self.active or self.solo or self.entering
+                    or self.spec)
 
     def step(self) -> list[Event]:
         """One chunk of a joining prompt's prefill, then one round of every active row (or
-        one step of the solo request)."""
+        one step of the solo request). A request whose first token the last step sent joins
+        the batch first: its caches' copy into the batch's is not in its time to first token."""
+        if self.entering is not None:
+            self.batch.join(self.entering.session)
+            self.active.append(self.entering)
+            self.entering = None
         if self.solo is not None:
             return self._solo_step()
         if self.stretch is not None and (events := self._stretch_step()) is not None:
+            return events
+        if self.spec is not None and (events := self._spec_step()) is not None:
             return events
         events = self._fill()
         self.rows = 0
@@ -184,15 +196,62 @@ class Scheduler:
             if events is not None:
                 return events
         asks = self._asks()
-        outcomes = self.batch.round(asks)
-        if self.policy is not None:
-            self.policy.observe(len(asks), outcomes)
-        events = []
-        for request, outcome in zip(list(self.active), outcomes, strict=True):
-            self._learn(request, outcome)
-            events += self._commit(request, outcome.committed)
+        if self._start_spec(asks) and (events := self._spec_step()) is not None:
+            return events
+        events = self._settled(self.batch.round(asks))
         self._leave()
         return events
+
+    def _settled(self, outcomes: list[RoundOutcome], pipelined: bool = False) -> list[Event]:
+        """A round's outcomes learnt and committed (a row done earlier in a pipelined stretch
+        takes no more)."""
+        if self.policy is not None:
+            self.policy.observe(len(outcomes), outcomes, pipelined)
+        events = []
+        for request, outcome in zip(list(self.active), outcomes, strict=True):
+            if request.finish is None:
+                self._learn(request, outcome)
+                events += self._commit(request, outcome.committed)
+        return events
+
+    def _wanted(self) -> bool:
+        """A row done, or a request waiting for a place: a pipelined stretch ends."""
+        return (any(r.finish is not None for r in self.active)
+                or bool(self.waiting) and len(self.active) < self.max_batch)
+
+    def _start_spec(self, asks: list[Ask]) -> bool:
+        """Speculative rounds pipelined (Batch.spec_rounds) where every row drafts the same
+        depth from the head: under auto once the batch policy chose that depth on prices (not
+        while it explores or probes), for up to SPEC_ROUNDS rounds, none of which can reach a
+        row's max_tokens (its last rounds draft fewer, as alone). Rows then draft from the
+        head only; a row at a fixed depth with a context index keeps synchronous rounds (it
+        drafts from its context where its text offers, as alone)."""
+        depth = asks[0].depth
+        auto = any(r.policy is not None for r in self.active)
+        if (depth < 1 or any(a.context or a.depth != depth for a in asks)
+                or not all(self.batch.headed)
+                or any(r.policy is None and r.session.lookup is not None for r in self.active)
+                or auto and not (self.policy is not None and self.policy.decided)):
+            return False
+        rounds = min(SPEC_ROUNDS, (min(r.left for r in self.active) - 1) // (depth + 1))
+        if rounds < 2:
+            return False
+        self.spec = self.batch.spec_rounds(depth, rounds, self._wanted,
+                                           lambda b: self.active[b].finish is not None)
+        return True
+
+    def _spec_step(self) -> list[Event] | None:
+        """The pipelined stretch's next round of every row (None once it has ended: rows
+        done leave)."""
+        assert self.spec is not None
+        try:
+            outcomes = next(self.spec)
+        except StopIteration:
+            self.spec = None
+            self._leave()
+            return None
+        self.rows = len(self.active)
+        return self._settled(outcomes, pipelined=True)
 
     def _start_stretch(self) -> bool:
         """Plain steps pipelined (Batch.plain_steps) where every row decodes plain for a
@@ -210,11 +269,7 @@ class Scheduler:
         if steps < 2:
             return False
 
-        def stop() -> bool:  # a row done, or a request waiting for a place: end the stretch
-            return (any(r.finish is not None for r in self.active)
-                    or bool(self.waiting) and len(self.active) < self.max_batch)
-
-        self.stretch = self.batch.plain_steps(steps, stop)
+        self.stretch = self.batch.plain_steps(steps, self._wanted)
         return True
 
     def _stretch_step(self) -> list[Event] | None:
@@ -290,8 +345,7 @@ class Scheduler:
             if self.allow_solo and not (self.active or self.waiting):
                 self._start_solo(request)
             else:
-                self.batch.join(request.session)
-                self.active.append(request)
+                self.entering = request
         return [Event(request, tokens, request.finish is not None)]
 
     def _leave(self) -> None:
@@ -300,6 +354,6 @@ class Scheduler:
             self.batch.leave(gone)
             self.active = [r for i, r in enumerate(self.active) if i not in gone]
             if (len(self.active) == 1 and self.allow_solo and not self.waiting
-                    and self.filling is None):  # the last one left: solo again
+                    and self.filling is None and self.entering is None):  # the last one left: solo again
                 self.batch.part()
                 self._start_solo(self.active.pop())

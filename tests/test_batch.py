@@ -176,12 +176,14 @@ def test_a_seeded_row_samples_the_same_text_alone_and_batched() -> None:
     assert sum(a.stats.accepted[0] for a in alone if a.stats.accepted) > 0
 
 
-def _batch_rounds(runner: Runner, depth: int, **kwargs: Any
+def _batch_rounds(runner: Runner, depth: int, pipelined: bool = False, **kwargs: Any
                   ) -> tuple[list[int], list[tuple[int, int]]]:
     """The first row's tokens and rounds (drafted, kept) decoded among mates with other
-    settings (test_exactness.rounds_of, batched)."""
-    mates = [{"depth": 1, "max_tokens": LONG // 3}, {"depth": 2, "temperature": 0.5, "seed": 2,
-                                                     "max_tokens": LONG // 2}]
+    settings (test_exactness.rounds_of, batched); `pipelined`: mates at its depth, so that
+    the batch's rounds run pipelined (Batch.spec_rounds)."""
+    mates = [{"depth": depth if pipelined else 1, "max_tokens": LONG // 3},
+             {"depth": depth if pipelined else 2, "temperature": 0.5, "seed": 2,
+              "max_tokens": LONG // 2}]
     each = [{"depth": depth, "max_tokens": LONG, **kwargs}, *mates]
     pieces = [p for i, p in runner.stream_batch([MARKOV_PROMPT, [1, 2], [3, 3, 0]], each=each)
               if i == 0]
@@ -194,20 +196,24 @@ def _batch_rounds(runner: Runner, depth: int, **kwargs: Any
     return tokens, outcomes
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
 @pytest.mark.parametrize("setting", ["temperature", "top_p_min_p"])
-def test_a_batched_row_emits_the_target_law_in_every_round_state(setting: str) -> None:
+def test_a_batched_row_emits_the_target_law_in_every_round_state(
+        setting: str, pipelined: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     params, draft_vocab, head_norm = SETTINGS[setting]
     runner = tiny_runner(vocab=MV, draft_vocab=draft_vocab, head_norm=head_norm, markov=True,
                          logit_scale=MARKOV_LOGITS)
     law = transition_law(runner, params)
+    rounds = _pipelined_seen(monkeypatch, "spec_rounds")
     stat, df = 0.0, 0
     for depth in (2, 3, 4):
-        tokens, outcomes = _batch_rounds(runner, depth, seed=depth, **options(params))
+        tokens, outcomes = _batch_rounds(runner, depth, pipelined, seed=depth, **options(params))
         assert len(tokens) == LONG
         assert_every_outcome(outcomes, (depth,))
         s, d = stratified_test(law, tokens, outcomes)
         stat, df = stat + s, df + d
     assert chi2.sf(stat, df) > ALPHA, (stat, df)
+    assert bool(rounds) == pipelined
 
 
 def test_a_cancelled_row_leaves_and_the_others_go_on() -> None:
@@ -352,19 +358,20 @@ def test_the_batch_policy_times_each_depth_and_drops_a_losing_one() -> None:
         assert chosen[-1] == want, (per_draft, chosen)
 
 
-def _plain_steps_seen(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The rows of every pipelined plain step batches take from now on (Batch.plain_steps)."""
+def _pipelined_seen(monkeypatch: pytest.MonkeyPatch, name: str = "plain_steps") -> list[int]:
+    """The rows of every pipelined step or round batches take from now on (Batch.plain_steps,
+    or Batch.spec_rounds)."""
     from mtpkit.decoder.batch import Batch
 
     steps: list[int] = []
-    real = Batch.plain_steps
+    real = getattr(Batch, name)
 
-    def spy(self: Batch, count: int, stop: Any = None) -> Any:
-        for out in real(self, count, stop):
-            steps.append(len(out[0]))
+    def spy(self: Batch, *args: Any, **kwargs: Any) -> Any:
+        for out in real(self, *args, **kwargs):
+            steps.append(len(out[0]) if name == "plain_steps" else len(out))
             yield out
 
-    monkeypatch.setattr(Batch, "plain_steps", spy)
+    monkeypatch.setattr(Batch, name, spy)
     return steps
 
 
@@ -394,6 +401,30 @@ def test_plain_is_priced_by_pipelined_steps_once_timed() -> None:
     assert (4, PIPED) in policy.paid and policy.depth(rows) == 0
 
 
+def test_pipelined_rounds_price_their_depth_and_scale_the_others() -> None:
+    """A depth run pipelined is priced by its pipelined rounds; a depth timed only
+    synchronously by its synchronous price scaled by what pipelining saved, so depths are
+    compared as the batch would run them."""
+    from types import SimpleNamespace
+
+    from mtpkit.decoder.batch_policy import BatchPolicy, piped
+    from mtpkit.decoder.curve import CostCurve
+    from mtpkit.decoder.policy import MIN_OBSERVED
+
+    policy = BatchPolicy(CostCurve([0.01] * 16, 0.01, 0.0), 3)
+    for depth, paid in ((0, 0.010), (1, 0.020), (2, 0.030)):
+        for _ in range(MIN_OBSERVED):
+            policy.observe(4, [SimpleNamespace(depth=depth, paid_s=paid)])
+    assert policy.cost(4, 2) == pytest.approx(0.030)
+    for _ in range(MIN_OBSERVED):
+        policy.observe(4, [SimpleNamespace(depth=1, paid_s=0.010)], pipelined=True)
+    assert (4, piped(1)) in policy.paid and (4, 1) in policy.paid
+    assert policy.cost(4, 1) == pytest.approx(0.010)
+    assert policy.cost(4, 2) == pytest.approx(0.015)  # 0.030 x 0.010 / 0.020
+    assert policy.cost(4, 3) == pytest.approx(0.020)  # extended to 0.040, scaled alike
+    assert policy.cost(4, 0) == pytest.approx(0.010)  # plain rounds are not scaled
+
+
 @pytest.mark.parametrize("traced", [False, True])
 def test_a_plain_stretch_runs_pipelined_and_decodes_the_same(
         monkeypatch: pytest.MonkeyPatch, traced: bool) -> None:
@@ -421,7 +452,7 @@ def test_a_plain_stretch_runs_pipelined_and_decodes_the_same(
         for i in range(len(prompt) + 1, len(seq)):
             script[(i, seq[i - 1])] = (seq[i] + 1) % 6  # never the right token
     runner = Runner(base.trunk, BatchOracleHead(6, script), None)  # type: ignore[arg-type]
-    steps = _plain_steps_seen(monkeypatch)
+    steps = _pipelined_seen(monkeypatch)
     # what-if round costs (a draft costs a plain round): the policy's choice, not this
     # machine's timings, is what this test holds fixed
     monkeypatch.setattr(BatchPolicy, "cost", lambda self, rows, depth, timed=None:
@@ -437,7 +468,7 @@ def test_a_batch_of_plain_rows_steps_pipelined(monkeypatch: pytest.MonkeyPatch) 
     """Rows at a fixed depth 0 (greedy and seeded sampled) decode in pipelined plain steps, as
     alone: the sampled row draws what its lone plain decoding draws."""
     runner = tiny_runner(vocab=6)
-    steps = _plain_steps_seen(monkeypatch)
+    steps = _pipelined_seen(monkeypatch)
     prompts = [[1, 2, 3, 4], [5, 4, 3], [2, 2, 1]]
     each = [{"depth": 0, "max_tokens": 30}, {"depth": 0, "temperature": 0.8, "seed": 5,
                                              "max_tokens": 40}, {"depth": 0, "max_tokens": 25}]
@@ -469,3 +500,84 @@ def test_the_last_row_left_decodes_solo_again(monkeypatch: pytest.MonkeyPatch) -
     for a, b in zip(alone, runner.generate_batch(prompts, each=each, max_batch=3), strict=True):
         _same(a, b)
     assert parted == [1], "the longest request finished alone, on the solo path"
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v3", "mimo"])
+def test_speculative_rounds_run_pipelined_and_decode_as_alone(
+        runners: Callable[[str], Runner], monkeypatch: pytest.MonkeyPatch, family: str) -> None:
+    """Rows drafting the same depth from the head verify in pipelined rounds (Batch.spec_rounds:
+    the next round's head fed the last one's pairs on the device, its pass queued before the
+    verdicts are read): each row's tokens and acceptance counts equal its lone decoding, rows
+    leave at their max_tokens mid-stretch and a waiting one joins."""
+    runner = runners(family)
+    rounds = _pipelined_seen(monkeypatch, "spec_rounds")
+    prompts = [PROMPTS[0], PROMPTS[3], [9, 8, 7, 6, 5, 4, 3], PROMPTS[1]]
+    each = [{"depth": 2, "draft": "head", "max_tokens": n} for n in (60, 30, 60, 40)]
+    alone = _alone(runner, prompts, each)
+    order, batched = _streamed(runner, prompts, each, max_batch=3)
+    for a, b in zip(alone, batched, strict=True):
+        _same(a, b)
+    assert order.index(3) > order.index(1), "the fourth request joined after a row left"
+    assert len(rounds) >= 10 and max(rounds) == 3, "most rounds ran pipelined, three rows"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_next"])
+def test_pipelined_rounds_keep_each_rows_own_count(
+        runners: Callable[[str], Runner], built: Callable[..., Path],
+        monkeypatch: pytest.MonkeyPatch, family: str) -> None:
+    """Forced rejections at each row's own positions in pipelined rounds: rows keep 0..K
+    drafts each in the same pass, the next round's head takes each row's own count of pairs
+    (a device array), and every row decodes its plain greedy tokens."""
+    base = runners(family) if family != "llama" else _bare(mtpkit.load(built("llama"),
+                                                                        dtype="float32"))
+    prompts = [PROMPTS[0], PROMPTS[3], [9, 8, 7, 6, 5, 4, 3]]
+    oracle, plain = _oracle_batch(base, prompts, [4, 5, 6], 90)
+    rounds = _pipelined_seen(monkeypatch, "spec_rounds")
+    results = oracle.generate_batch(prompts, each=[{"depth": 3, "max_tokens": 90}] * 3)
+    for result, tokens in zip(results, plain, strict=True):
+        assert result.tokens == tokens
+        kept = {k for _, _, d, k in result.stats.timeline if d == 3}
+        assert kept == {0, 1, 2, 3}, kept
+    assert len(rounds) >= 20
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_seeded_rows_sample_the_same_text_in_pipelined_rounds(
+        monkeypatch: pytest.MonkeyPatch, traced: bool) -> None:
+    """Seeded sampled rows (and a greedy mate) at one fixed depth: pipelined rounds draw what
+    each row's lone decoding draws (traced batch passes too)."""
+    import mtpkit.decoder.batch as batch
+
+    if traced:
+        monkeypatch.setattr(batch, "bounded_by_default", lambda: True)
+    runner = tiny_runner(vocab=6)
+    if traced:
+        runner.trunk.use_traced()
+    rounds = _pipelined_seen(monkeypatch, "spec_rounds")
+    prompts = [[1, 2, 3, 4, 5], [0, 1], [2, 2, 2, 2]]
+    each = [{"depth": 2, "temperature": 0.9, "seed": 3, "max_tokens": 40},
+            {"depth": 2, "max_tokens": 30},
+            {"depth": 2, "temperature": 1.0, "top_p": 0.9, "seed": 9, "max_tokens": 35}]
+    alone = _alone(runner, prompts, each)
+    for a, b in zip(alone, runner.generate_batch(prompts, each=each, max_batch=3),
+                    strict=True):
+        _same(a, b)
+    assert len(rounds) >= 8
+
+
+def test_auto_rounds_run_pipelined_once_the_policy_chooses(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under auto, once the batch policy has explored and chooses a depth on prices, rounds at
+    that depth run pipelined; tokens still equal plain decoding."""
+    from mtpkit.decoder.batch_policy import BatchPolicy
+
+    base = tiny_runner(vocab=6)
+    prompts = [[1, 2, 3, 4], [5, 4, 3], [2, 2, 1]]
+    oracle, plain = _oracle_batch(base, prompts, [7, 8, 9], 120)
+    rounds = _pipelined_seen(monkeypatch, "spec_rounds")
+    monkeypatch.setattr(BatchPolicy, "cost", lambda self, rows, depth, timed=None:
+                        0.01 * (1 + 0.1 * depth))  # drafts nearly free: the deepest pays
+    results = oracle.generate_batch(prompts, each=[{"depth": "auto", "draft": "head",
+                                                    "max_tokens": 120}] * 3)
+    assert [r.tokens for r in results] == plain
+    assert len(rounds) >= 10 and max(rounds) == 3
