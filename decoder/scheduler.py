@@ -225,10 +225,12 @@ class Scheduler:
         while it explores or probes), for up to SPEC_ROUNDS rounds, none of which can reach a
         row's max_tokens (its last rounds draft fewer, as alone). Rows then draft from the
         head only; a row at a fixed depth with a context index keeps synchronous rounds (it
-        drafts from its context where its text offers, as alone)."""
+        drafts from its context where its text offers, as alone). Only where the host's work
+        overlaps the device's (a GPU: batch.overlaps)."""
         depth = asks[0].depth
         auto = any(r.policy is not None for r in self.active)
-        if (depth < 1 or any(a.context or a.depth != depth for a in asks)
+        if (not self.batch.pipelined or depth < 1
+                or any(a.context or a.depth != depth for a in asks)
                 or not all(self.batch.headed)
                 or any(r.policy is None and r.session.lookup is not None for r in self.active)
                 or auto and not (self.policy is not None and self.policy.decided)):
