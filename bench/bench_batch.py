@@ -12,7 +12,8 @@
 2. --serve BUNDLE (this CPU): 4 clients at once through `mtpkit serve` (the official openai SDK,
    streaming, temperature 0) on the loads, one request per client per load, against a server
    with --max-batch 1 (one at a time); then one request joining 3 running ones against the same
-   request on an idle server (TTFT). Texts must equal the one-at-a-time server's.
+   request on an idle server (TTFT), its prompt cached and fresh. Texts must equal the
+   one-at-a-time server's.
 
     python bench/bench_batch.py --oracle [--streams 1,2,4,8] [--tokens 256] [--runs 2]
     .venv/bin/python bench/bench_batch.py --serve out/SmolLM2-135M-mtp --dtype float32
@@ -244,16 +245,18 @@ def serve_bench(args: argparse.Namespace) -> dict:
     loads = real_loads(args.loads.split(","))
     texts = {name: load.fresh(None) for name, load in loads.items()}
 
-    def client(url: str, name: str, results: dict, start: float) -> None:
+    def client(url: str, name: str, results: dict, start: float, text: str | None = None
+               ) -> None:
         api = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
         load = loads[name]
         kwargs = {"model": "m", "max_tokens": args.tokens, "temperature": 0.0, "stream": True}
         first, times, chunks, tokens = None, [], [], 0
+        text = texts[name] if text is None else text
         if load.chat:
             stream = api.chat.completions.create(
-                messages=[{"role": "user", "content": texts[name]}], **kwargs)
+                messages=[{"role": "user", "content": text}], **kwargs)
         else:
-            stream = api.completions.create(prompt=texts[name], **kwargs)
+            stream = api.completions.create(prompt=text, **kwargs)
         for chunk in stream:
             now = time.perf_counter()
             if getattr(chunk, "usage", None) is not None:  # the last chunk carries usage
@@ -299,30 +302,43 @@ def serve_bench(args: argparse.Namespace) -> dict:
                   f"({a['wall_s'] / b['wall_s']:.2f}x; {b['aggregate_tps']:.1f} tok/s); slowest "
                   f"client {b['slowest_over_median_tps']:.2f}x of the median; identical "
                   f"{identical}", flush=True)
-        # a request joining three running ones, against the same request on an idle server
-        joins, idle = [], []
-        for _ in range(args.runs):
-            results: dict[str, dict] = {}
-            start = time.perf_counter()
-            mates = [threading.Thread(target=client, args=(four, n, results, start))
-                     for n in list(loads)[:3]]
-            for t in mates:
-                t.start()
-            time.sleep(1.0)
-            late: dict[str, dict] = {}
-            client(four, list(loads)[-1], late, time.perf_counter())
-            joins.append(late[list(loads)[-1]]["ttft_s"])
-            for t in mates:
-                t.join()
-            alone: dict[str, dict] = {}
-            client(four, list(loads)[-1], alone, time.perf_counter())
-            idle.append(alone[list(loads)[-1]]["ttft_s"])
-        out["join_ttft_s"], out["idle_ttft_s"] = summary(joins), summary(idle)
-        out["join_over_idle"] = statistics.median(joins) / statistics.median(idle)
+        # a request joining three running ones, against the same request on an idle server:
+        # its prompt cached (the text the warm-up sent: the prefix cache restores it, so the
+        # wait for the round in flight is most of the difference), and a fresh prompt
+        # (prefilled whole, as a new conversation's)
+        last = list(loads)[-1]
+        for kind in ("cached", "fresh"):
+            joins, idle = [], []
+            for _ in range(args.runs):
+                text = None if kind == "cached" else loads[last].fresh(None)
+                results: dict[str, dict] = {}
+                start = time.perf_counter()
+                mates = [threading.Thread(target=client, args=(four, n, results, start))
+                         for n in list(loads)[:3]]
+                for t in mates:
+                    t.start()
+                time.sleep(1.0)
+                late: dict[str, dict] = {}
+                client(four, last, late, time.perf_counter(), text)
+                joins.append(late[last]["ttft_s"])
+                for t in mates:
+                    t.join()
+                alone: dict[str, dict] = {}
+                text = None if kind == "cached" else loads[last].fresh(None)
+                client(four, last, alone, time.perf_counter(), text)
+                idle.append(alone[last]["ttft_s"])
+            prefix = "" if kind == "cached" else "fresh_"
+            out[f"{prefix}join_ttft_s"], out[f"{prefix}idle_ttft_s"] = summary(joins), summary(idle)
+            out[f"{prefix}join_over_idle"] = statistics.median(joins) / statistics.median(idle)
     ratios = [r["ratio"] for r in out["runs"]]
     out["aggregate_ratio"] = summary(ratios)
+    def ms(key: str) -> str:
+        return f"{1000 * out[key]['median']:.0f}"
+
     print(f"aggregate {statistics.median(ratios):.2f}x; join TTFT {out['join_over_idle']:.2f}x "
-          "of idle", flush=True)
+          f"of idle (cached prompt: {ms('join_ttft_s')} vs {ms('idle_ttft_s')} ms), "
+          f"{out['fresh_join_over_idle']:.2f}x (fresh prompt: {ms('fresh_join_ttft_s')} vs "
+          f"{ms('fresh_idle_ttft_s')} ms)", flush=True)
     return out
 
 

@@ -7,7 +7,9 @@ context drafts, or none: a plain step through the verify path); the head drafts 
 are chained together, one head pass per draft step; one trunk pass verifies every row, right-
 padded to the widest; each row judges its draft by its own sampling parameters and noise
 (session.judge, the rule a lone session applies) and keeps, commits and rolls back on its own.
-The host reads one small array per round for the whole batch.
+The host reads one small array per round for the whole batch; on a GPU, rounds in which every
+row drafts one depth from the head run pipelined (`spec_rounds`: round t+1 queued before round
+t's verdicts are read), as plain steps do (`plain_steps`).
 """
 
 from __future__ import annotations

@@ -13,10 +13,11 @@ commits at least one token per pass, so none starves.
 The cost of a (B, K) round is measured, not assumed: a batch's attention and matmuls over
 B x (K + 1) rows do not scale like one sequence's K + 1 rows (on the H200's 8B oracle, depth-3
 rounds of 8 rows lost to plain rounds of 8 under the single-sequence curve's scaling). Each
-round's wall time is kept per shape (median of the last WINDOW), and the first rounds of each
-batch size explore depths 0..EXPLORE (MIN_OBSERVED rounds each; plain as a short pipelined
-stretch, the way it runs when chosen) so that plain and shallow rounds are timed at that size
-too; one depth beyond the deepest timed is a candidate, priced
+round's wall time is kept per shape (median of the last WINDOW), and the first rounds explore
+depths 0..EXPLORE (MIN_OBSERVED rounds each; plain as a short pipelined stretch, the way it
+runs when chosen) so that plain and shallow rounds are timed too; a batch size not timed yet
+borrows the nearest size's times until its own are taken (rows join and leave all the time);
+one depth beyond the deepest timed is a candidate, priced
 by extending the two deepest timed ones linearly in K (so the policy climbs one untimed depth
 at a time, never jumping to a deep shape on an extrapolation). The timings live on the runner
 (`Runner.batch_paid`): every batch a runner decodes, and every server's, learns from the ones
@@ -24,7 +25,10 @@ before. Where no depth
 beats plain steps by MARGIN the batch decodes plain for a stretch, then probes depth 1 (the
 stretch doubling while the probes lose, as for one sequence). A stretch runs pipelined
 (Batch.plain_steps) and costs less per step than a depth-0 round: once its steps are timed
-(under PIPED), they are plain decoding's price at that size.
+(under PIPED), they are plain decoding's price at that size. Likewise, on a GPU, rounds at a
+depth every row drafts from the head run pipelined (Batch.spec_rounds) and are timed under
+piped(K), apart from synchronous rounds; a depth timed only synchronously is priced at that
+cost scaled by what pipelining saved at the depths timed both ways.
 """
 
 from __future__ import annotations
@@ -89,8 +93,18 @@ class BatchPolicy:
         return cost * statistics.median(saved) if saved and depth > 0 else cost
 
     def _timed(self, rows: int) -> dict[int, float]:
-        return {k: statistics.median(seen) for (b, k), seen in self.paid.items()
-                if b == rows and len(seen) >= MIN_OBSERVED}
+        """Median round times at this size; a shape not yet timed here borrows the nearest
+        size's (rows join and leave all the time: exploring every size anew would spend
+        synchronous rounds at each, and the shape chosen is then timed here as it runs)."""
+        sizes: dict[int, dict[int, float]] = {}
+        for (b, k), seen in self.paid.items():
+            if len(seen) >= MIN_OBSERVED:
+                sizes.setdefault(b, {})[k] = statistics.median(seen)
+        timed: dict[int, float] = {}
+        for b in sorted(sizes, key=lambda b: (abs(b - rows), -b)):  # this size, then nearest
+            for k, c in sizes[b].items():
+                timed.setdefault(k, c)
+        return timed
 
     def _single(self, depth: int) -> float:
         """One sequence's round at `depth` on the curve (depth 0: one step through the verify
@@ -98,10 +112,11 @@ class BatchPolicy:
         return self.curve.verify[0] if depth == 0 else self.curve.round_cost(depth)
 
     def _explore(self, rows: int) -> int | None:
-        """A depth up to EXPLORE not yet timed MIN_OBSERVED times at this size, if any."""
+        """A depth up to EXPLORE not yet timed MIN_OBSERVED times at this size or another
+        (_timed), if any."""
+        timed = self._timed(rows)
         for depth in range(min(EXPLORE, self.max_depth) + 1):
-            if len(self.paid.get((rows, depth), ())) < MIN_OBSERVED and (
-                    depth > 0 or len(self.paid.get((rows, PIPED), ())) < MIN_OBSERVED):
+            if depth not in timed and (depth > 0 or PIPED not in timed):
                 return depth
         return None
 

@@ -358,6 +358,33 @@ def test_the_batch_policy_times_each_depth_and_drops_a_losing_one() -> None:
         assert chosen[-1] == want, (per_draft, chosen)
 
 
+def test_a_new_batch_size_borrows_the_nearest_sizes_timings() -> None:
+    """Rows leave and join all the time: a size not timed yet decides on the nearest size's
+    round times at once (no exploration rounds), then on its own as they are taken."""
+    from types import SimpleNamespace
+
+    from mtpkit.decoder.batch_policy import EXPLORE, BatchPolicy
+    from mtpkit.decoder.curve import CostCurve
+    from mtpkit.decoder.policy import MIN_OBSERVED, DepthPolicy
+
+    curve = CostCurve([0.01] * 16, 0.01, 0.0)
+    rows = []
+    for _ in range(4):
+        row = DepthPolicy(curve, 3)
+        for i in range(40):
+            row.record(3, 3 if i % 10 else 0)  # 90% of drafts kept
+        rows.append(SimpleNamespace(policy=row, session=SimpleNamespace(head=1, depth=3)))
+    policy = BatchPolicy(curve, 3)
+    for depth in range(EXPLORE + 1):
+        for _ in range(MIN_OBSERVED):
+            policy.observe(4, [SimpleNamespace(depth=depth, paid_s=0.01 * (1 + 0.1 * depth))])
+    assert policy.depth(rows[:3], 3) == 3 and policy.decided
+    for _ in range(MIN_OBSERVED):  # deep rounds of three rows turn out dear
+        policy.observe(3, [SimpleNamespace(depth=3, paid_s=0.2)])
+    assert policy.depth(rows[:3], 3) == 2 and policy.decided
+    assert policy.depth(rows, 4) == 3
+
+
 def _pipelined_seen(monkeypatch: pytest.MonkeyPatch, name: str = "plain_steps") -> list[int]:
     """The rows of every pipelined step or round batches take from now on (Batch.plain_steps,
     or Batch.spec_rounds, which then run on this backend too: a GPU's choice)."""
