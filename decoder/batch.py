@@ -52,7 +52,7 @@ Owed = tuple[mx.array, mx.array, mx.array, int]  # hidden, tokens, counts (rows,
 def overlaps() -> bool:
     """Whether the host's work overlaps the device's: on a GPU. On a CPU both share the cores,
     so pipelined rounds save nothing and their holes (no tail trimmed) cost attention work
-    (SmolLM2's 4-client serve took 23-25 s with them, 19-21 s without)."""
+    (SmolLM2's 4-client serve took 23-25 s with them, 19-22 s without)."""
     return mx.default_device().type == mx.DeviceType.gpu
 
 
