@@ -175,11 +175,7 @@ class Batch:
         width = max(d.depth + 1 for d in drafts)
         verify = mx.concatenate([widened(d.tokens, width) for d in drafts])
         hidden, logits = self._pass(verify, mx.array([d.depth + 1 for d in drafts]), width)
-        verdicts = acceptance.accept_greedy_rows(verify, logits,
-                                                 mx.array([d.depth for d in drafts]))
-        for b, (d, s) in enumerate(zip(drafts, self.rows, strict=True)):
-            if d.rule is not None:  # a sampled row: its own law and noise
-                verdicts = _put(verdicts, b, judge(d, logits[b], s.params))
+        verdicts = self._judged(verify, logits, drafts, mx.array([d.depth for d in drafts]))
         # the round's one host read: every row's drafts, kept count and emitted token
         committed, kept = self._read(_verdicts(verify, verdicts).tolist(), width)
         self._settle(mx.array([k + 1 for k in kept]), width, width - max(kept) - 1)
@@ -217,12 +213,9 @@ class Batch:
             tokens, laws = self._head(depth, asks, [d for d, _ in noise], owed)
             verify = mx.concatenate([last[:, None], tokens], axis=1)
             hidden, logits = self._pass(verify, full, width)
-            verdicts = acceptance.accept_greedy_rows(verify, logits, depths)
-            for b, (session, (_, rule)) in enumerate(zip(self.rows, noise, strict=True)):
-                if rule is not None:  # a sampled row: its own law and noise
-                    draft = Draft(verify[b:b + 1], Candidates.concat(laws[b]), Source.HEAD,
-                                  depth, rule=rule)
-                    verdicts = _put(verdicts, b, judge(draft, logits[b], session.params))
+            drafts = [Draft(verify[b:b + 1], Candidates.concat(laws[b]) if laws[b] else None,
+                            Source.HEAD, depth, rule=rule) for b, (_, rule) in enumerate(noise)]
+            verdicts = self._judged(verify, logits, drafts, depths)
             kept, token = verdicts[:, 0], verdicts[:, 1:].astype(verify.dtype)
             self._settle(kept + 1, width, 0)
             after = mx.concatenate([verify[:, 1:], token], axis=1)
@@ -253,6 +246,16 @@ class Batch:
         hidden = current[1][0]
         for b, session in enumerate(self.rows):  # the last round's pairs, as round leaves them
             session.owe(hidden[b:b + 1, :kept[b] + 1], committed[b])
+
+    def _judged(self, verify: mx.array, logits: mx.array, drafts: list[Draft],
+                depths: mx.array) -> mx.array:
+        """Every row's [kept, token]: greedy rows at once, each sampled row by its own law and
+        noise (session.judge, the rule a lone session applies)."""
+        verdicts = acceptance.accept_greedy_rows(verify, logits, depths)
+        for b, (d, s) in enumerate(zip(drafts, self.rows, strict=True)):
+            if d.rule is not None:
+                verdicts = _put(verdicts, b, judge(d, logits[b], s.params))
+        return verdicts
 
     def _read(self, read: list[int], width: int) -> tuple[list[list[int]], list[int]]:
         """Every row's committed tokens and kept count from a round's one host read."""

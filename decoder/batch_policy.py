@@ -74,9 +74,9 @@ class BatchPolicy:
     decided: bool = False  # the last depth was chosen on prices (not an exploration or probe)
 
     def cost(self, rows: int, depth: int, timed: dict[int, float] | None = None) -> float:
-        """Seconds for a round of `rows` rows at `depth` drafts: the median paid where timed,
-        else extended from the deepest timed depths at this size, else the single-sequence
-        curve (nothing timed at this size yet). `timed`: _timed(rows), if already at hand."""
+        """Seconds for a round of `rows` rows at `depth` drafts: the median paid where timed
+        (pipelined where it ran so), else extended from the deepest timed depths, else the
+        single-sequence curve (nothing timed yet). `timed`: _timed(rows), if already at hand."""
         timed = self._timed(rows) if timed is None else timed
         if piped(depth) in timed:  # as it runs: plain as a stretch, rounds pipelined
             return timed[piped(depth)]
@@ -111,10 +111,9 @@ class BatchPolicy:
         path, as a batch's plain rows take it)."""
         return self.curve.verify[0] if depth == 0 else self.curve.round_cost(depth)
 
-    def _explore(self, rows: int) -> int | None:
+    def _explore(self, timed: dict[int, float]) -> int | None:
         """A depth up to EXPLORE not yet timed MIN_OBSERVED times at this size or another
-        (_timed), if any."""
-        timed = self._timed(rows)
+        (`timed`: _timed(rows)), if any."""
         for depth in range(min(EXPLORE, self.max_depth) + 1):
             if depth not in timed and (depth > 0 or PIPED not in timed):
                 return depth
@@ -142,11 +141,11 @@ class BatchPolicy:
             self.plain_left -= 1
             return 1 if self.plain_left == 0 else 0  # the stretch's last round probes
         rows = len(requests) if rows is None else rows
-        if (explore := self._explore(rows)) is not None:
+        timed = self._timed(rows)
+        if (explore := self._explore(timed)) is not None:
             if explore == 0:  # plain is timed as a stretch runs it: pipelined steps
                 self.plain_left = MIN_OBSERVED + 2
             return explore
-        timed = self._timed(rows)  # (explored: depths 0..EXPLORE are in it)
         plain = self.expected(requests, 0) / self.cost(rows, 0, timed)
         deepest = min(max(timed) + 1, self.max_depth)  # climb one untimed depth
         rate, depth = max((self.expected(requests, k) / self.cost(rows, k, timed), k)
