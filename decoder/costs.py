@@ -7,7 +7,8 @@ per bundle, load options, backend and versions, and cached on disk (`mtpkit tune
 
 The first `generate`/`serve`/`tune` of a bundle waits for it, so the measurement is bounded: a
 budget (BUDGET_S, $MTPKIT_COST_BUDGET) sets how many rows are timed (all 16, else SPARSE_ROWS with
-the rest interpolated) and how many passes each (a row stops early once its timings agree). It
+the rest interpolated) and how many passes each (a row stops early once its timings agree, or
+once passes run dearer than the probes said and the plan would overrun the budget). It
 reports progress only to a callback the caller passes (the CLI draws a bar on stderr; a library
 user sees nothing). Load only slows a pass down, so a wider pass timed more than PAD_GAIN cheaper
 than a narrower one is suspect: that region is timed again and the lower median kept, and a break
@@ -187,6 +188,7 @@ class _Clock:
     def __init__(self, timer: Timer, progress: Progress | None, budget_s: float) -> None:
         self.timer, self.progress, self.budget_s = timer, progress, budget_s
         self.spent = self.left = 0.0
+        self.planned = self.took = 0.0  # of the calls the plan had estimated: both sums
 
     def tell(self, phase: str, what: str, curve: CostCurve | None = None) -> None:
         if self.progress is not None:
@@ -197,9 +199,17 @@ class _Clock:
              what: str = "") -> float:
         took = self.timer(kind, size, run)
         self.spent += took
+        if planned > 0:
+            self.planned, self.took = self.planned + planned, self.took + took
         self.left = max(self.left - planned, 0.0)
         self.tell("step", what or f"{kind} {size}")
         return took
+
+    def over(self, limit: float) -> bool:
+        """The projected end is past `limit`: what is left, at the rate planned calls have run
+        over their estimates so far (load arrived after the probes). Rows then take fewer passes."""
+        slower = max(1.0, self.took / self.planned) if self.planned > 0 else 1.0
+        return self.spent + self.left * slower > limit
 
 
 def _plan(c1: float, c16: float, left_s: float, repeats: int, head: bool, warm: bool
@@ -290,6 +300,8 @@ def measure(runner: Runner, context: int = CONTEXT, repeats: int = REPEATS,
     clock.left = planned
     clock.tell("plan", f"{len(rows_timed)} widths x {passes} passes")
 
+    hard = clock.budget_s * (1 + RETRY_SHARE)  # the most a measurement takes, give or take a pass
+
     def time_row(rows: int, passes: int, fresh: bool) -> float:
         est = _linear(c1, c16, rows) if fresh else statistics.median(samples[rows])
         if fresh and warm and rows not in samples:
@@ -297,7 +309,9 @@ def measure(runner: Runner, context: int = CONTEXT, repeats: int = REPEATS,
         got = samples.setdefault(rows, []) if fresh else []
         while len(got) < passes:
             got.append(clock.time("verify", rows, lambda: verify(rows), est, f"verify T={rows}"))
-            if len(got) >= MIN_REPEATS and (max(got) - min(got)) / statistics.median(got) < STEADY:
+            steady = (len(got) >= MIN_REPEATS
+                      and (max(got) - min(got)) / statistics.median(got) < STEADY)
+            if steady or clock.over(clock.budget_s if fresh else hard):
                 clock.left = max(clock.left - (passes - len(got)) * est, 0.0)
                 break
         return statistics.median(got)
@@ -329,9 +343,14 @@ def measure(runner: Runner, context: int = CONTEXT, repeats: int = REPEATS,
                "plain warm-up")  # its shapes, not a timing
     total = max(1, passes // 2) * steps  # in runs of `batch` steps: a bar moves every second
     batch = steps if steps * c1 <= 1.0 else PLAIN_BATCH
-    step = statistics.median(
-        clock.time("plain", batch, lambda: plain(batch), batch * c1,
-                   f"plain steps {i + 1}-{i + batch}") / batch for i in range(0, total, batch))
+    runs: list[float] = []
+    for i in range(0, total, batch):
+        runs.append(clock.time("plain", batch, lambda: plain(batch), batch * c1,
+                               f"plain steps {i + 1}-{i + batch}") / batch)
+        if clock.over(hard):
+            clock.left = max(clock.left - (total - i - batch) * c1, 0.0)
+            break
+    step = statistics.median(runs)
     draft = 0.0
     if head:
         def head_steps() -> None:
