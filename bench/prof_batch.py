@@ -1,4 +1,6 @@
-"""Where a batch's time goes (diagnostic): per scheduler step kind, wall ms, at N rows."""
+"""Where a batch's time goes (diagnostic): per scheduler step kind, wall ms, at N rows, split
+into the start (until every row decodes), the steady part and the tail; mlx-lm's
+BatchGenerator step by step beside it (`--mlx-lm`). `--depths 0,1,auto` picks the arms."""
 from __future__ import annotations
 
 import statistics
@@ -12,6 +14,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import bench_batch as bb  # noqa: E402
 
 
+def _summary(steps: list[tuple[str, float]]) -> dict[str, tuple[int, float, int]]:
+    """(count, median ms, total ms) per kind."""
+    kinds: dict[str, list[float]] = {}
+    for kind, ms in steps:
+        kinds.setdefault(kind, []).append(ms)
+    return {k: (len(v), round(statistics.median(v), 2), round(sum(v))) for k, v in kinds.items()}
+
+
 def run(runner, prompts, tokens, depth, label):
     from mtpkit.decoder.batch import Batch
     from mtpkit.decoder.scheduler import Scheduler
@@ -20,8 +30,8 @@ def run(runner, prompts, tokens, depth, label):
         sch = Scheduler(Batch(runner.trunk, runner.head), len(prompts), runner.batch_paid)
         for p in prompts:
             sch.add(runner.prepare(p, tokens, depth=depth))
-        kinds: dict[str, list[float]] = {}
-        total = 0
+        parts: dict[str, list[tuple[str, float]]] = {"start": [], "steady": [], "tail": []}
+        part, total = "start", 0
         start = time.perf_counter()
         while sch:
             kind = ("spec" if sch.spec is not None else "piped" if sch.stretch is not None
@@ -31,13 +41,66 @@ def run(runner, prompts, tokens, depth, label):
             dt = time.perf_counter() - t0
             kind = ("spec" if sch.spec is not None else "piped" if sch.stretch is not None
                     else kind)
-            n = sum(len(e.tokens) for e in events)
-            total += n
-            kinds.setdefault(f"{kind}/{sch.rows}", []).append(dt * 1000)
+            total += sum(len(e.tokens) for e in events)
+            if part == "start" and sch.rows == len(prompts):
+                part = "steady"
+            elif part == "steady" and any(e.done for e in events):
+                part = "tail"
+            parts[part].append((f"{kind}/{sch.rows}", dt * 1000))
         wall = time.perf_counter() - start
-    print(label, f"{total / wall:.1f} tok/s wall {wall:.2f}s",
-          {k: (len(v), round(statistics.median(v), 2), round(sum(v))) for k, v in kinds.items()},
+    print(label, f"{total / wall:.1f} tok/s wall {wall:.2f}s", flush=True)
+    for name, steps in parts.items():
+        print(f"  {name}: {sum(ms for _, ms in steps):.0f} ms", _summary(steps), flush=True)
+
+
+def theirs(model, prompts, tokens, label):
+    from mlx_lm.generate import BatchGenerator
+
+    for _warm in (True, False):
+        n = len(prompts)
+        gen = BatchGenerator(model, max_tokens=tokens, completion_batch_size=n,
+                             prefill_batch_size=n)
+        start = time.perf_counter()
+        gen.insert(prompts, [tokens] * n)
+        steps: list[tuple[int, float]] = []
+        t0 = time.perf_counter()
+        while responses := gen.next_generated():
+            now = time.perf_counter()
+            steps.append((len(responses), (now - t0) * 1000))
+            t0 = now
+        wall = time.perf_counter() - start
+        gen.close()
+    full = [ms for k, ms in steps[1:] if k == n]
+    print(label, f"{n * tokens / wall:.1f} tok/s wall {wall:.2f}s; first call {steps[0][1]:.0f} "
+          f"ms; {len(full)} steps of {n} rows: median {statistics.median(full):.2f} ms, total "
+          f"{sum(full):.0f} ms; the rest {sum(ms for _, ms in steps[1:]) - sum(full):.0f} ms",
           flush=True)
+
+
+def real(args: list[str]) -> None:
+    """`--bundle B [--dtype D] [--tokens N]`: a real bundle on the serve bench's four loads
+    (held_code, held_memo, edit, code; chat ones templated), batched at depth auto, then each
+    alone (what a one-at-a-time server spends on them)."""
+    import mtpkit
+    from mtpkit.verify.loads import real_loads
+
+    def value(flag: str, default: str | None) -> str | None:
+        return args[args.index(flag) + 1] if flag in args else default
+
+    runner = mtpkit.load(value("--bundle", None), dtype=value("--dtype", None))
+    tokens = int(value("--tokens", "192") or 192)
+    loads = real_loads(["held_code", "held_memo", "edit", "code"])
+    prompts = [[{"role": "user", "content": load.fresh(None)}] if load.chat
+               else load.fresh(None) for load in loads.values()]
+    ids = [runner.encode(p) for p in prompts]
+    run(runner, ids, tokens, "auto", f"{len(ids)} prompts batched, depth auto")
+    for _warm in (True, False):
+        start = time.perf_counter()
+        for p in ids:
+            for _ in runner.stream(p, tokens, depth="auto"):
+                pass
+        wall = time.perf_counter() - start
+    print(f"one at a time: wall {wall:.2f}s", flush=True)
 
 
 def main() -> None:
@@ -51,7 +114,12 @@ def main() -> None:
     from mtpkit.decoder.shapes import bounded_by_default
     from mtpkit.decoder.trunk import Trunk
 
-    model = llama8b(4, small="--small" in sys.argv)
+    args = sys.argv[1:]
+    if "--bundle" in args:
+        return real(args)
+    depths = args[args.index("--depths") + 1].split(",") if "--depths" in args else [
+        "0", "1", "2", "3", "auto"]
+    model = llama8b(4, small="--small" in args)
     trunk = Trunk(model)
     if cuda_available():
         use_kernel_linears(trunk.text)
@@ -62,8 +130,11 @@ def main() -> None:
     runner._costs = measure(runner)
     for n in (4, 8):
         prompts = [[(13 * i + 7 + 101 * s) % vocab for i in range(bb.PROMPT)] for s in range(n)]
-        for depth in (0, 1, 2, 3, "auto"):
-            run(runner, prompts, 256, depth, f"{n} rows depth {depth}")
+        for depth in depths:
+            run(runner, prompts, 256, depth if depth == "auto" else int(depth),
+                f"{n} rows depth {depth}")
+        if "--mlx-lm" in args:
+            theirs(model, prompts, 256, f"{n} rows mlx-lm")
         mx.clear_cache()
 
 
