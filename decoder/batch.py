@@ -52,7 +52,8 @@ Owed = tuple[mx.array, mx.array, mx.array, int]  # hidden, tokens, counts (rows,
 def overlaps() -> bool:
     """Whether the host's work overlaps the device's: on a GPU. On a CPU both share the cores,
     so pipelined rounds save nothing and their holes (no tail trimmed) cost attention work
-    (SmolLM2's 4-client serve took 23-25 s with them, 19-22 s without)."""
+    (SmolLM2's 4-client serve took 23-25 s with them, 19-22 s without), and a plain step queued
+    ahead makes a joining request wait for it too."""
     return mx.default_device().type == mx.DeviceType.gpu
 
 
@@ -73,7 +74,7 @@ class Batch:
         shape, decoder/shapes.py)."""
         self.trunk, self.head = trunk, head
         self.bounded = bounded_by_default() if bounded is None else bounded
-        self.pipelined = overlaps()  # speculative rounds may run pipelined (spec_rounds)
+        self.pipelined = overlaps()  # steps and rounds may run pipelined (a GPU)
         self.rows: list[Session] = []
         self.headed: list[bool] = []  # rows with a place in the head's caches
         self.cache: list | None = None
@@ -299,7 +300,9 @@ class Batch:
         BatchGenerator for many): the host builds step t+1 while the device runs step t.
         Yields every row's token and the seconds the step cost here (not the consumer's);
         headed rows owe the head their hiddens. When `stop()` turns true after a step, the
-        one already queued is the last."""
+        one already queued is the last. Only where host and device work overlap (a GPU:
+        `overlaps`); on a CPU each step is built after the last is read, so a request that
+        arrives waits for the step in flight only, not for one queued behind it too."""
         if count <= 0:
             return
         rows = len(self.rows)
@@ -320,7 +323,8 @@ class Batch:
         hidden, y = step(mx.array([[s.last] for s in self.rows]))
         hiddens, steps, n = [], [], 0
         while n < count:
-            queued = step(y[:, None].astype(mx.int32)) if n + 1 < count else None
+            ahead = self.pipelined and n + 1 < count
+            queued = step(y[:, None].astype(mx.int32)) if ahead else None
             got = y.tolist()
             hiddens.append(hidden)
             steps.append(got)
@@ -332,9 +336,11 @@ class Batch:
             begin = time.perf_counter()
             n += 1
             if stop is not None and n + 1 < count and stop():
-                count = n + 1  # the queued step is the last
+                count = n + 1 if queued is not None else n  # the queued step is the last
             if queued is not None:
                 hidden, y = queued
+            elif n < count:
+                hidden, y = step(y[:, None].astype(mx.int32))
         for b, session in enumerate(self.rows):
             if self.headed[b]:
                 session.owe(mx.concatenate([h[b:b + 1] for h in hiddens], axis=1),

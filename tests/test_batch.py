@@ -508,6 +508,41 @@ def test_a_batch_of_plain_rows_steps_pipelined(monkeypatch: pytest.MonkeyPatch) 
     assert len(steps) > 20 and max(steps) == 3
 
 
+@pytest.mark.parametrize("ahead", [False, True])
+def test_a_waiting_request_waits_for_the_step_in_flight_only_on_a_cpu(ahead: bool) -> None:
+    """A plain stretch queues its next step before reading the last only where host and device
+    overlap (a GPU, Batch.pipelined); there a request arriving mid-stretch waits for the queued
+    step too. On a CPU none is queued ahead: its prefill follows the step in flight. Either
+    way every row decodes as alone."""
+    from mtpkit.decoder.batch import Batch
+    from mtpkit.decoder.scheduler import Scheduler
+
+    runner = tiny_runner(vocab=6)
+    prompts = [[1, 2, 3, 4], [5, 4, 3], [2, 2, 1]]
+    each = [{"depth": 0, "max_tokens": 30}, {"depth": 0, "max_tokens": 30},
+            {"depth": 0, "max_tokens": 10}]
+    alone = _alone(runner, prompts, each)
+    batch = Batch(runner.trunk, runner.head)
+    batch.pipelined = ahead
+    scheduler = Scheduler(batch, 3, runner.batch_paid)
+    requests = [runner.prepare(p, **e) for p, e in zip(prompts, each, strict=True)]
+    for request in requests[:2]:
+        scheduler.add(request)
+    while scheduler.stretch is None:
+        scheduler.step()
+    for _ in range(3):
+        scheduler.step()
+    late = requests[2]
+    scheduler.add(late)
+    mates = 0  # steps of the running rows before the late one's first token
+    while late.first_at is None:
+        mates += any(e.request is not late and e.tokens for e in scheduler.step())
+    assert mates == (1 if ahead else 0)
+    while scheduler:
+        scheduler.step()
+    assert [r.tokens for r in requests] == [a.tokens for a in alone]
+
+
 def test_the_last_row_left_decodes_solo_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """When the batch drops to one row, that row's caches are compacted to its real positions
     and it decodes on the single-sequence path again (Batch.part), still exactly as alone:

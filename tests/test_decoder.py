@@ -516,6 +516,27 @@ def test_few_rows_linear_computes_what_nn_linear_computes(rows: int) -> None:
     assert mx.allclose(model(x), nn.relu(want), rtol=1e-5, atol=1e-5)
 
 
+def test_few_rows_linear_leaves_a_batch_of_sequences_to_nn_linear(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Weight-first, B sequences would be B products each reading the whole matrix (a batched
+    CPU verify pass of 4 x 4 rows took 3x a plain step of 4): only one sequence's rows go
+    weight-first; a batch's run nn.Linear's own graph, bit for bit."""
+    mx.random.seed(0)
+    stock = nn.Linear(96, 160, bias=True)
+    few = FewRowsLinear(stock)
+    stock_calls: list[tuple[int, ...]] = []
+    real = nn.Linear.__call__
+
+    def spy(self: nn.Linear, x: mx.array) -> mx.array:
+        stock_calls.append(tuple(x.shape))
+        return real(self, x)
+
+    monkeypatch.setattr(nn.Linear, "__call__", spy)
+    one, batch = mx.random.normal((1, 4, 96)), mx.random.normal((4, 2, 96))
+    assert mx.allclose(few(one), real(stock, one), rtol=1e-5, atol=1e-5) and stock_calls == []
+    assert mx.array_equal(few(batch), real(stock, batch)) and stock_calls == [(4, 2, 96)]
+
+
 def test_load_multiplies_verify_rows_weight_first_on_cpu_only(
         runners: Callable[[str], Runner]) -> None:
     """load swaps the trunk layers' and the head's float linears for FewRowsLinear on MLX's CPU
