@@ -385,13 +385,14 @@ def test_a_new_batch_size_borrows_the_nearest_sizes_timings() -> None:
     assert policy.depth(rows, 4) == 3
 
 
-def _pipelined_seen(monkeypatch: pytest.MonkeyPatch, name: str = "plain_steps") -> list[int]:
+def _pipelined_seen(monkeypatch: pytest.MonkeyPatch, name: str = "plain_steps",
+                    ahead: bool = True) -> list[int]:
     """The rows of every pipelined step or round batches take from now on (Batch.plain_steps,
-    or Batch.spec_rounds, which then run on this backend too: a GPU's choice)."""
+    or Batch.spec_rounds), queued ahead as on a GPU (`ahead`; else as this backend does)."""
     import mtpkit.decoder.batch as batch
     from mtpkit.decoder.batch import Batch
 
-    monkeypatch.setattr(batch, "overlaps", lambda: True)
+    monkeypatch.setattr(batch, "overlaps", lambda: ahead)
 
     steps: list[int] = []
     real = getattr(Batch, name)
@@ -494,11 +495,14 @@ def test_a_plain_stretch_runs_pipelined_and_decodes_the_same(
     assert runner.batch_paid.get((3, PIPED)), "pipelined steps price the batch's plain decoding"
 
 
-def test_a_batch_of_plain_rows_steps_pipelined(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rows at a fixed depth 0 (greedy and seeded sampled) decode in pipelined plain steps, as
-    alone: the sampled row draws what its lone plain decoding draws."""
+@pytest.mark.parametrize("ahead", [True, False])
+def test_a_batch_of_plain_rows_steps_pipelined(monkeypatch: pytest.MonkeyPatch,
+                                              ahead: bool) -> None:
+    """Rows at a fixed depth 0 (greedy and seeded sampled) decode in plain stretches, as
+    alone, each step queued ahead of the last one's read (a GPU) or not (a CPU): the sampled
+    row draws what its lone plain decoding draws."""
     runner = tiny_runner(vocab=6)
-    steps = _pipelined_seen(monkeypatch)
+    steps = _pipelined_seen(monkeypatch, ahead=ahead)
     prompts = [[1, 2, 3, 4], [5, 4, 3], [2, 2, 1]]
     each = [{"depth": 0, "max_tokens": 30}, {"depth": 0, "temperature": 0.8, "seed": 5,
                                              "max_tokens": 40}, {"depth": 0, "max_tokens": 25}]
