@@ -3,6 +3,7 @@ into the start (until every row decodes), the steady part and the tail; mlx-lm's
 BatchGenerator step by step beside it (`--mlx-lm`). `--depths 0,1,auto` picks the arms."""
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -77,18 +78,15 @@ def theirs(model, prompts, tokens, label):
           flush=True)
 
 
-def real(args: list[str]) -> None:
+def real(args: argparse.Namespace) -> None:
     """`--bundle B [--dtype D] [--tokens N]`: a real bundle on the serve bench's four loads
     (held_code, held_memo, edit, code; chat ones templated), batched at depth auto, then each
     alone (what a one-at-a-time server spends on them)."""
     import mtpkit
     from mtpkit.verify.loads import real_loads
 
-    def value(flag: str, default: str | None) -> str | None:
-        return args[args.index(flag) + 1] if flag in args else default
-
-    runner = mtpkit.load(value("--bundle", None), dtype=value("--dtype", None))
-    tokens = int(value("--tokens", "192") or 192)
+    runner = mtpkit.load(args.bundle, dtype=args.dtype)
+    tokens = args.tokens
     loads = real_loads(["held_code", "held_memo", "edit", "code"])
     prompts = [[{"role": "user", "content": load.fresh(None)}] if load.chat
                else load.fresh(None) for load in loads.values()]
@@ -114,12 +112,18 @@ def main() -> None:
     from mtpkit.decoder.shapes import bounded_by_default
     from mtpkit.decoder.trunk import Trunk
 
-    args = sys.argv[1:]
-    if "--bundle" in args:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--bundle", help="a real bundle on the serve loads (else the oracle)")
+    parser.add_argument("--dtype")
+    parser.add_argument("--tokens", type=int, default=192, help="with --bundle")
+    parser.add_argument("--depths", default="0,1,2,3,auto", help="the oracle's arms")
+    parser.add_argument("--mlx-lm", action="store_true", help="mlx-lm's steps beside ours")
+    parser.add_argument("--small", action="store_true")
+    args = parser.parse_args()
+    if args.bundle:
         return real(args)
-    depths = args[args.index("--depths") + 1].split(",") if "--depths" in args else [
-        "0", "1", "2", "3", "auto"]
-    model = llama8b(4, small="--small" in args)
+    depths = args.depths.split(",")
+    model = llama8b(4, small=args.small)
     trunk = Trunk(model)
     if cuda_available():
         use_kernel_linears(trunk.text)
@@ -133,7 +137,7 @@ def main() -> None:
         for depth in depths:
             run(runner, prompts, 256, depth if depth == "auto" else int(depth),
                 f"{n} rows depth {depth}")
-        if "--mlx-lm" in args:
+        if args.mlx_lm:
             theirs(model, prompts, 256, f"{n} rows mlx-lm")
         mx.clear_cache()
 

@@ -321,10 +321,13 @@ class Batch:
 
         begin = time.perf_counter()
         hidden, y = step(mx.array([[s.last] for s in self.rows]))
+
+        def following() -> tuple[mx.array, mx.array]:  # the step after y's
+            return step(y[:, None].astype(mx.int32))
+
         hiddens, steps, n = [], [], 0
         while n < count:
-            ahead = self.pipelined and n + 1 < count
-            queued = step(y[:, None].astype(mx.int32)) if ahead else None
+            queued = following() if self.pipelined and n + 1 < count else None
             got = y.tolist()
             hiddens.append(hidden)
             steps.append(got)
@@ -340,7 +343,7 @@ class Batch:
             if queued is not None:
                 hidden, y = queued
             elif n < count:
-                hidden, y = step(y[:, None].astype(mx.int32))
+                hidden, y = following()
         for b, session in enumerate(self.rows):
             if self.headed[b]:
                 session.owe(mx.concatenate([h[b:b + 1] for h in hiddens], axis=1),

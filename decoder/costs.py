@@ -205,6 +205,10 @@ class _Clock:
         self.tell("step", what or f"{kind} {size}")
         return took
 
+    def skip(self, seconds: float) -> None:
+        """Planned calls worth `seconds` will not run (a row stopped early)."""
+        self.left = max(self.left - seconds, 0.0)
+
     def over(self, limit: float) -> bool:
         """The projected end is past `limit`: what is left, at the rate planned calls have run
         over their estimates so far (load arrived after the probes). Rows then take fewer passes."""
@@ -312,7 +316,7 @@ def measure(runner: Runner, context: int = CONTEXT, repeats: int = REPEATS,
             steady = (len(got) >= MIN_REPEATS
                       and (max(got) - min(got)) / statistics.median(got) < STEADY)
             if steady or clock.over(clock.budget_s if fresh else hard):
-                clock.left = max(clock.left - (passes - len(got)) * est, 0.0)
+                clock.skip((passes - len(got)) * est)
                 break
         return statistics.median(got)
 
@@ -348,7 +352,7 @@ def measure(runner: Runner, context: int = CONTEXT, repeats: int = REPEATS,
         runs.append(clock.time("plain", batch, lambda: plain(batch), batch * c1,
                                f"plain steps {i + 1}-{i + batch}") / batch)
         if clock.over(hard):
-            clock.left = max(clock.left - (total - i - batch) * c1, 0.0)
+            clock.skip((total - i - batch) * c1)
             break
     step = statistics.median(runs)
     draft = 0.0
