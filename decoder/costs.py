@@ -67,7 +67,7 @@ COMPILED = 1.5  # a first pass this much dearer than the next one built somethin
 VERSION = 2  # bump when what is measured changes (2: bounded, checked, smoothed curves)
 
 
-def _versions() -> dict[str, str | None]:
+def versions() -> dict[str, str | None]:
     out = {}
     for package in ("mlx", "mlx-lm", "mtpkit"):
         try:
@@ -96,7 +96,7 @@ def cache_key(root: Path, options: dict[str, Any]) -> dict[str, Any]:
     info = mx.device_info() if hasattr(mx, "device_info") else {}
     return {"weights": weights_fingerprint(root), "load": options,
             "backend": f"{device.type.name}:{info.get('device_name', '')}",
-            "versions": _versions(), "format": VERSION}
+            "versions": versions(), "format": VERSION}
 
 
 def cache_dir() -> Path:

@@ -8,8 +8,9 @@ more (docs/benchmarks-history.md, "Verify cost"). One row and long inputs (prefi
 own x @ W.T, so plain decoding runs exactly the stock graph.
 
 On a CUDA GPU, quantized linears and tied quantized output projections take 2..FEW_ROWS rows
-through the kernel in decoder/kernels.py, which reads each weight once for all rows; one row
-(plain decoding) and long inputs go through MLX's own ops.
+through the kernel in decoder/kernels.py, which reads each weight once for all rows, at the row
+counts where it beat MLX's op for the layer's shape on this device (decoder/kernel_choice.py);
+one row (plain decoding) and long inputs go through MLX's own ops.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from mtpkit.decoder import kernels
+from mtpkit.decoder import kernel_choice, kernels
 
 FEW_ROWS = 16
 
@@ -58,8 +59,11 @@ def use_few_rows_linears(module: nn.Module) -> int:
 
 class _KernelTwin:
     """What both quantized twins share: the packed arrays taken as they are (no fresh
-    initialisation), whether the kernel reads their layout (decided once), and the kernel's
+    initialisation), whether the kernel reads their layout (decided once), the row counts it
+    serves (`kernel_rows`: all, until kernel_choice.assign times this shape), and the kernel's
     product for verify rows."""
+
+    kernel_rows: frozenset[int] = kernel_choice.ALL_ROWS
 
     def _adopt(self, layer: nn.Module, names: tuple[str, ...]) -> None:
         nn.Module.__init__(self)
@@ -73,8 +77,9 @@ class _KernelTwin:
         self.freeze()
 
     def _rows(self, x: mx.array) -> mx.array | None:
-        """x @ W.T through the kernel for 2..MAX_ROWS rows on CUDA; None otherwise."""
-        if not (self._fits and kernels.few_rows(x)):
+        """x @ W.T through the kernel for its row counts on CUDA; None otherwise."""
+        if not (self._fits and kernels.few_rows(x)
+                and x.size // x.shape[-1] in self.kernel_rows):
             return None
         return kernels.rows_matmul(x, self.weight, self.scales, self.biases, self.bits,
                                    self.group_size)
@@ -113,5 +118,9 @@ KERNEL_TWINS: dict[type[nn.Module], type[nn.Module]] = {
 def use_kernel_linears(module: nn.Module) -> int:
     """Swap every quantized linear layer and embedding (a tied lm_head is its as_linear) under
     `module` for its verify-kernel twin (same packed weights; the twin differs only for
-    2..MAX_ROWS rows on CUDA); returns how many."""
-    return sum(_swap(module, kind, twin) for kind, twin in KERNEL_TWINS.items())
+    2..MAX_ROWS rows on CUDA, at the row counts kernel_choice keeps for its shape); returns how
+    many."""
+    count = sum(_swap(module, kind, twin) for kind, twin in KERNEL_TWINS.items())
+    if count and kernels.cuda_available():
+        kernel_choice.assign(m for _, m in module.named_modules() if isinstance(m, _KernelTwin))
+    return count

@@ -13,7 +13,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mtpkit.decoder import kernels
+from mtpkit.decoder import kernel_choice, kernels
 from mtpkit.decoder.rows import (
     KernelQuantizedEmbedding,
     KernelQuantizedLinear,
@@ -108,3 +108,78 @@ def test_tied_quantized_output_projection_of_verify_rows() -> None:
     assert mx.array_equal(twin(ids), looked_up).item()
     for x, ref in zip(inputs, want, strict=True):
         _close(twin.as_linear(x), ref, mx.bfloat16)
+
+
+def test_mlx_takes_a_row_count_only_where_clearly_faster() -> None:
+    kernel = {2: 1.0, 8: 1.0, 12: 1.0, 16: 1.0}
+    stock = {2: 2.0, 8: 0.95, 12: 0.89, 16: 0.5}  # a tie-ish 8 stays with the kernel
+    assert kernel_choice.chosen_rows(kernel, stock) == {2, 8}
+
+
+def _twin(n: int = 64, k: int = 128) -> KernelQuantizedLinear:
+    mx.random.seed(3)
+    layer = nn.QuantizedLinear.from_linear(nn.Linear(k, n, bias=False), group_size=64, bits=4)
+    return KernelQuantizedLinear(layer)
+
+
+def test_a_twin_leaves_rows_outside_its_choice_to_mlx(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the choice gave a row count to MLX's op, the twin computes exactly that op; at
+    its other counts it calls the kernel (a spy here, so this holds on a CPU too)."""
+    calls: list[int] = []
+
+    def spy(x: mx.array, *args: object) -> mx.array:
+        calls.append(x.size // x.shape[-1])
+        return mx.zeros((*x.shape[:-1], 64), x.dtype)
+
+    monkeypatch.setattr(kernels, "cuda_available", lambda: True)
+    monkeypatch.setattr(kernels, "rows_matmul", spy)
+    twin = _twin()
+    twin.kernel_rows = frozenset({8})
+    x4 = mx.random.normal((1, 4, 128)).astype(mx.bfloat16)
+    want = mx.quantized_matmul(x4, twin.weight, twin.scales, twin.biases, transpose=True,
+                               group_size=64, bits=4)
+    assert mx.array_equal(twin(x4), want).item() and calls == []
+    twin(mx.random.normal((1, 8, 128)).astype(mx.bfloat16))
+    assert calls == [8]
+
+
+def test_each_shape_is_timed_once_and_its_choice_kept_on_disk(
+        monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """Twins of one shape share a timing; a later load reads the stored choice instead of
+    timing again (so it cannot flip), another device times anew, and an unreadable store is
+    timed again, not an error. $MTPKIT_VERIFY_KERNEL_ROWS=all keeps every count."""
+    monkeypatch.setenv("MTPKIT_CACHE", str(tmp_path))
+    timed: list[tuple] = []
+
+    def fake(layer: object) -> dict[str, dict[int, float]]:
+        timed.append(kernel_choice.shape_of(layer))
+        wide = layer.weight.shape[0] > 64  # MLX's op wins the wide layer from 9 rows
+        return {"kernel_ms": {r: 1.0 for r in kernel_choice.ALL_ROWS},
+                "stock_ms": {r: 0.5 if wide and r > 8 else 3.0 for r in kernel_choice.ALL_ROWS}}
+
+    monkeypatch.setattr(kernel_choice, "measure", fake)
+    twins = [_twin(), _twin(), _twin(n=256)]
+    chosen = kernel_choice.assign(twins)
+    assert len(timed) == 2 and len(chosen) == 2
+    assert twins[0].kernel_rows == twins[1].kernel_rows == kernel_choice.ALL_ROWS
+    assert twins[2].kernel_rows == frozenset(range(2, 9))
+
+    again = [_twin(n=256)]
+    kernel_choice.assign(again)
+    assert len(timed) == 2 and again[0].kernel_rows == frozenset(range(2, 9))
+
+    stores = list((tmp_path / "kernels").glob("*.json"))
+    assert len(stores) == 1
+    stores[0].write_text("{not json")
+    kernel_choice.assign([_twin(n=256)])
+    assert len(timed) == 3
+
+    key = kernel_choice._key()
+    monkeypatch.setattr(kernel_choice, "_key", lambda: {**key, "device": "another GPU"})
+    kernel_choice.assign([_twin(n=256)])
+    assert len(timed) == 4
+
+    monkeypatch.setenv("MTPKIT_VERIFY_KERNEL_ROWS", "all")
+    kept = [_twin(n=256)]
+    assert kernel_choice.assign(kept) == {} and kept[0].kernel_rows == kernel_choice.ALL_ROWS
+    assert len(timed) == 4
