@@ -77,12 +77,19 @@ class _KernelTwin:
         self.freeze()
 
     def _rows(self, x: mx.array) -> mx.array | None:
-        """x @ W.T through the kernel for its row counts on CUDA; None otherwise."""
-        if not (self._fits and kernels.few_rows(x)
-                and x.size // x.shape[-1] in self.kernel_rows):
+        """x @ W.T of 2..MAX_ROWS rows on CUDA, as one matrix of rows: through the kernel at
+        its row counts, else MLX's op (given (B, 1, K), a batch of one-row sequences, that
+        op runs B one-row products, each reading the whole weight); None otherwise."""
+        if not (self._fits and kernels.few_rows(x)):
             return None
-        return kernels.rows_matmul(x, self.weight, self.scales, self.biases, self.bits,
-                                   self.group_size)
+        rows, k = x.size // x.shape[-1], x.shape[-1]
+        if rows in self.kernel_rows:
+            return kernels.rows_matmul(x, self.weight, self.scales, self.biases, self.bits,
+                                       self.group_size)
+        y = mx.quantized_matmul(x.reshape(rows, k), self.weight, self.scales, self.biases,
+                                transpose=True, group_size=self.group_size, bits=self.bits,
+                                mode=self.mode)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 class KernelQuantizedLinear(_KernelTwin, nn.QuantizedLinear):

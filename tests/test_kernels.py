@@ -139,6 +139,8 @@ def test_a_twin_leaves_rows_outside_its_choice_to_mlx(monkeypatch: pytest.Monkey
     want = mx.quantized_matmul(x4, twin.weight, twin.scales, twin.biases, transpose=True,
                                group_size=64, bits=4)
     assert mx.array_equal(twin(x4), want).item() and calls == []
+    batch = x4.reshape(4, 1, 128)  # four one-row sequences: one product of four rows
+    assert mx.array_equal(twin(batch), want.reshape(4, 1, 64)).item() and calls == []
     twin(mx.random.normal((1, 8, 128)).astype(mx.bfloat16))
     assert calls == [8]
 
