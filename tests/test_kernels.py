@@ -145,6 +145,29 @@ def test_a_twin_leaves_rows_outside_its_choice_to_mlx(monkeypatch: pytest.Monkey
     assert calls == [8]
 
 
+@pytest.mark.parametrize("shape", [(4, 1, 128), (4, 5, 128), (1, 40, 128), (1, 1, 128)])
+def test_mlx_op_gets_one_matrix_of_rows(monkeypatch: pytest.MonkeyPatch, shape: tuple) -> None:
+    """Every product a twin leaves to MLX's op reaches it as one (rows, K) matrix: a batch of
+    sequences handed over with its batch axis would be one product per sequence (each reading
+    the weight), at any width, verify rows beyond the kernel's included. Same values."""
+    seen: list[tuple] = []
+    real = mx.quantized_matmul
+
+    def spy(x: mx.array, *args: object, **kwargs: object) -> mx.array:
+        seen.append(x.shape)
+        return real(x, *args, **kwargs)
+
+    twin = _twin()
+    twin.kernel_rows = frozenset()
+    x = mx.random.normal(shape).astype(mx.bfloat16)
+    want = real(x, twin.weight, twin.scales, twin.biases, transpose=True, group_size=64, bits=4)
+    monkeypatch.setattr(mx, "quantized_matmul", spy)
+    got = twin(x)
+    rows = shape[0] * shape[1]
+    assert seen == [(rows, 128)] and got.shape == (*shape[:2], 64)
+    assert mx.array_equal(got, want).item()
+
+
 def test_each_shape_is_timed_once_and_its_choice_kept_on_disk(
         monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     """Twins of one shape share a timing; a later load reads the stored choice instead of
