@@ -67,6 +67,12 @@ class PrefixCache:
             self.hits += 1
             return state, len(ids) - 1 - len(rest)
 
+    def cached(self, kind: str, ids: list[int]) -> bool:
+        """Whether `fetch` would find a prefix of `ids` (not counted as a hit or a miss: the
+        scheduler asks before it decides how to prefill; the states found are views)."""
+        with self.lock:
+            return self.lru.fetch_nearest_cache(kind, ids[:-1])[0] is not None
+
     def insert(self, kind: str, ids: list[int], state: list[Any]) -> None:
         with self.lock:
             self.lru.insert_cache(kind, list(ids), state)

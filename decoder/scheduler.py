@@ -20,6 +20,7 @@ import mlx.core as mx
 
 from mtpkit.decoder.batch import Ask, Batch
 from mtpkit.decoder.batch_policy import BatchPolicy
+from mtpkit.decoder.batch_prefill import prefill_together
 from mtpkit.decoder.controller import Controller
 from mtpkit.decoder.policy import DepthPolicy
 from mtpkit.decoder.session import RoundOutcome, Session, Stopped
@@ -86,7 +87,7 @@ class Scheduler:
         self.allow_solo = solo
         self.solo: tuple[Request, Iterator[list[int]], Controller | None] | None = None
         self.stretch: Iterator[tuple[list[int], float]] | None = None  # pipelined plain steps
-        self.entering: Request | None = None  # first token sent; joins the batch next step
+        self.entering: list[Request] = []  # first token sent; join the batch next step
         self.spec: Iterator[list[RoundOutcome]] | None = None  # pipelined speculative rounds
 
     def add(self, request: Request) -> None:
@@ -106,10 +107,10 @@ class Scheduler:
         """One chunk of a joining prompt's prefill, then one round of every active row (or
         one step of the solo request). A request whose first token the last step sent joins
         the batch first: its caches' copy into the batch's is not in its time to first token."""
-        if self.entering is not None:
-            self.batch.join(self.entering.session)
-            self.active.append(self.entering)
-            self.entering = None
+        for request in self.entering:
+            self.batch.join(request.session)
+            self.active.append(request)
+        self.entering = []
         if self.solo is not None:
             return self._solo_step()
         if self.stretch is not None and (events := self._stretch_step()) is not None:
@@ -171,6 +172,8 @@ class Scheduler:
 
     def _fill(self) -> list[Event]:
         if self.filling is None and self.waiting and len(self.active) < self.max_batch:
+            if len(together := self._together()) > 1:
+                return self._prefill_together(together)
             request = self.waiting.popleft()
             self.filling = (request, request.session.start_chunks(request.ids))
         if self.filling is None:
@@ -187,6 +190,30 @@ class Scheduler:
         self.filling = None
         mx.reset_peak_memory()
         return self._commit(request, [first], joining=True)
+
+    def _together(self) -> list[Request]:
+        """The requests at the head of the line, in arrival order and while the batch has room,
+        whose prompts can be prefilled in one pass (decoder/batch_prefill.py)."""
+        together: list[Request] = []
+        for request in self.waiting:
+            if (len(self.active) + len(together) >= self.max_batch
+                    or request.stop is not None and request.stop()
+                    or not request.session.prefills_with_others(request.ids)):
+                break
+            together.append(request)
+        return together
+
+    def _prefill_together(self, requests: list[Request]) -> list[Event]:
+        """Prefill the prompts in one pass; each sends its first token now and joins the
+        batch next step."""
+        for _ in requests:
+            self.waiting.popleft()
+        firsts = prefill_together([r.session for r in requests], [r.ids for r in requests])
+        mx.reset_peak_memory()
+        events = []
+        for request, first in zip(requests, firsts, strict=True):
+            events += self._commit(request, [first], joining=True, alone=False)
+        return events
 
     # -- rounds -----------------------------------------------------------------------------
 
@@ -324,9 +351,11 @@ class Scheduler:
 
     # -- committing and leaving -------------------------------------------------------------
 
-    def _commit(self, request: Request, tokens: list[int], joining: bool = False) -> list[Event]:
+    def _commit(self, request: Request, tokens: list[int], joining: bool = False,
+                alone: bool = True) -> list[Event]:
         """Apply EOS and max_tokens to what a request committed, time it, and on its first
-        token let it join the batch (unless that token already ended it)."""
+        token let it join the batch (unless that token already ended it), or decode solo
+        where nothing else runs or waits and it did not start with others (`alone`)."""
         now = time.perf_counter()
         stats = request.stats
         if request.first_at is None:
@@ -344,10 +373,10 @@ class Scheduler:
                           else "cancelled" if request.stop is not None and request.stop()
                           else None)
         if joining and request.finish is None:
-            if self.allow_solo and not (self.active or self.waiting):
+            if alone and self.allow_solo and not (self.active or self.waiting):
                 self._start_solo(request)
             else:
-                self.entering = request
+                self.entering.append(request)
         return [Event(request, tokens, request.finish is not None)]
 
     def _leave(self) -> None:
@@ -356,6 +385,6 @@ class Scheduler:
             self.batch.leave(gone)
             self.active = [r for i, r in enumerate(self.active) if i not in gone]
             if (len(self.active) == 1 and self.allow_solo and not self.waiting
-                    and self.filling is None and self.entering is None):  # the last one left: solo again
+                    and self.filling is None and not self.entering):  # the last one left: solo again
                 self.batch.part()
                 self._start_solo(self.active.pop())

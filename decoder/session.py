@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import KVCache
 
 from mtpkit.decoder import acceptance
 from mtpkit.decoder.caches import FrozenHidden, freeze, snapshot, trim, trimmable
@@ -36,7 +37,7 @@ from mtpkit.decoder.sampling import (
     candidates,
     greedy,
 )
-from mtpkit.decoder.shapes import bounded_by_default, padded, pieces
+from mtpkit.decoder.shapes import PaddedKVCache, bounded_by_default, padded, pieces
 from mtpkit.decoder.state import commit_recorded, rewind
 from mtpkit.decoder.stats import Stats
 from mtpkit.decoder.trunk import Trunk
@@ -44,6 +45,7 @@ from mtpkit.decoder.trunk import Trunk
 PREFILL_STEP = 2048
 STREAM = mx.new_thread_local_stream(mx.default_device())
 ROLLBACKS = ("record", "replay")
+ATTENTION = (KVCache, PaddedKVCache)  # caches a left-padded batched prefill can fill
 SOURCE_NAMES = {Source.HEAD: "head", Source.LOOKUP: "lookup",
                 Source.CHAIN: "head+lookup"}  # in stats
 
@@ -299,14 +301,39 @@ class Session:
 
     def _first(self, ids: list[int]) -> Generator[None, None, int]:
         """Prefill `ids` (after whatever the caches hold) and commit the next token."""
-        speculative = bool(self.mtp_cache)
-        hidden, logits = yield from self._prefill(ids, keep_hidden=speculative)
+        hidden, logits = yield from self._prefill(ids, keep_hidden=bool(self.mtp_cache))
+        return self._commit_first(ids, hidden, logits)
+
+    def _commit_first(self, ids: list[int], hidden: mx.array | None, logits: mx.array) -> int:
+        """The token after the prefilled `ids` (logits (1, V)), the head owed their pairs."""
         self.last = int(self.sample(logits).item())
-        if speculative:
+        if self.mtp_cache:
+            assert hidden is not None
             self.owe(hidden, [*ids[1:], self.last])
         if self.lookup is not None:
             self.lookup.extend([*ids, self.last])
         return self.last
+
+    def prefills_with_others(self, ids: list[int]) -> bool:
+        """Whether this prompt may be prefilled in one pass with other sessions' prompts
+        (decoder/batch_prefill.py): attention caches only (a left-padded recurrent layer
+        would run its state through the padding), one prefill chunk, and no cached prefix
+        to start from."""
+        if len(ids) > PREFILL_STEP or not all(type(c) in ATTENTION for c in self.cache):
+            return False
+        return self.prefix is None or not self.prefix.cached(KINDS[bool(self.mtp_cache)], ids)
+
+    def prefilled(self, ids: list[int], hidden: mx.array, logits: mx.array,
+                  seconds: float) -> int:
+        """Commit the first token of a prompt prefilled in another pass, which left this
+        session's caches as `start` would have (hidden (1, len(ids), H), logits (1, V)); the
+        prompt's state goes to the prefix cache as start leaves it."""
+        self.cached_tokens = 0
+        self.stats.prompt_tokens, self.stats.prefill_s = len(ids), seconds
+        first = self._commit_first(ids, hidden, logits)
+        if self.prefix is not None:
+            self.prefix.insert(KINDS[bool(self.mtp_cache)], ids, self.export_state())
+        return first
 
     def owe(self, hidden: mx.array, tokens: list[int]) -> None:
         pairs = (hidden, mx.array(tokens)[None])

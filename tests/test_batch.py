@@ -266,6 +266,87 @@ def test_bounded_attention_shapes_decode_the_same(monkeypatch: pytest.MonkeyPatc
     assert scheduler_batches and all(b.bounded for b in scheduler_batches)
 
 
+def _prefills(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes of the batched prefills the scheduler runs (a spy on prefill_together)."""
+    import mtpkit.decoder.scheduler as scheduler
+
+    sizes: list[int] = []
+    real = scheduler.prefill_together
+
+    def spy(sessions: list[Any], prompts: list[list[int]]) -> list[int]:
+        sizes.append(len(sessions))
+        return real(sessions, prompts)
+
+    monkeypatch.setattr(scheduler, "prefill_together", spy)
+    return sizes
+
+
+@pytest.mark.parametrize("bounded", [False, True])
+def test_prompts_that_start_together_prefill_in_one_pass(monkeypatch: pytest.MonkeyPatch,
+                                                         bounded: bool) -> None:
+    """Requests waiting together are prefilled in one left-padded pass: each sends its first
+    token before any round, and every row (head, context and plain drafts; prompts of 2 to 300
+    tokens) then decodes exactly as alone, with bounded shapes (a GPU's) too."""
+    import mtpkit.decoder.session as session
+
+    monkeypatch.setattr(session, "bounded_by_default", lambda: bounded)
+    runner = tiny_runner(vocab=6)
+    prompts = [[1, 2, 3, 4, 5], [0, 1], [3, 1, 4, 1, 5, 2] * 50, [2, 2, 1]]
+    each = [{"depth": 2, "max_tokens": 40}, {"depth": 0, "max_tokens": 30},
+            {"depth": 3, "draft": "both", "max_tokens": 40}, {"depth": 1, "max_tokens": 20}]
+    alone = _alone(runner, prompts, each)
+    sizes = _prefills(monkeypatch)
+    order, batched = _streamed(runner, prompts, each, max_batch=3)
+    for a, b in zip(alone, batched, strict=True):
+        _same(a, b)
+    assert sizes[0] == 3 and order[:3] == [0, 1, 2], "three first tokens from one pass"
+    assert order.index(3) > 3, "the fourth joined later, as a place freed up"
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v3"])
+def test_only_attention_trunks_prefill_together(runners: Callable[[str], Runner],
+                                                monkeypatch: pytest.MonkeyPatch,
+                                                family: str) -> None:
+    """A hybrid trunk's recurrent layers would run their state through the left padding: its
+    prompts are prefilled one at a time; an attention trunk (DeepSeek's latent attention)
+    prefills them together. Either way every row decodes as alone."""
+    runner = runners(family)
+    prompts, each = PROMPTS[:3], [dict(e) for e in EACH[:3]]
+    alone = _alone(runner, prompts, each)
+    sizes = _prefills(monkeypatch)
+    _, batched = _streamed(runner, prompts, each, max_batch=3)
+    for a, b in zip(alone, batched, strict=True):
+        _same(a, b)
+    assert sizes == ([] if family == "qwen3_5" else [3])
+
+
+def test_a_cached_prompt_is_restored_not_prefilled_with_others(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt with a cached prefix starts from it alone; the ones after it still go
+    together."""
+    from mtpkit.decoder.batch import Batch
+    from mtpkit.decoder.prefix import PrefixCache
+    from mtpkit.decoder.scheduler import Scheduler
+
+    runner = tiny_runner(vocab=6)
+    prefix = PrefixCache(1 << 26)
+    prompts = [[1, 2, 3, 4, 5, 0, 1], [0, 1, 2], [5, 4, 3, 2]]
+    warm = runner.prepare(prompts[0][:5], depth=2, max_tokens=4, prefix=prefix)
+    scheduler = Scheduler(Batch(runner.trunk, runner.head), 4)
+    scheduler.add(warm)
+    while scheduler:
+        scheduler.step()
+    alone = [runner.generate(p, depth=2, max_tokens=12) for p in prompts]
+    sizes = _prefills(monkeypatch)
+    requests = [runner.prepare(p, depth=2, max_tokens=12, prefix=prefix) for p in prompts]
+    for request in requests:
+        scheduler.add(request)
+    while scheduler:
+        scheduler.step()
+    assert requests[0].session.cached_tokens == 5 and sizes == [2]
+    assert [r.tokens for r in requests] == [a.tokens for a in alone]
+
+
 @pytest.mark.parametrize("depth", [0, 2, "auto"])
 def test_a_lone_request_decodes_solo_then_joins_the_batch(depth: Any) -> None:
     """Alone, a request decodes on the single-sequence path (plain stretches pipelined, the
