@@ -151,15 +151,16 @@ def theirs(model, prompts: list[list[int]], tokens: int) -> tuple[dict, list[lis
     return _report(start, first, last, [len(t) for t in out]), out
 
 
-def ideal(paid: dict, rows: int) -> dict[str, Any]:
+def ideal(paid: dict, rows: int, plain_step: float | None = None) -> dict[str, Any]:
     """What the measured round costs of `rows` rows promise at the oracle's acceptance: the
     median paid per depth (0: a plain round; "piped K": pipelined rounds, K=0 plain) and the best
     depth's tokens per second over plain steps' (each row commits 1 + a_1 + ... + a_K a
-    round), beside the measured ratio."""
+    round), beside the measured ratio. `plain_step`: the plain arm's own step time (seconds),
+    where the policy never timed plain at this size (it borrows a nearer size's price)."""
     from mtpkit.decoder.batch_policy import piped
 
     cost = {k: statistics.median(seen) for (b, k), seen in paid.items() if b == rows and seen}
-    plain = cost.get(piped(0), cost.get(0))  # a pipelined plain step's, where timed
+    plain = cost.get(piped(0), cost.get(0, plain_step))  # a pipelined plain step's if timed
     # each depth at its pipelined price where timed (as the batch runs it), else synchronous
     price = {k: cost.get(piped(k), cost.get(k)) for k in range(1, 9)
              if piped(k) in cost or k in cost}
@@ -227,7 +228,8 @@ def oracle_bench(args: argparse.Namespace) -> dict:
                  "greedy_tokens_identical": same}
         if n == 1:
             entry["batch_over_single"] = med["mtp_auto"] / med["single_auto"]
-        entry |= ideal(runner.batch_paid, n)
+        steady = statistics.median(r["per_stream_tps"]["p50"] for r in arms["plain"])
+        entry |= ideal(runner.batch_paid, n, 1 / steady)
         out["streams"][str(n)] = entry
         print(n, "streams", {k: round(v, 1) for k, v in med.items()},
               f"mtp/mlx_lm {entry['mtp_over_mlx_lm']:.2f}x mtp/plain {entry['mtp_over_plain']:.2f}x"
