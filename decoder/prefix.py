@@ -73,6 +73,12 @@ class PrefixCache:
         with self.lock:
             return self.lru.fetch_nearest_cache(kind, ids[:-1])[0] is not None
 
+    def missed(self) -> None:
+        """Count a prompt that found no prefix and was prefilled without `fetch` (with others:
+        decoder/batch_prefill.py), as fetch counts one."""
+        with self.lock:
+            self.misses += 1
+
     def insert(self, kind: str, ids: list[int], state: list[Any]) -> None:
         with self.lock:
             self.lru.insert_cache(kind, list(ids), state)

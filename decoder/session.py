@@ -332,6 +332,7 @@ class Session:
         self.stats.prompt_tokens, self.stats.prefill_s = len(ids), seconds
         first = self._commit_first(ids, hidden, logits)
         if self.prefix is not None:
+            self.prefix.missed()
             self.prefix.insert(KINDS[bool(self.mtp_cache)], ids, self.export_state())
         return first
 

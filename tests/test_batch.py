@@ -344,6 +344,7 @@ def test_a_cached_prompt_is_restored_not_prefilled_with_others(
     while scheduler:
         scheduler.step()
     assert requests[0].session.cached_tokens == 5 and sizes == [2]
+    assert (prefix.hits, prefix.misses) == (1, 3), "one hit, the warm-up's and two misses"
     assert [r.tokens for r in requests] == [a.tokens for a in alone]
 
 
