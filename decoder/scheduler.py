@@ -20,6 +20,7 @@ import mlx.core as mx
 
 from mtpkit.decoder.batch import Ask, Batch
 from mtpkit.decoder.batch_policy import BatchPolicy
+from mtpkit.decoder.batch_prefill import pays as prefill_pays
 from mtpkit.decoder.batch_prefill import prefill_together
 from mtpkit.decoder.controller import Controller
 from mtpkit.decoder.policy import DepthPolicy
@@ -172,7 +173,7 @@ class Scheduler:
 
     def _fill(self) -> list[Event]:
         if self.filling is None and self.waiting and len(self.active) < self.max_batch:
-            if len(together := self._together()) > 1:
+            if prefill_pays() and len(together := self._together()) > 1:
                 return self._prefill_together(together)
             request = self.waiting.popleft()
             self.filling = (request, request.session.start_chunks(request.ids))

@@ -266,8 +266,9 @@ def test_bounded_attention_shapes_decode_the_same(monkeypatch: pytest.MonkeyPatc
     assert scheduler_batches and all(b.bounded for b in scheduler_batches)
 
 
-def _prefills(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The sizes of the batched prefills the scheduler runs (a spy on prefill_together)."""
+def _prefills(monkeypatch: pytest.MonkeyPatch, gpu: bool = True) -> list[int]:
+    """The sizes of the batched prefills the scheduler runs (a spy on prefill_together), as
+    on a GPU (where they pay) unless `gpu` is False."""
     import mtpkit.decoder.scheduler as scheduler
 
     sizes: list[int] = []
@@ -278,6 +279,7 @@ def _prefills(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         return real(sessions, prompts)
 
     monkeypatch.setattr(scheduler, "prefill_together", spy)
+    monkeypatch.setattr(scheduler, "prefill_pays", lambda: gpu)
     return sizes
 
 
@@ -301,6 +303,16 @@ def test_prompts_that_start_together_prefill_in_one_pass(monkeypatch: pytest.Mon
         _same(a, b)
     assert sizes[0] == 3 and order[:3] == [0, 1, 2], "three first tokens from one pass"
     assert order.index(3) > 3, "the fourth joined later, as a place freed up"
+
+
+def test_a_cpu_prefills_prompts_one_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU one pass of N prompts costs their sum, and the first waits for all: each is
+    prefilled alone, its first token sent before the next prompt's prefill."""
+    runner = tiny_runner(vocab=6)
+    prompts, each = [[1, 2, 3, 4, 5], [0, 1], [2, 2, 1]], [{"depth": 2, "max_tokens": 8}] * 3
+    sizes = _prefills(monkeypatch, gpu=False)
+    _streamed(runner, prompts, each, max_batch=3)
+    assert sizes == []
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v3"])
