@@ -5,13 +5,16 @@ lone decoding, for every family and draft source, with batch-mates at other dept
 sampling settings, rows joining as others leave, and prompts of very different lengths (one
 over the 2,048-token prefill chunk, prefilled between the others' rounds). An oracle drafter
 forces each row's rejections at its own positions, so rows keep different counts in the same
-pass and the recurrent families commit a different state per row. Sampled: a seeded fixed-depth
-row gives the same text alone and batched, and the round-state law test (test_exactness.py)
-holds for a row decoded among mates with other settings.
+pass and the recurrent families commit a different state per row. Prompts that start together
+are prefilled in one left-padded pass where that pays (a GPU; forced here), and their rows
+still decode as alone. Sampled: a seeded fixed-depth row gives the same text alone and
+batched, and the round-state law test (test_exactness.py) holds for a row decoded among mates
+with other settings.
 
 Mutants these tests kill (issue 33; each applied to a copy of the tree): one row's kept count
 applied to another row; a rollback that trims every row by the batch's minimum; a joining row
-that attends to the positions of the row before it (a mate's layout).
+that attends to the positions of the row before it (a mate's layout); a batched prefill
+without its padding mask, or leaving a row's cache at the padded width.
 """
 
 from __future__ import annotations
