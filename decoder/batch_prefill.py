@@ -18,6 +18,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
 from mtpkit.decoder.batch import overlaps
+from mtpkit.decoder.caches import FrozenKV
 from mtpkit.decoder.session import Session
 from mtpkit.decoder.shapes import padded
 
@@ -44,11 +45,10 @@ def prefill_together(sessions: list[Session], prompts: list[list[int]]) -> list[
     caches = [BatchKVCache(pads) for _ in sessions[0].cache]
     hidden, logits = trunk(tokens, caches, logits_for=1)
     assert logits is not None
-    for b, session in enumerate(sessions):
+    for b, session in enumerate(sessions):  # each row's positions, as a prefix restore thaws
         for own, batch in zip(session.cache, caches, strict=True):
-            own.keys = batch.keys[b:b + 1, :, pads[b]:width, :]
-            own.values = batch.values[b:b + 1, :, pads[b]:width, :]
-            own.offset = lengths[b]
+            FrozenKV(lengths[b], 0, batch.keys[b:b + 1, :, pads[b]:width, :],
+                     batch.values[b:b + 1, :, pads[b]:width, :]).thaw(own)
     rows = [hidden[b:b + 1, pads[b]:] for b in range(len(sessions))]
     mx.eval([c.state for s in sessions for c in s.cache], rows, logits)
     seconds = time.perf_counter() - start

@@ -173,7 +173,8 @@ class Scheduler:
 
     def _fill(self) -> list[Event]:
         if self.filling is None and self.waiting and len(self.active) < self.max_batch:
-            if prefill_pays() and len(together := self._together()) > 1:
+            if (len(self.waiting) > 1 and prefill_pays()
+                    and len(together := self._together()) > 1):
                 return self._prefill_together(together)
             request = self.waiting.popleft()
             self.filling = (request, request.session.start_chunks(request.ids))
