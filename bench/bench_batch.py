@@ -158,8 +158,12 @@ def ideal(paid: dict, rows: int, plain_step: float | None = None) -> dict[str, A
     round), beside the measured ratio. `plain_step`: the plain arm's own step time (seconds),
     where the policy never timed plain at this size (it borrows a nearer size's price)."""
     from mtpkit.decoder.batch_policy import piped
+    from mtpkit.decoder.policy import MIN_OBSERVED
 
-    cost = {k: statistics.median(seen) for (b, k), seen in paid.items() if b == rows and seen}
+    # as the policy prices them: one or two rounds of a shape (the first may have compiled a
+    # kernel on a GPU, 15-44 s) are no price
+    cost = {k: statistics.median(seen) for (b, k), seen in paid.items()
+            if b == rows and len(seen) >= MIN_OBSERVED}
     plain = cost.get(piped(0), cost.get(0, plain_step))  # a pipelined plain step's if timed
     # each depth at its pipelined price where timed (as the batch runs it), else synchronous
     price = {k: cost.get(piped(k), cost.get(k)) for k in range(1, 9)

@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from mtpkit.decoder import kernel_choice, kernels
+from mtpkit.decoder import jit_warmup, kernel_choice, kernels
 
 FEW_ROWS = 16
 
@@ -122,8 +122,10 @@ def use_kernel_linears(module: nn.Module) -> int:
     """Swap every quantized linear layer and embedding (a tied lm_head is its as_linear) under
     `module` for its verify-kernel twin (same packed weights; the twin differs only for
     2..MAX_ROWS rows on CUDA, at the row counts kernel_choice keeps for its shape); returns how
-    many."""
+    many. On CUDA every row count decoding reaches is then compiled (decoder/jit_warmup.py)."""
     count = sum(_swap(module, kind, twin) for kind, twin in KERNEL_TWINS.items())
     if count and kernels.cuda_available():
-        kernel_choice.assign(m for _, m in module.named_modules() if isinstance(m, _KernelTwin))
+        twins = [m for _, m in module.named_modules() if isinstance(m, _KernelTwin)]
+        kernel_choice.assign(twins)
+        jit_warmup.warm(twins)
     return count

@@ -13,7 +13,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mtpkit.decoder import kernel_choice, kernels
+from mtpkit.decoder import jit_warmup, kernel_choice, kernels
 from mtpkit.decoder.rows import (
     KernelQuantizedEmbedding,
     KernelQuantizedLinear,
@@ -208,3 +208,56 @@ def test_each_shape_is_timed_once_and_its_choice_kept_on_disk(
     kept = [_twin(n=256)]
     assert kernel_choice.assign(kept) == {} and kept[0].kernel_rows == kernel_choice.ALL_ROWS
     assert len(timed) == 4
+
+
+def test_warm_up_runs_every_row_count_once_per_layout(
+        monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """Each quantized layout runs every row count once, through the product of its smallest
+    layer (a compiled variant depends on the layout and the rows, not on the shape); the first
+    warm-up of a layout says so before it starts, a later one does not; a product that took
+    long is said as it happens."""
+    monkeypatch.setenv("MTPKIT_CACHE", str(tmp_path))
+    ran: list[tuple[int, int]] = []
+    twins = [_twin(n=256), _twin(n=64), _twin(n=128, k=256)]
+    mx.random.seed(4)
+    eight = nn.QuantizedLinear.from_linear(nn.Linear(128, 64, bias=False), group_size=64, bits=8)
+    twins.append(KernelQuantizedLinear(eight))
+    for twin in twins:
+        real = twin._product
+
+        def product(x: mx.array, twin=twin, real=real) -> mx.array:
+            ran.append((twin.bits, twin.weight.shape[0] * twin.weight.shape[1]))
+            return real(x)
+        twin._product = product
+    said: list[str] = []
+    rows = (1, 3, 9, 20)
+    took = jit_warmup.warm(twins, said.append, rows)
+    assert sorted(took) == [(4, 64, "affine", "float32"), (8, 64, "affine", "float32")]
+    smallest4 = twins[1].weight.shape[0] * twins[1].weight.shape[1]
+    assert sorted(ran) == sorted([(4, smallest4)] * 4 + [(8, eight.weight.size)] * 4)
+    assert len(said) == 2 and all("first time on this machine" in line for line in said)
+
+    ran.clear()
+    monkeypatch.setattr(jit_warmup, "SLOW_S", -1.0)  # every product "compiled something"
+    said.clear()
+    jit_warmup.warm(twins, said.append, rows)
+    assert len(ran) == 8 and not any("first time" in line for line in said)
+    assert [line.split()[2] for line in said] == ["1-row", "3-row", "9-row", "20-row"] * 2
+
+
+def test_kernel_linears_warm_up_on_cuda_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loader's swap compiles every row count on CUDA (after the kernel choice), and
+    nowhere else."""
+    warmed: list[int] = []
+    monkeypatch.setattr(jit_warmup, "warm", lambda twins: warmed.append(len(twins)))
+    monkeypatch.setattr(kernel_choice, "assign", lambda twins: {})
+    model = nn.Sequential(nn.Linear(128, 64), nn.Linear(64, 64))
+    nn.quantize(model, group_size=64, bits=4)
+    monkeypatch.setattr(kernels, "cuda_available", lambda: False)
+    use_kernel_linears(model)
+    assert warmed == []
+    again = nn.Sequential(nn.Linear(128, 64), nn.Linear(64, 64))
+    nn.quantize(again, group_size=64, bits=4)
+    monkeypatch.setattr(kernels, "cuda_available", lambda: True)
+    use_kernel_linears(again)
+    assert warmed == [2]

@@ -1,0 +1,86 @@
+"""Compile MLX's CUDA kernels at load, for every row count decoding reaches, not mid-serve.
+
+MLX's CUDA backend compiles some kernels with NVRTC the first time they run: its quantized
+matmul one variant per tile, picked by the row count, and our verify kernel (decoder/kernels.py)
+one per row bucket. On an H200 (MLX 0.32.4) each of the matmul's three variants (8-16, 17-32
+and 33+ rows) took 33-41 s to compile. A batch that first reaches a wider round mid-serve stalls
+every client that long: in an oracle run at 4 streams one 20-row round took 44 s, and the run's
+aggregate fell from about 400 to 22 tok/s. So on CUDA the loader runs one product of each
+quantized layout (bits, group size, mode, activation dtype) at every row count a batch's rounds
+and a prefill can reach, on the layout's smallest layer and through the layer's own product (the
+kernel where it serves those rows, MLX's op elsewhere). A variant depends on the layout and the
+rows, not on the weight's shape, so that compiles everything decoding will run. MLX keeps what
+it compiled on disk ($MLX_PTX_CACHE_DIR, else a temp folder): a later load takes a fraction of
+a second. The first warm-up of a layout on a machine says so on stderr before it starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from mtpkit.decoder.costs import cache_dir, versions
+
+# every width of a batch's rounds (up to 16 rows x depth 3, 8 x 7); powers of two for prefills
+ROWS = (*range(1, 65), 128, 256, 512, 1024, 2048)
+SLOW_S = 2.0  # a product that took longer compiled something: said as it happens
+
+Layout = tuple[int, int, str, str]  # bits, group size, mode, activation dtype
+
+
+def layout_of(layer: Any) -> Layout:
+    """What a compiled variant depends on besides the rows."""
+    dtype = str(layer.scales.dtype).removeprefix("mlx.core.")
+    return (layer.bits, layer.group_size, getattr(layer, "mode", "affine"), dtype)
+
+
+def _marker(layout: Layout) -> Path:
+    """A file that says this layout was warmed on this device with these versions."""
+    info = mx.device_info() if hasattr(mx, "device_info") else {}
+    key = {"device": str(info.get("device_name", "")), "versions": versions(),
+           "layout": list(layout)}
+    name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+    return cache_dir().parent / "warmed" / name
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def warm(layers: Iterable[Any], say: Callable[[str], None] = _stderr,
+         rows: Iterable[int] = ROWS) -> dict[Layout, float]:
+    """Run every row count of `rows` through the smallest layer of each quantized layout among
+    `layers` (kernel twins: decoder/rows.py); returns the seconds each layout took."""
+    smallest: dict[Layout, Any] = {}
+    for layer in layers:
+        layout = layout_of(layer)
+        if layout not in smallest or layer.weight.size < smallest[layout].weight.size:
+            smallest[layout] = layer
+    took = {}
+    for layout, layer in smallest.items():
+        marker = _marker(layout)
+        if not marker.exists():
+            say(f"compiling MLX's CUDA kernels for {layout[0]}-bit weights (group "
+                f"{layout[1]}, {layout[3]}) at every row count decoding uses: the first "
+                "time on this machine, up to a few minutes; MLX keeps them on disk")
+        k = layer.scales.shape[-1] * layer.group_size
+        start = time.perf_counter()
+        for count in rows:
+            began = time.perf_counter()
+            mx.eval(layer._product(mx.zeros((count, k), getattr(mx, layout[3]))))
+            if (spent := time.perf_counter() - began) > SLOW_S:
+                say(f"  compiled the {count}-row product in {spent:.0f} s")
+        took[layout] = time.perf_counter() - start
+        try:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+        except OSError:  # a read-only cache: the next load says it again, nothing worse
+            pass
+    return took
