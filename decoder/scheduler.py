@@ -325,6 +325,9 @@ class Scheduler:
 
     def _asks(self) -> list[Ask]:
         auto = [r for r in self.active if r.policy is not None]
+        if self.policy is not None:  # as _start_spec asks (context drafts keep rounds apart)
+            self.policy.pipelines = (self.batch.pipelined and all(self.batch.headed)
+                                     and all(r.session.lookup is None for r in self.active))
         depth = (self.policy.depth(auto, len(self.active)) if self.policy is not None and auto
                  else 0)
         return [self._ask(r, depth) for r in self.active]

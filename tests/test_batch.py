@@ -529,6 +529,39 @@ def test_plain_is_priced_by_pipelined_steps_once_timed() -> None:
     assert (4, PIPED) in policy.paid and policy.depth(rows) == 0
 
 
+def test_before_any_depth_ran_pipelined_it_is_priced_as_plain_steps_saved() -> None:
+    """Plain priced by pipelined steps (12.1 ms), depth 1 only by synchronous rounds (22.7 ms;
+    the H200's oracle at 4 rows, where a run decoded 98% plain): where a chosen depth would run
+    pipelined, its price is scaled by what pipelining saved plain steps, so it is tried (and
+    then priced as it runs); where it would not, the synchronous price stands."""
+    from types import SimpleNamespace
+
+    from mtpkit.decoder.batch_policy import BatchPolicy, piped
+    from mtpkit.decoder.curve import CostCurve
+    from mtpkit.decoder.policy import MIN_OBSERVED, DepthPolicy
+
+    rows = []
+    for _ in range(4):
+        row = DepthPolicy(CostCurve([0.01] * 16, 0.01, 0.0), 1)
+        for i in range(100):
+            row.record(1, int(i % 4 != 0))  # 75% of drafts kept
+        rows.append(SimpleNamespace(policy=row, session=SimpleNamespace(head=1, depth=1)))
+    policy = BatchPolicy(CostCurve([0.01] * 16, 0.01, 0.0), 1)
+    for _ in range(MIN_OBSERVED):
+        policy.observe(4, [SimpleNamespace(depth=0, paid_s=0.0140)])
+        policy.observe(4, [SimpleNamespace(depth=1, paid_s=0.0227)])
+        policy.observe_plain(4, 0.0121)
+    assert policy.depth(rows) == 0  # 1.75 tokens for 22.7 ms lose to 12.1 ms a token
+    policy.plain_left = 0
+    policy.pipelines = True
+    assert policy.cost(4, 1) == pytest.approx(0.0227 * 0.0121 / 0.0140)
+    assert policy.depth(rows) == 1 and policy.decided
+    for _ in range(MIN_OBSERVED):  # run pipelined, the depth has its own price
+        policy.observe(4, [SimpleNamespace(depth=1, paid_s=0.030)], pipelined=True)
+    assert (4, piped(1)) in policy.paid and policy.cost(4, 1) == pytest.approx(0.030)
+    assert policy.depth(rows) == 0
+
+
 def test_pipelined_rounds_price_their_depth_and_scale_the_others() -> None:
     """A depth run pipelined is priced by its pipelined rounds; a depth timed only
     synchronously by its synchronous price scaled by what pipelining saved, so depths are
@@ -747,3 +780,27 @@ def test_auto_rounds_run_pipelined_once_the_policy_chooses(
                                                     "max_tokens": 120}] * 3)
     assert [r.tokens for r in results] == plain
     assert len(rounds) >= 10 and max(rounds) == 3
+
+
+@pytest.mark.parametrize(("ahead", "draft", "want"), [
+    (True, "head", {True}), (False, "head", {False}), (True, "both", {False})])
+def test_the_policy_is_told_whether_a_depth_would_run_pipelined(
+        monkeypatch: pytest.MonkeyPatch, ahead: bool, draft: str, want: set) -> None:
+    """Head rows on a GPU: a chosen depth runs pipelined; on a CPU, or with rows that may
+    draft from their context, it does not (and is priced synchronously)."""
+    from mtpkit.decoder.batch_policy import BatchPolicy
+
+    base = tiny_runner(vocab=6)
+    prompts = [[1, 2, 3, 4], [5, 4, 3]]
+    oracle, _ = _oracle_batch(base, prompts, [7, 8], 24)
+    _pipelined_seen(monkeypatch, "spec_rounds", ahead)
+    told: set[bool] = set()
+    real = BatchPolicy.depth
+
+    def spy(self: BatchPolicy, *args: Any, **kwargs: Any) -> int:
+        told.add(self.pipelines)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(BatchPolicy, "depth", spy)
+    oracle.generate_batch(prompts, each=[{"depth": "auto", "draft": draft, "max_tokens": 24}] * 2)
+    assert told == want
