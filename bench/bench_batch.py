@@ -213,8 +213,9 @@ def oracle_bench(args: argparse.Namespace) -> dict:
             arms["single_auto"] = []
         same = True
         for _ in range(args.runs):  # arms interleaved run by run
+            before = ideal(runner.batch_paid, n).get("round_ms")  # what auto starts from
             row, mtp_tokens = ours(runner, prompts, args.tokens, "auto")
-            arms["mtp_auto"].append(row)
+            arms["mtp_auto"].append(row | {"prices_before_ms": before})
             row, plain_tokens = ours(plain_runner, prompts, args.tokens, 0)
             arms["plain"].append(row)
             row, base_tokens = theirs(model, prompts, args.tokens)
