@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Any
 import mlx.core as mx
 
 from mtpkit.decoder.costs import cache_dir, versions
+from mtpkit.decoder.kernel_choice import stderr_line
 
 # every width of a batch's rounds (up to 16 rows x depth 3, 8 x 7); powers of two for prefills
 ROWS = (*range(1, 65), 128, 256, 512, 1024, 2048)
@@ -50,11 +50,7 @@ def _marker(layout: Layout) -> Path:
     return cache_dir().parent / "warmed" / name
 
 
-def _stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
-def warm(layers: Iterable[Any], say: Callable[[str], None] = _stderr,
+def warm(layers: Iterable[Any], say: Callable[[str], None] = stderr_line,
          rows: Iterable[int] = ROWS) -> dict[Layout, float]:
     """Run every row count of `rows` through the smallest layer of each quantized layout among
     `layers` (kernel twins: decoder/rows.py); returns the seconds each layout took."""

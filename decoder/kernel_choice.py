@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -121,7 +122,13 @@ def _name(shape: Shape) -> str:
     return ",".join(map(str, shape))
 
 
-def assign(layers: Iterable[Any]) -> dict[Shape, frozenset[int]]:
+def stderr_line(line: str) -> None:
+    """What a device's first load says on stderr while it times or compiles (no silent minutes)."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def assign(layers: Iterable[Any], say: Callable[[str], None] = stderr_line
+           ) -> dict[Shape, frozenset[int]]:
     """Give every kernel twin in `layers` the row counts its shape keeps the kernel for:
     stored timings where this device has them, else timed now (once per shape) and stored."""
     twins = [t for t in layers if t._fits]
@@ -134,6 +141,9 @@ def assign(layers: Iterable[Any]) -> dict[Shape, frozenset[int]]:
     for twin in twins:
         name = _name(shape_of(twin))
         if name not in stored and name not in fresh:
+            if not fresh:
+                say("timing the verify kernel against MLX's quantized matmul for each weight "
+                    "shape, 2-16 rows (once per device; kept under $MTPKIT_CACHE/kernels)")
             fresh[name] = measure(twin)
     if fresh:
         stored |= fresh

@@ -184,14 +184,17 @@ def test_each_shape_is_timed_once_and_its_choice_kept_on_disk(
 
     monkeypatch.setattr(kernel_choice, "measure", fake)
     twins = [_twin(), _twin(), _twin(n=256)]
-    chosen = kernel_choice.assign(twins)
+    said: list[str] = []
+    chosen = kernel_choice.assign(twins, said.append)
     assert len(timed) == 2 and len(chosen) == 2
+    assert len(said) == 1 and "once per device" in said[0]  # said before timing, once
     assert twins[0].kernel_rows == twins[1].kernel_rows == kernel_choice.ALL_ROWS
     assert twins[2].kernel_rows == frozenset(range(2, 9))
 
     again = [_twin(n=256)]
-    kernel_choice.assign(again)
+    kernel_choice.assign(again, said.append)
     assert len(timed) == 2 and again[0].kernel_rows == frozenset(range(2, 9))
+    assert len(said) == 1  # nothing to time: nothing said
 
     stores = list((tmp_path / "kernels").glob("*.json"))
     assert len(stores) == 1
