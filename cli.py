@@ -430,13 +430,20 @@ def generate(bundle: str, prompt: str, raw: bool, max_tokens: int, depth: str | 
 @click.option("--refresh", is_flag=True, help="Measure again even when the cache has the curve.")
 @click.option("--dtype", type=DTYPES, default="auto", show_default=True,
               help="Cast the weights as generate/serve --dtype do (each dtype has its own curve).")
-def tune(bundle: str, as_json: bool, refresh: bool, dtype: str | None) -> None:
+@click.option("--max-batch", "batch", type=int, default=None,
+              help="Also time batched rounds of up to N rows (serve --max-batch N then starts "
+              "from them instead of exploring).")
+def tune(bundle: str, as_json: bool, refresh: bool, dtype: str | None,
+         batch: int | None) -> None:
     """Measure (or read the cached) cost curve --depth auto decides by, for BUNDLE here."""
+    from mtpkit.decoder.options import batch_option
     from mtpkit.decoder.runner import load
-    from mtpkit.verify.tune import progress_bar, render_text, report
+    from mtpkit.verify.tune import batch_lines, progress_bar, render_text, report
 
     with _user_errors("--out"):
-        doc = report(load(bundle, dtype=dtype), bundle, refresh, progress_bar())
+        most = batch_option(batch) if batch is not None else None
+        doc = report(load(bundle, dtype=dtype), bundle, refresh, progress_bar(), most,
+                     batch_lines())
     click.echo(json.dumps(doc, indent=2) if as_json else render_text(doc))
 
 
@@ -585,7 +592,7 @@ def serve(bundle: str, host: str, port: int, api_key: str | None, api_key_file: 
     from mtpkit.decoder.runner import load, numerics_note
     from mtpkit.serve.server import Server, api_key_from, check_bind, check_port
     from mtpkit.serve.service import Service
-    from mtpkit.verify.tune import progress_bar, summary
+    from mtpkit.verify.tune import batch_summary, progress_bar, summary
 
     with _user_errors("--out"):
         api_key = api_key_from(api_key, api_key_file, os.environ)
@@ -599,6 +606,8 @@ def serve(bundle: str, host: str, port: int, api_key: str | None, api_key_file: 
             click.echo(advice, err=True)
         if depth_opt == "auto":  # the cost curve now, so that no request pays for it
             click.echo(summary(runner, draft, verbose, progress_bar()), err=True)
+            if max_batch > 1 and shard is None:
+                click.echo(batch_summary(runner), err=True)
         service = Service(runner, Path(bundle).name, depth_opt, max_tokens, draft,
                           cache_bytes=int(cache_gb * (1 << 30)) if shard is None else 0,
                           max_queue=max_queue, max_batch=max_batch)  # sharded: no prefix

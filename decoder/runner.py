@@ -15,7 +15,7 @@ from mlx_lm.models.switch_layers import SwitchLinear
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import dequantize_model, load_model
 
-from mtpkit.decoder import distributed, kernels, sharding
+from mtpkit.decoder import batch_costs, distributed, kernels, sharding
 from mtpkit.decoder.batch import Batch
 from mtpkit.decoder.context import check_prompt, context_of
 from mtpkit.decoder.controller import Controller
@@ -150,7 +150,32 @@ class Runner:
             self._costs = costs_for(self, refresh, progress)
             self.paid = PaidCosts()
             self.batch_paid.clear()  # (in place: schedulers made before share it)
+            if self._costs.key:  # a bundle's: what `tune --batch` timed, as the first prices
+                self.batch_paid.update(batch_costs.stored(self._costs.key))
         return self._costs
+
+    def batch_costs(self, most: int, refresh: bool = False,
+                    told: batch_costs.Told | None = None) -> tuple[batch_costs.Paid, bool]:
+        """What batches of up to `most` rows pay per round here (decoder/batch_costs.py):
+        stored for this bundle where they cover `most` rows, else timed now and stored; they
+        become this runner's batch prices. Returns them and whether they were timed now."""
+        most = batch_option(most)
+        key = self.costs().key
+        found = batch_costs.stored(key) if key and not refresh else {}
+        complete = all(batch_costs.missing(found, size, batch_costs.deepest(self)) is None
+                       for size in batch_costs.sizes_up_to(most))
+        if complete or self.head is None:
+            paid, timed = found, False
+        else:
+            paid, timed = {}, True
+            try:
+                batch_costs.measure(self, most, told, paid)
+            finally:  # Ctrl-C keeps the shapes timed so far (a later tune times the rest)
+                if key and paid:
+                    batch_costs.store(key, paid)
+        self.batch_paid.clear()
+        self.batch_paid.update(paid)
+        return paid, timed
 
     def draft_source(self, depth: Depth, draft: str | None) -> Source:
         """The draft source for a depth and draft argument on this bundle (checked as every

@@ -157,3 +157,74 @@ def test_bad_input_is_a_one_line_error(built: Callable[..., Path], tmp_path: Pat
     assert code == 2 and "Invalid value for '--dtype'" in err
     help_ = CliRunner().invoke(main, ["tune", "--help"])
     assert help_.exit_code == 0 and "Examples:" in help_.output and "--refresh" in help_.output
+
+
+def test_tune_times_batched_rounds_and_runners_start_from_them(built: Callable[..., Path],
+                                                               cache: Path) -> None:
+    """`tune --max-batch N` times every shape a batch policy prices (plain steps, plain
+    rounds, each depth) at 2..N rows through the real engine, says so as it goes, stores it
+    beside the curve, and a later runner's batch policy starts from those prices (no
+    exploration rounds); the second call reads them."""
+    from mtpkit.decoder import batch_costs
+    from mtpkit.decoder.batch_policy import PIPED, BatchPolicy
+    from mtpkit.decoder.runner import load
+    from mtpkit.verify.tune import batch_summary
+
+    bundle = built("qwen3_5")
+    code, out, err = _tune(str(bundle), "--max-batch", "3")
+    assert code == 0, out + err
+    assert "timing batched rounds" in err and "batch rounds: timed in" in err
+    assert re.search(r"batch rounds: 3 rows, depth 1 \(\d+/\d+, \d+ s, about \d+ s left\)", err)
+    assert "batch rounds, ms (timed now" in out
+    doc = _json(bundle, "--max-batch", "3")
+    batch = doc["batch"]
+    assert batch["measured"] is False and batch["max_batch"] == 3 and batch["head"] is True
+    deepest = min(doc["max_depth"], 3)
+    for rows in (2, 3):
+        for shape in (-1, 0, *range(1, deepest + 1)):
+            assert f"{rows},{shape}" in batch["round_ms"], (rows, shape, batch["round_ms"])
+
+    runner = load(bundle)
+    curve = runner.costs()
+    stored = batch_costs.stored(curve.key)
+    assert len(stored[(3, PIPED)]) >= batch_costs.ROUNDS
+    assert {k: list(v) for k, v in runner.batch_paid.items()} == \
+        {k: list(v) for k, v in stored.items()}
+    policy = BatchPolicy(curve, deepest, paid=runner.batch_paid)
+    assert policy._explore(policy._timed(3)) is None, "nothing left to explore at 3 rows"
+    assert "round prices for 1, 2, 3 rows from mtpkit tune" in batch_summary(runner) or \
+        "round prices for 2, 3 rows from mtpkit tune" in batch_summary(runner)
+    assert "timed as they run" in batch_summary(load(built("qwen3_5", sidecar=None)))
+
+    code, out, err = _tune(str(bundle), "--max-batch", "0")
+    assert code == 2 and "options.invalid" in out + err and "--max-batch" in out + err
+    headless = built("qwen3_5", sidecar=None)
+    code, out, err = _tune(str(headless), "--max-batch", "2")
+    assert code == 0 and "no MTP head to time" in out
+
+
+def test_an_interrupted_batch_timing_keeps_what_it_timed(built: Callable[..., Path], cache: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C during `tune --max-batch` stores the shapes timed so far; the next tune, not
+    finding the largest size, times again."""
+    from collections import deque
+
+    from mtpkit.decoder import batch_costs
+    from mtpkit.decoder.runner import load
+
+    def interrupted(runner: Any, most: int, told: Any, paid: dict) -> dict:
+        paid[(2, -1)] = deque([0.01, 0.011, 0.012])
+        raise KeyboardInterrupt
+
+    runner = load(built("qwen3_5"))
+    real = batch_costs.measure
+    monkeypatch.setattr(batch_costs, "measure", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        runner.batch_costs(4)
+    key = runner.costs().key
+    assert {k: list(v) for k, v in batch_costs.stored(key).items()} == {(2, -1): [0.01, 0.011,
+                                                                                  0.012]}
+    monkeypatch.setattr(batch_costs, "measure", real)
+    paid, timed = runner.batch_costs(2)
+    assert timed and (2, 0) in paid and len(paid[(2, -1)]) > 3, "timed again, not trusted"
+    assert runner.batch_costs(2)[1] is False, "now complete: read back"

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
 
+from mtpkit.decoder.batch_costs import Told
 from mtpkit.decoder.costs import Progress, Tick, cache_dir, cache_key, cached
 from mtpkit.decoder.curve import CostCurve
 from mtpkit.decoder.policy import DepthPolicy
@@ -47,20 +50,49 @@ def picks(curve: CostCurve, max_depth: int, source: str = "head") -> list[dict[s
 
 
 def report(runner: Runner, bundle: str, refresh: bool = False,
-           progress: Progress | None = None) -> dict[str, Any]:
+           progress: Progress | None = None, batch: int | None = None,
+           told: Told | None = None) -> dict[str, Any]:
     """The cost curve document `mtpkit tune --json` prints: CostCurve.to_dict() plus the
     bundle, whether it was measured now or read from the cache, the cache file and the picks.
-    progress: told how a measurement goes (`progress_bar()` draws it on stderr)."""
+    progress: told how a measurement goes (`progress_bar()` draws it on stderr). `batch`: also
+    the round costs of batches of up to that many rows (decoder/batch_costs.py; `told` hears
+    how their timing goes: `batch_lines()`)."""
     key = cache_key(runner.root, runner.load_options) if runner.root is not None else None
     measured = refresh or key is None or cached(key) is None
     curve = runner.costs(refresh, progress)
     path = _cache_file(curve.key)
     max_depth = runner.policy("auto")[0]
     lookup_depth = runner.policy("auto", "lookup")[0]
-    return {"bundle": bundle, **curve.to_dict(), "measured": measured,
-            "cache": str(path if path is not None and path.exists() else cache_dir()),
-            "max_depth": max_depth, "picks": picks(curve, max_depth) if runner.head else [],
-            "lookup_picks": picks(curve, lookup_depth, "lookup")}
+    doc = {"bundle": bundle, **curve.to_dict(), "measured": measured,
+           "cache": str(path if path is not None and path.exists() else cache_dir()),
+           "max_depth": max_depth, "picks": picks(curve, max_depth) if runner.head else [],
+           "lookup_picks": picks(curve, lookup_depth, "lookup")}
+    if batch is not None:
+        paid, timed = runner.batch_costs(batch, refresh, told)
+        doc["batch"] = {"max_batch": batch, "measured": timed, "head": runner.head is not None,
+                        "round_ms": {f"{rows},{shape}": round(1000 * statistics.median(t), 3)
+                                     for (rows, shape), t in sorted(paid.items()) if t}}
+    return doc
+
+
+def batch_lines(file: Any = None) -> Told:
+    """How timing a batch's rounds goes, one line per shape on stderr, with the seconds left
+    at the rate so far."""
+    out = sys.stderr if file is None else file
+    start = time.perf_counter()
+
+    def show(what: str, done: int, total: int) -> None:
+        spent = time.perf_counter() - start
+        if what == "start":
+            click.echo("timing batched rounds for --depth auto (once per bundle, dtype and "
+                       f"versions; cached): {total} shapes", file=out)
+        elif what == "done":
+            click.echo(f"  batch rounds: timed in {spent:.0f} s", file=out)
+        else:
+            left = f", about {spent / done * (total - done):.0f} s left" if done else ""
+            click.echo(f"  batch rounds: {what} ({done}/{total}, {spent:.0f} s{left})", file=out)
+
+    return show
 
 
 def _spans(rows: list[int]) -> str:
@@ -184,7 +216,44 @@ def render_text(doc: dict[str, Any]) -> str:
                      "pays, and decodes plainly elsewhere")
     lines.append("  a context (lookup) match as long as the depth allows, drafted for free:")
     lines += _pick_lines(doc["lookup_picks"])
+    if (batch := doc.get("batch")) is not None:
+        lines += _batch_text(batch)
     return "\n".join(lines)
+
+
+def _batch_text(batch: dict[str, Any]) -> list[str]:
+    """The batch round costs as a table: rows by shape (plain steps, plain rounds, depths)."""
+    if not batch["head"]:
+        return ["  batch rounds: no MTP head to time (a batch times its rounds as it decodes)"]
+    costs: dict[int, dict[int, float]] = {}
+    for name, ms in batch["round_ms"].items():
+        rows, shape = (int(part) for part in name.split(","))
+        costs.setdefault(rows, {})[shape] = ms
+    depths = sorted({s for by in costs.values() for s in by if s > 0}
+                    | {-1 - s for by in costs.values() for s in by if s < -1})
+    head = "".join(f"{'depth ' + str(k):>10}" for k in depths)
+    lines = [f"  batch rounds, ms ({'timed now' if batch['measured'] else 'from the cache'}; "
+             "pipelined where the batch pipelines them, else synchronous):",
+             f"    rows  plain step  plain round{head}"]
+    for rows in sorted(costs):
+        by = costs[rows]
+
+        def cell(*keys: int, by: dict[int, float] = by) -> str:
+            found = next((by[k] for k in keys if k in by), None)
+            return "-" if found is None else f"{found:.2f}"
+        cells = "".join(f"{cell(-1 - k, k):>10}" for k in depths)
+        lines.append(f"    {rows:>4}  {cell(-1):>10}  {cell(0):>11}{cells}")
+    return lines
+
+
+def batch_summary(runner: Runner) -> str:
+    """What `serve` says of its batches' round prices at start-up (after `summary`)."""
+    sizes = sorted({rows for rows, _ in runner.batch_paid})
+    if sizes:
+        return (f"batches: round prices for {', '.join(map(str, sizes))} rows from mtpkit tune "
+                "--max-batch; other sizes borrow the nearest, and every round is timed as it runs")
+    return ("batches: rounds are timed as they run, the first at each size exploring depths 0-3 "
+            "(mtpkit tune BUNDLE --max-batch N times them once, up front)")
 
 
 def summary(runner: Runner, draft: str | None = None, verbose: bool = False,

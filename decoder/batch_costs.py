@@ -1,0 +1,185 @@
+"""What a batch's rounds cost here, timed up front (`mtpkit tune --batch N`) and kept on disk.
+
+The batch policy (decoder/batch_policy.py) prices a round of B rows at depth K by what such
+rounds paid, so a runner that has decoded no batch yet first spends rounds exploring: depths 0
+to 3 synchronously at each size, plain as a stretch. Those rounds cost the first clients time,
+and a depth whose pipelined price was never taken could lose to pipelined plain steps for a
+whole run. So `tune --batch N` runs the real engine (Scheduler, Batch, the policy's own
+`observe`) on synthetic prompts at 2, 4, ... N rows, with a policy that asks for each shape
+still untimed at the batch's size (a plain stretch, a plain round, then every depth, pipelined
+where the batch pipelines them) until each has ROUNDS times, and stores what it recorded beside
+the cost curve (same key: weights, load options, device, versions). Later runners of the bundle
+start from those prices (`Runner.costs`), and go on timing every round as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mtpkit.decoder.batch import Batch
+from mtpkit.decoder.batch_policy import EXPLORE, PIPED, BatchPolicy, piped
+from mtpkit.decoder.costs import cache_dir
+from mtpkit.decoder.policy import MIN_OBSERVED, WINDOW
+from mtpkit.decoder.scheduler import Request, Scheduler
+
+if TYPE_CHECKING:
+    from mtpkit.decoder.runner import Runner
+
+ROUNDS = MIN_OBSERVED + 2  # times per shape: the first may have compiled something (a GPU)
+MAX_TOKENS = 100_000  # the requests never end by length: the timing policy ends the run
+
+Paid = dict[tuple[int, int], deque]
+Told = Callable[[str, int, int], None]  # (what, shapes done, shapes in all)
+
+
+@dataclass
+class _Timing(BatchPolicy):
+    """A batch policy that asks for the first shape at the batch's size with fewer than ROUNDS
+    times (a plain stretch, a plain round, then depths 1..max_depth) and says when all have
+    them (`done`)."""
+
+    size: int = 0  # the batch's full size: shapes are asked for only once every row joined
+    done: bool = False
+
+    def wanted(self, rows: int) -> int | None:
+        return missing(self.paid, rows, self.max_depth)
+
+    def depth(self, requests: list[Request], rows: int | None = None) -> int:
+        self.decided = False
+        if self.plain_left > 0:
+            self.plain_left -= 1
+            return 0
+        rows = len(requests) if rows is None else rows
+        shape = self.wanted(rows) if rows == self.size else 0
+        if shape is None:
+            self.done = True
+            return 0
+        if shape == PIPED:
+            self.plain_left = ROUNDS + 2  # as a stretch runs: pipelined where the batch can
+            return 0
+        self.decided = shape > 0  # chosen "on prices": the scheduler may pipeline it
+        return shape
+
+
+def deepest(runner: Runner) -> int:
+    """The deepest depth timed up front: the runner's, at most EXPLORE."""
+    return min(runner.policy("auto")[0], EXPLORE)
+
+
+def missing(paid: Paid, rows: int, max_depth: int) -> int | None:
+    """The first shape at `rows` rows with fewer than ROUNDS times (PIPED: a plain stretch; 0:
+    a plain round; K: depth K, pipelined or not), None when every one has them."""
+    def have(*keys: int) -> int:
+        return max(len(paid.get((rows, k), ())) for k in keys)
+
+    if have(PIPED) < ROUNDS:
+        return PIPED
+    if have(0) < ROUNDS:
+        return 0
+    return next((k for k in range(1, max_depth + 1) if have(k, piped(k)) < ROUNDS), None)
+
+
+def shapes(sizes: list[int], max_depth: int) -> int:
+    """How many shapes measure() times: per size, plain stretch, plain round, each depth."""
+    return len(sizes) * (max_depth + 2)
+
+
+def sizes_up_to(most: int) -> list[int]:
+    """2, 4, 8, ... up to `most`, and `most` itself."""
+    out, size = [], 2
+    while size < most:
+        out.append(size)
+        size *= 2
+    return [*out, most] if most >= 2 else []
+
+
+def measure(runner: Runner, most: int, told: Told | None = None, paid: Paid | None = None,
+            seed: int = 0) -> Paid:
+    """Round times by (rows, shape) at every size of sizes_up_to(most), through the real
+    engine, into `paid` (so an interrupted run leaves what it timed there); depths up to
+    EXPLORE (deeper ones the policy extends, then times as it runs)."""
+    curve = runner.costs()
+    max_depth = deepest(runner)
+    vocab = runner.trunk.args.vocab_size
+    rng = random.Random(seed)
+    paid = {} if paid is None else paid
+    sizes = sizes_up_to(most)
+    total, done = shapes(sizes, max_depth), 0
+    if told is not None:
+        told("start", 0, total)
+    for size in sizes:
+        policy = _Timing(curve, max_depth, paid=paid, size=size)
+        scheduler = Scheduler(Batch(runner.trunk, runner.head), size, paid, solo=False)
+        scheduler.policy = policy
+        for _ in range(size):
+            ids = [rng.randrange(vocab) for _ in range(curve.context)]
+            scheduler.add(runner.prepare(ids, MAX_TOKENS, depth="auto", draft="head"))
+        last = None
+        while scheduler and not policy.done:
+            scheduler.step()
+            now = policy.wanted(size) if len(scheduler.active) == size else last
+            if told is not None and now != last and now is not None:
+                passed = (max_depth + 2) - _left(now, max_depth)
+                told(f"{size} rows, {_name(now)}", done + passed, total)
+            last = now
+        done += max_depth + 2
+    if told is not None:
+        told("done", total, total)
+    return paid
+
+
+def _left(shape: int | None, max_depth: int) -> int:
+    """Shapes of a size still to time when `shape` is the one asked for."""
+    if shape is None:
+        return 0
+    return max_depth + 2 if shape == PIPED else max_depth + 1 - shape
+
+
+def _name(shape: int | None) -> str:
+    if shape is None:
+        return "done"
+    return "plain steps" if shape == PIPED else "plain rounds" if shape == 0 else f"depth {shape}"
+
+
+def _path(key: dict[str, Any]) -> Path:
+    name = hashlib.sha256(json.dumps({**key, "kind": "batch"}, sort_keys=True).encode())
+    return cache_dir() / f"{name.hexdigest()[:32]}.batch.json"
+
+
+def store(key: dict[str, Any], paid: Paid) -> Path:
+    """Atomically (a temp file renamed over), beside the cost curve of the same key."""
+    path = _path(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    doc = {"key": key, "measured": time.strftime("%Y-%m-%dT%H:%M:%S"),
+           "paid": {f"{rows},{shape}": list(times) for (rows, shape), times in paid.items()}}
+    tmp.write_text(json.dumps(doc, indent=1))
+    os.replace(tmp, path)
+    return path
+
+
+def stored(key: dict[str, Any]) -> Paid:
+    """The round times stored for `key`; {} for none, unreadable or another key's."""
+    try:
+        doc = json.loads(_path(key).read_text())
+        if doc["key"] != key:
+            return {}
+        out: Paid = {}
+        for name, times in doc["paid"].items():
+            rows, shape = (int(part) for part in name.split(","))
+            values = [float(t) for t in times]
+            if rows < 1 or not all(0 < t < 3600 for t in values):
+                return {}
+            out[(rows, shape)] = deque(values, maxlen=WINDOW)
+        return out
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
