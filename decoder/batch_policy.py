@@ -96,7 +96,7 @@ class BatchPolicy:
         # a synchronous price, scaled by what pipelining saved at the depths run both ways
         saved = [timed[piped(k)] / timed[k] for k in timed if k > 0 and piped(k) in timed]
         if not saved and self.pipelines and PIPED in timed and 0 in timed:
-            saved = [timed[PIPED] / timed[0]]  # what it saved plain steps (see below)
+            saved = [timed[PIPED] / timed[0]]  # what it saved plain steps: docstring
         return cost * statistics.median(saved) if saved and depth > 0 else cost
 
     def _timed(self, rows: int) -> dict[int, float]:

@@ -10,8 +10,8 @@ quantized layout (bits, group size, mode, activation dtype) at every row count a
 and a prefill can reach, on the layout's smallest layer and through the layer's own product (the
 kernel where it serves those rows, MLX's op elsewhere). A variant depends on the layout and the
 rows, not on the weight's shape, so that compiles everything decoding will run. MLX keeps what
-it compiled on disk ($MLX_PTX_CACHE_DIR, else a temp folder): a later load takes a fraction of
-a second. The first warm-up of a layout on a machine says so on stderr before it starts.
+it compiled on disk ($MLX_PTX_CACHE_DIR, else a temp folder): a later load reads them there
+instead of compiling. The first warm-up of a layout on a machine says so on stderr before it starts.
 """
 
 from __future__ import annotations
