@@ -15,7 +15,7 @@
    request on an idle server (TTFT), its prompt cached and fresh. Texts must equal the
    one-at-a-time server's.
 
-    python bench/bench_batch.py --oracle [--streams 1,2,4,8] [--tokens 256] [--runs 2]
+    python bench/bench_batch.py --oracle [--streams 1,2,4,8] [--tokens 256] [--runs 2] [--tuned]
     .venv/bin/python bench/bench_batch.py --serve out/SmolLM2-135M-mtp --dtype float32
 """
 
@@ -199,6 +199,11 @@ def oracle_bench(args: argparse.Namespace) -> dict:
     vocab = trunk.args.vocab_size
     runner = Runner(trunk, BatchOracle(SUCCESSOR[id(model)], RATES, seed=0), None)  # type: ignore[arg-type]
     runner._costs = measure(runner)
+    if args.tuned:  # as a bundle after `tune --max-batch N`: the batch starts from prices
+        from mtpkit.verify.tune import batch_lines
+
+        most = max(int(s) for s in args.streams.split(","))
+        runner.batch_costs(most, told=batch_lines())
     plain_runner = Runner(trunk, None, None)
     out: dict[str, Any] = {"curve": runner._costs.to_dict(), "rates": RATES, "streams": {}}
     for n in [int(s) for s in args.streams.split(",")]:
@@ -353,6 +358,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--oracle", action="store_true")
     ap.add_argument("--small", action="store_true", help="scaled-down shapes (a CPU check)")
+    ap.add_argument("--tuned", action="store_true",
+                    help="--oracle: time batched rounds first, as tune --max-batch does")
     ap.add_argument("--streams", default="1,2,4,8")
     ap.add_argument("--serve", help="a bundle to serve (the CPU part)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"])

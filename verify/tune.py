@@ -84,8 +84,8 @@ def batch_lines(file: Any = None) -> Told:
     def show(what: str, done: int, total: int) -> None:
         spent = time.perf_counter() - start
         if what == "start":
-            click.echo("timing batched rounds for --depth auto (once per bundle, dtype and "
-                       f"versions; cached): {total} shapes", file=out)
+            click.echo(f"timing batched rounds for --depth auto: {total} shapes (tune keeps "
+                       "them per bundle, dtype and versions)", file=out)
         elif what == "done":
             click.echo(f"  batch rounds: timed in {spent:.0f} s", file=out)
         else:
