@@ -14,9 +14,7 @@ start from those prices (`Runner.costs`), and go on timing every round as before
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import random
 import time
 from collections import deque
@@ -27,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from mtpkit.decoder.batch import Batch
 from mtpkit.decoder.batch_policy import EXPLORE, PIPED, BatchPolicy, piped
-from mtpkit.decoder.costs import cache_dir
+from mtpkit.decoder.costs import cache_file, write_json
 from mtpkit.decoder.policy import MIN_OBSERVED, WINDOW
 from mtpkit.decoder.scheduler import Request, Scheduler
 
@@ -75,22 +73,20 @@ def deepest(runner: Runner) -> int:
     return min(runner.policy("auto")[0], EXPLORE)
 
 
+def shapes(max_depth: int) -> list[int]:
+    """The shapes timed at each size, in order: a plain stretch (PIPED), a plain round (0),
+    then each depth."""
+    return [PIPED, 0, *range(1, max_depth + 1)]
+
+
 def missing(paid: Paid, rows: int, max_depth: int) -> int | None:
-    """The first shape at `rows` rows with fewer than ROUNDS times (PIPED: a plain stretch; 0:
-    a plain round; K: depth K, pipelined or not), None when every one has them."""
-    def have(*keys: int) -> int:
+    """The first shape at `rows` rows with fewer than ROUNDS times (a depth's, pipelined or
+    not), None when every one has them."""
+    def have(shape: int) -> int:
+        keys = (shape, piped(shape)) if shape > 0 else (shape,)
         return max(len(paid.get((rows, k), ())) for k in keys)
 
-    if have(PIPED) < ROUNDS:
-        return PIPED
-    if have(0) < ROUNDS:
-        return 0
-    return next((k for k in range(1, max_depth + 1) if have(k, piped(k)) < ROUNDS), None)
-
-
-def shapes(sizes: list[int], max_depth: int) -> int:
-    """How many shapes measure() times: per size, plain stretch, plain round, each depth."""
-    return len(sizes) * (max_depth + 2)
+    return next((shape for shape in shapes(max_depth) if have(shape) < ROUNDS), None)
 
 
 def sizes_up_to(most: int) -> list[int]:
@@ -112,8 +108,8 @@ def measure(runner: Runner, most: int, told: Told | None = None, paid: Paid | No
     vocab = runner.trunk.args.vocab_size
     rng = random.Random(seed)
     paid = {} if paid is None else paid
-    sizes = sizes_up_to(most)
-    total, done = shapes(sizes, max_depth), 0
+    sizes, order = sizes_up_to(most), shapes(max_depth)
+    total, done = len(sizes) * len(order), 0
     if told is not None:
         told("start", 0, total)
     for size in sizes:
@@ -128,43 +124,27 @@ def measure(runner: Runner, most: int, told: Told | None = None, paid: Paid | No
             scheduler.step()
             now = policy.wanted(size) if len(scheduler.active) == size else last
             if told is not None and now != last and now is not None:
-                passed = (max_depth + 2) - _left(now, max_depth)
-                told(f"{size} rows, {_name(now)}", done + passed, total)
+                told(f"{size} rows, {_name(now)}", done + order.index(now), total)
             last = now
-        done += max_depth + 2
+        done += len(order)
     if told is not None:
         told("done", total, total)
     return paid
 
 
-def _left(shape: int | None, max_depth: int) -> int:
-    """Shapes of a size still to time when `shape` is the one asked for."""
-    if shape is None:
-        return 0
-    return max_depth + 2 if shape == PIPED else max_depth + 1 - shape
-
-
-def _name(shape: int | None) -> str:
-    if shape is None:
-        return "done"
+def _name(shape: int) -> str:
     return "plain steps" if shape == PIPED else "plain rounds" if shape == 0 else f"depth {shape}"
 
 
 def _path(key: dict[str, Any]) -> Path:
-    name = hashlib.sha256(json.dumps({**key, "kind": "batch"}, sort_keys=True).encode())
-    return cache_dir() / f"{name.hexdigest()[:32]}.batch.json"
+    return cache_file({**key, "kind": "batch"}, ".batch.json")
 
 
 def store(key: dict[str, Any], paid: Paid) -> Path:
-    """Atomically (a temp file renamed over), beside the cost curve of the same key."""
-    path = _path(key)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    doc = {"key": key, "measured": time.strftime("%Y-%m-%dT%H:%M:%S"),
-           "paid": {f"{rows},{shape}": list(times) for (rows, shape), times in paid.items()}}
-    tmp.write_text(json.dumps(doc, indent=1))
-    os.replace(tmp, path)
-    return path
+    """Atomically, beside the cost curve of the same key."""
+    return write_json(_path(key), {
+        "key": key, "measured": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "paid": {f"{rows},{shape}": list(times) for (rows, shape), times in paid.items()}})
 
 
 def stored(key: dict[str, Any]) -> Paid:

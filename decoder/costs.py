@@ -105,15 +105,25 @@ def cache_dir() -> Path:
     return Path(base) / "costs"
 
 
-def _cache_path(key: dict[str, Any]) -> Path:
+def cache_file(key: dict[str, Any], suffix: str = ".json") -> Path:
+    """Where what was measured under `key` is kept (the cost curve; `suffix` for others)."""
     name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
-    return cache_dir() / f"{name}.json"
+    return cache_dir() / f"{name}{suffix}"
+
+
+def write_json(path: Path, doc: Any) -> Path:
+    """Write atomically (a temp file renamed over): concurrent processes never read half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    os.replace(tmp, path)
+    return path
 
 
 def cached(key: dict[str, Any]) -> CostCurve | None:
     """The stored curve of `key`, or None: none, unreadable, another key, or a curve that fails
     the sanity check (one an older version stored unchecked is measured again, not trusted)."""
-    path = _cache_path(key)
+    path = cache_file(key)
     try:
         data = json.loads(path.read_text())
         curve = CostCurve(list(map(float, data["verify"])), float(data["plain"]),
@@ -131,13 +141,7 @@ def cached(key: dict[str, Any]) -> CostCurve | None:
 
 
 def store(curve: CostCurve) -> Path:
-    """Write atomically (a temp file renamed over): concurrent processes never read half."""
-    path = _cache_path(curve.key)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(curve.to_dict(), indent=1))
-    os.replace(tmp, path)
-    return path
+    return write_json(cache_file(curve.key), curve.to_dict())
 
 
 @dataclass

@@ -25,7 +25,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from mtpkit.decoder.costs import cache_dir, versions
+from mtpkit.decoder import kernel_choice
+from mtpkit.decoder.costs import cache_dir
 from mtpkit.decoder.kernel_choice import stderr_line
 
 # every width of a batch's rounds (up to 16 rows x depth 3, 8 x 7); powers of two for prefills
@@ -42,10 +43,9 @@ def layout_of(layer: Any) -> Layout:
 
 
 def _marker(layout: Layout) -> Path:
-    """A file that says this layout was warmed on this device with these versions."""
-    info = mx.device_info() if hasattr(mx, "device_info") else {}
-    key = {"device": str(info.get("device_name", "")), "versions": versions(),
-           "layout": list(layout)}
+    """A file that says this layout was warmed under the kernel choice's key (device, versions,
+    the kernel's source: a changed kernel compiles anew)."""
+    key = {**kernel_choice._key(), "layout": list(layout)}
     name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
     return cache_dir().parent / "warmed" / name
 

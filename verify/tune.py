@@ -5,8 +5,6 @@ generate, serve and tune pass down (the decoder itself prints nothing)."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import statistics
 import sys
 import time
@@ -17,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from mtpkit.decoder.batch_costs import Told
-from mtpkit.decoder.costs import Progress, Tick, cache_dir, cache_key, cached
+from mtpkit.decoder.costs import Progress, Tick, cache_dir, cache_file, cache_key, cached
 from mtpkit.decoder.curve import CostCurve
 from mtpkit.decoder.policy import DepthPolicy
 
@@ -29,10 +27,7 @@ ACCEPTANCE = (0.3, 0.5, 0.7, 0.9)  # a_1 levels the picks are shown at (a_i = a_
 
 def _cache_file(key: dict[str, Any] | None) -> Path | None:
     """The cache file of `key`, named as decoder/costs.py names it (None: not cached)."""
-    if not key:
-        return None
-    name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
-    return cache_dir() / f"{name}.json"
+    return cache_file(key) if key else None
 
 
 def picks(curve: CostCurve, max_depth: int, source: str = "head") -> list[dict[str, Any]]:
