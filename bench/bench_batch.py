@@ -206,6 +206,9 @@ def oracle_bench(args: argparse.Namespace) -> dict:
         runner.batch_costs(most, told=batch_lines())
     plain_runner = Runner(trunk, None, None)
     out: dict[str, Any] = {"curve": runner._costs.to_dict(), "rates": RATES, "streams": {}}
+    if trunk.passes is not None:  # batch pass shapes tune found faster untraced (rows, width)
+        out["untraced"] = sorted(f"{r},{w}" for (r, w), s in trunk.passes.stock_rows.items() if s)
+        print("untraced batch passes:", out["untraced"], flush=True)
     for n in [int(s) for s in args.streams.split(",")]:
         prompts = [[(13 * i + 7 + 101 * s) % vocab for i in range(PROMPT)] for s in range(n)]
         # warm-up, each arm at full length: every traced shape compiled once, and the batch

@@ -10,12 +10,18 @@ still untimed at the batch's size (a plain stretch, a plain round, then every de
 where the batch pipelines them) until each has ROUNDS times, and stores what it recorded beside
 the cost curve (same key: weights, load options, device, versions). Later runners of the bundle
 start from those prices (`Runner.costs`), and go on timing every round as before.
+
+Where the trunk's passes are traced (decoder/traced.py), every shape is timed twice, traced and
+stock: a replay still launches every kernel, and which of the two is faster for B rows x T
+tokens differs by shape and machine (`choose`). The faster one's times are stored, with the
+choice per (rows, width), and runners pass each shape the faster way.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable
@@ -25,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from mtpkit.decoder.batch import Batch
 from mtpkit.decoder.batch_policy import EXPLORE, PIPED, BatchPolicy, piped
+from mtpkit.decoder.caches import is_recurrent
 from mtpkit.decoder.costs import cache_file, write_json
 from mtpkit.decoder.policy import MIN_OBSERVED, WINDOW
 from mtpkit.decoder.scheduler import Request, Scheduler
@@ -33,9 +40,11 @@ if TYPE_CHECKING:
     from mtpkit.decoder.runner import Runner
 
 ROUNDS = MIN_OBSERVED + 2  # times per shape: the first may have compiled something (a GPU)
+MARGIN = 0.95  # the stock pass takes a shape only where its rounds cost under 0.95x traced ones
 MAX_TOKENS = 100_000  # the requests never end by length: the timing policy ends the run
 
 Paid = dict[tuple[int, int], deque]
+Stock = dict[tuple[int, int], bool]  # (rows, width) -> the stock pass is the faster one
 Told = Callable[[str, int, int], None]  # (what, shapes done, shapes in all)
 
 
@@ -99,19 +108,46 @@ def sizes_up_to(most: int) -> list[int]:
 
 
 def measure(runner: Runner, most: int, told: Told | None = None, paid: Paid | None = None,
-            seed: int = 0) -> Paid:
+            seed: int = 0, stock: Stock | None = None) -> Paid:
     """Round times by (rows, shape) at every size of sizes_up_to(most), through the real
     engine, into `paid` (so an interrupted run leaves what it timed there); depths up to
-    EXPLORE (deeper ones the policy extends, then times as it runs)."""
+    EXPLORE (deeper ones the policy extends, then times as it runs). A traced trunk's shapes
+    are then timed stock too: `stock` gets the choice, `paid` the faster way's times."""
+    passes = runner.trunk.passes
+    if passes is not None and any(is_recurrent(c) for c in runner.trunk.make_cache()):
+        passes = None  # recurrent layers' batch passes are never traced: nothing to compare
+    sizes, order = sizes_up_to(most), shapes(deepest(runner))
+    total = len(sizes) * len(order) * (2 if passes is not None else 1)
+    paid = {} if paid is None else paid
+    if told is not None:
+        told("start", 0, total)
+    _time(runner, sizes, paid, told, 0, total, seed)
+    if passes is not None:
+        untraced: Paid = {}
+        passes.stock_everywhere = True
+        try:
+            _time(runner, sizes, untraced, told, total // 2, total, seed, " untraced")
+        finally:
+            passes.stock_everywhere = False
+        chosen = choose(paid, untraced)
+        paid.update({key: times for key, times in untraced.items()
+                     if chosen.get((key[0], width(key[1])))})
+        if stock is not None:
+            stock.update(chosen)
+        passes.stock_rows = chosen
+    if told is not None:
+        told("done", total, total)
+    return paid
+
+
+def _time(runner: Runner, sizes: list[int], paid: Paid, told: Told | None, done: int,
+          total: int, seed: int, how: str = "") -> None:
+    """Every shape at every size, through a Scheduler driven by the timing policy."""
     curve = runner.costs()
     max_depth = deepest(runner)
     vocab = runner.trunk.args.vocab_size
     rng = random.Random(seed)
-    paid = {} if paid is None else paid
-    sizes, order = sizes_up_to(most), shapes(max_depth)
-    total, done = len(sizes) * len(order), 0
-    if told is not None:
-        told("start", 0, total)
+    order = shapes(max_depth)
     for size in sizes:
         policy = _Timing(curve, max_depth, paid=paid, size=size)
         scheduler = Scheduler(Batch(runner.trunk, runner.head), size, paid, solo=False)
@@ -124,12 +160,28 @@ def measure(runner: Runner, most: int, told: Told | None = None, paid: Paid | No
             scheduler.step()
             now = policy.wanted(size) if len(scheduler.active) == size else last
             if told is not None and now != last and now is not None:
-                told(f"{size} rows, {_name(now)}", done + order.index(now), total)
+                told(f"{size} rows, {_name(now)}{how}", done + order.index(now), total)
             last = now
         done += len(order)
-    if told is not None:
-        told("done", total, total)
-    return paid
+
+
+def width(shape: int) -> int:
+    """The positions per row of a pass of `shape` (plain: 1; depth K, pipelined or not: K+1)."""
+    return 1 if shape in (PIPED, 0) else shape + 1 if shape > 0 else -shape
+
+
+def choose(traced: Paid, stock: Paid, margin: float = MARGIN) -> Stock:
+    """Per (rows, width) timed both ways: whether the stock passes' shapes of that width
+    (plain steps and rounds share width 1) cost under `margin` x the traced ones in sum of
+    medians (near a tie tracing stays)."""
+    sums: dict[tuple[int, int], list[float]] = {}
+    for (rows, shape), times in traced.items():
+        other = stock.get((rows, shape))
+        if times and other:
+            both = sums.setdefault((rows, width(shape)), [0.0, 0.0])
+            both[0] += statistics.median(times)
+            both[1] += statistics.median(other)
+    return {key: s < margin * t for key, (t, s) in sums.items()}
 
 
 def _name(shape: int) -> str:
@@ -140,26 +192,55 @@ def _path(key: dict[str, Any]) -> Path:
     return cache_file({**key, "kind": "batch"}, ".batch.json")
 
 
-def store(key: dict[str, Any], paid: Paid) -> Path:
+def store(key: dict[str, Any], paid: Paid, stock: Stock | None = None) -> Path:
     """Atomically, beside the cost curve of the same key."""
     return write_json(_path(key), {
         "key": key, "measured": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "paid": {f"{rows},{shape}": list(times) for (rows, shape), times in paid.items()}})
+        "paid": {f"{rows},{shape}": list(times) for (rows, shape), times in paid.items()},
+        "stock": {f"{rows},{w}": bool(faster) for (rows, w), faster in (stock or {}).items()}})
+
+
+def _doc(key: dict[str, Any]) -> dict[str, Any]:
+    """The store for `key`; {} for none, unreadable or another key's."""
+    try:
+        doc = json.loads(_path(key).read_text())
+        return doc if isinstance(doc, dict) and doc.get("key") == key else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _pairs(table: Any, value: Callable[[Any], Any]) -> dict[tuple[int, int], Any]:
+    """{"a,b": v} as {(a, b): value(v)}, a >= 1; raises on anything else."""
+    out = {}
+    for name, v in table.items():
+        a, b = (int(part) for part in name.split(","))
+        if a < 1:
+            raise ValueError(name)
+        out[(a, b)] = value(v)
+    return out
 
 
 def stored(key: dict[str, Any]) -> Paid:
     """The round times stored for `key`; {} for none, unreadable or another key's."""
+    def times(values: Any) -> deque:
+        out = [float(t) for t in values]
+        if not all(0 < t < 3600 for t in out):
+            raise ValueError(values)
+        return deque(out, maxlen=WINDOW)
     try:
-        doc = json.loads(_path(key).read_text())
-        if doc["key"] != key:
-            return {}
-        out: Paid = {}
-        for name, times in doc["paid"].items():
-            rows, shape = (int(part) for part in name.split(","))
-            values = [float(t) for t in times]
-            if rows < 1 or not all(0 < t < 3600 for t in values):
-                return {}
-            out[(rows, shape)] = deque(values, maxlen=WINDOW)
-        return out
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return _pairs(_doc(key).get("paid", {}), times)
+    except (ValueError, TypeError, AttributeError):
+        return {}
+
+
+def stored_stock(key: dict[str, Any]) -> Stock:
+    """Which batch pass shapes were timed faster untraced for `key`; {} for none (a store
+    from before the comparison, or one interrupted during it: every shape stays traced)."""
+    def flag(v: Any) -> bool:
+        if not isinstance(v, bool):
+            raise TypeError(v)
+        return v
+    try:
+        return _pairs(_doc(key).get("stock", {}), flag)
+    except (ValueError, TypeError, AttributeError):
         return {}

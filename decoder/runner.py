@@ -152,7 +152,13 @@ class Runner:
             self.batch_paid.clear()  # (in place: schedulers made before share it)
             if self._costs.key:  # a bundle's: what `tune --batch` timed, as the first prices
                 self.batch_paid.update(batch_costs.stored(self._costs.key))
+                self._stock(batch_costs.stored_stock(self._costs.key))
         return self._costs
+
+    def _stock(self, stock: batch_costs.Stock) -> None:
+        """A traced trunk's batch passes go stock where tune timed that faster."""
+        if self.trunk.passes is not None:
+            self.trunk.passes.stock_rows = dict(stock)
 
     def batch_costs(self, most: int, refresh: bool = False,
                     told: batch_costs.Told | None = None) -> tuple[batch_costs.Paid, bool]:
@@ -164,17 +170,19 @@ class Runner:
         found = batch_costs.stored(key) if key and not refresh else {}
         complete = all(batch_costs.missing(found, size, batch_costs.deepest(self)) is None
                        for size in batch_costs.sizes_up_to(most))
+        stock: batch_costs.Stock = batch_costs.stored_stock(key) if found else {}
         if complete or self.head is None:
             paid, timed = found, False
         else:
-            paid, timed = {}, True
+            paid, timed, stock = {}, True, {}
             try:
-                batch_costs.measure(self, most, told, paid)
+                batch_costs.measure(self, most, told, paid, stock=stock)
             finally:  # Ctrl-C keeps the shapes timed so far (a later tune times the rest)
                 if key and paid:
-                    batch_costs.store(key, paid)
+                    batch_costs.store(key, paid, stock)
         self.batch_paid.clear()
         self.batch_paid.update(paid)
+        self._stock(stock)
         return paid, timed
 
     def draft_source(self, depth: Depth, draft: str | None) -> Source:

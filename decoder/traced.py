@@ -110,6 +110,12 @@ class TracedPasses:
                      for record in (False, True)}
         self._rows = mx.compile(self._forward_rows)
         self.rows_broken = False
+        # (rows, width) -> whether a batch's pass of that shape is faster untraced here. A
+        # replay still launches every kernel, and on an H200 8-row plain steps cost 19.8 ms
+        # pipelined traced against 17.5 stock, while 2 rows at width 2 cost 9.1 against 11.9:
+        # so it is timed, not assumed (decoder/batch_costs.py). Untimed shapes stay traced.
+        self.stock_rows: dict[tuple[int, int], bool] = {}
+        self.stock_everywhere = False  # (while that timing times the stock passes)
         self._layout: list[int] = []  # per cache: 0 for attention, else its state count
         self._slots: list[int] = []  # per recorder: its cache's index among the recurrent ones
 
@@ -189,13 +195,24 @@ class TracedPasses:
         hidden, logits = self.trunk.forward(tokens, caches)
         return (hidden, logits, *[a for c in caches for a in (c.keys, c.values)])
 
+    def prefers_stock(self, rows: int, width: int) -> bool:
+        """Whether a batch's pass of `rows` x `width` tokens goes untraced: as timed at the
+        nearest batch size timed at that width (the larger on a tie)."""
+        if self.stock_everywhere:
+            return True
+        timed = [r for r, w in self.stock_rows if w == width]
+        if not timed:
+            return False
+        return self.stock_rows[(min(timed, key=lambda r: (abs(r - rows), -r)), width)]
+
     def run_rows(self, tokens: mx.array, cache: list[Any], holes: Any
                  ) -> tuple[mx.array, mx.array] | None:
         """A batch's verify pass (tokens (B, T)) traced: (hidden, logits) of every row, the
         buffers written and advanced by T (offsets and holes are the batch's to settle);
         None where the caches are not all a batch's attention caches (recurrent layers step
-        their recording outside a trace)."""
-        if (self.rows_broken or not cache or not all(type(c) is RowKVCache for c in cache)
+        their recording outside a trace) or the stock pass was timed faster for this shape."""
+        if (self.rows_broken or self.prefers_stock(*tokens.shape[:2]) or not cache
+                or not all(type(c) is RowKVCache for c in cache)
                 or any(c.keys is None for c in cache)
                 or len({(c._idx, c.keys.shape[2]) for c in cache}) != 1):
             return None

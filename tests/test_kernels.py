@@ -238,7 +238,9 @@ def test_warm_up_runs_every_row_count_once_per_layout(
     assert sorted(took) == [(4, 64, "affine", "float32"), (8, 64, "affine", "float32")]
     smallest4 = twins[1].weight.shape[0] * twins[1].weight.shape[1]
     assert sorted(ran) == sorted([(4, smallest4)] * 4 + [(8, eight.weight.size)] * 4)
-    assert len(said) == 2 and all("first time on this machine" in line for line in said)
+    banners = [line for line in said if "first time on this machine" in line]
+    assert len(banners) == 2, said  # (a GPU also says each product that really compiled)
+    assert all(" product in " in line for line in said if line not in banners)
 
     ran.clear()
     monkeypatch.setattr(jit_warmup, "SLOW_S", -1.0)  # every product "compiled something"

@@ -19,6 +19,7 @@ from mtpkit.cli import main
 from mtpkit.decoder import costs
 from mtpkit.decoder.curve import CONTEXT, PAD_GAIN, CostCurve, breaks
 from mtpkit.schemas import validate
+from mtpkit.verify.tune import _batch_text
 
 ROW = re.compile(r"^\s+(\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(\d+)$")
 
@@ -166,7 +167,7 @@ def test_tune_times_batched_rounds_and_runners_start_from_them(built: Callable[.
     beside the curve, and a later runner's batch policy starts from those prices (no
     exploration rounds); the second call reads them."""
     from mtpkit.decoder import batch_costs
-    from mtpkit.decoder.batch_policy import PIPED, BatchPolicy
+    from mtpkit.decoder.batch_policy import PIPED, BatchPolicy, piped
     from mtpkit.decoder.runner import load
     from mtpkit.verify.tune import batch_summary
 
@@ -181,8 +182,9 @@ def test_tune_times_batched_rounds_and_runners_start_from_them(built: Callable[.
     assert batch["measured"] is False and batch["max_batch"] == 3 and batch["head"] is True
     deepest = min(doc["max_depth"], 3)
     for rows in (2, 3):
-        for shape in (-1, 0, *range(1, deepest + 1)):
-            assert f"{rows},{shape}" in batch["round_ms"], (rows, shape, batch["round_ms"])
+        for shape in (PIPED, 0, *range(1, deepest + 1)):  # a depth pipelined where it can be
+            keys = {f"{rows},{shape}", f"{rows},{piped(shape)}"}
+            assert keys & set(batch["round_ms"]), (rows, shape, batch["round_ms"])
 
     runner = load(bundle)
     curve = runner.costs()
@@ -212,7 +214,7 @@ def test_an_interrupted_batch_timing_keeps_what_it_timed(built: Callable[..., Pa
     from mtpkit.decoder import batch_costs
     from mtpkit.decoder.runner import load
 
-    def interrupted(runner: Any, most: int, told: Any, paid: dict) -> dict:
+    def interrupted(runner: Any, most: int, told: Any, paid: dict, **_: Any) -> dict:
         paid[(2, -1)] = deque([0.01, 0.011, 0.012])
         raise KeyboardInterrupt
 
@@ -228,3 +230,109 @@ def test_an_interrupted_batch_timing_keeps_what_it_timed(built: Callable[..., Pa
     paid, timed = runner.batch_costs(2)
     assert timed and (2, 0) in paid and len(paid[(2, -1)]) > 3, "timed again, not trusted"
     assert runner.batch_costs(2)[1] is False, "now complete: read back"
+
+
+def test_choose_takes_the_stock_pass_only_where_it_is_clearly_faster(
+        built: Callable[..., Path]) -> None:
+    """Per (rows, width), plain steps and plain rounds together: the stock pass wins only
+    under MARGIN x the traced time; a traced trunk then passes that shape untraced, and an
+    untimed size borrows the nearest timed size's choice (the larger on a tie)."""
+    from collections import deque
+
+    from mtpkit.decoder import batch_costs
+    from mtpkit.decoder.batch_policy import PIPED, piped
+    from mtpkit.decoder.runner import load
+
+    assert [batch_costs.width(s) for s in (PIPED, 0, 1, 3, piped(1), piped(3))] == \
+        [1, 1, 2, 4, 2, 4]
+    ms = batch_costs.MARGIN
+
+    def times(t: float) -> deque:
+        return deque([t, t, 9.0 * t])  # a compile-slowed round: the median ignores it
+    traced = {(8, PIPED): times(0.020), (8, 0): times(0.030), (8, 1): times(0.020),
+              (8, piped(1)): times(0.018), (2, PIPED): times(0.010), (2, 2): times(0.010)}
+    stock = {(8, PIPED): times(0.016), (8, 0): times(0.030), (8, 1): times(0.020),
+             (8, piped(1)): times(0.018 * ms * 1.01), (2, PIPED): times(0.012),
+             (2, 2): times(0.010 * ms * 0.99)}
+    chosen = batch_costs.choose(traced, stock)
+    assert chosen == {(8, 1): True, (8, 2): False, (2, 1): False, (2, 3): True}
+
+    passes = load(built("llama")).trunk
+    passes.use_traced()
+    assert passes.passes is not None
+    passes.passes.stock_rows = chosen
+    want = {(8, 1): True, (6, 1): True, (5, 1): True, (4, 1): False, (2, 1): False,
+            (16, 1): True, (8, 2): False, (3, 3): True, (8, 4): False}
+    assert {k: passes.passes.prefers_stock(*k) for k in want} == want
+    passes.passes.stock_everywhere = True
+    assert passes.passes.prefers_stock(8, 4)
+
+
+def test_a_traced_trunk_times_its_batch_passes_both_ways_and_keeps_the_faster(
+        built: Callable[..., Path], cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`tune --max-batch` on a traced trunk times every shape traced, then untraced; the
+    stored prices of a shape whose width went stock are the untraced times, the choice is
+    stored and read back by a later runner, and its batch then passes those shapes untraced
+    (the traced function is never called for them) with the same tokens."""
+    from mtpkit.decoder import batch_costs
+    from mtpkit.decoder.batch_policy import PIPED
+    from mtpkit.decoder.runner import load
+
+    bundle = built("mimo")
+    runner = load(bundle)
+    runner.trunk.use_traced()
+    ways: list[dict] = []
+    real_time, real_choose = batch_costs._time, batch_costs.choose
+
+    def timing(runner: Any, sizes: list[int], paid: dict, *args: Any) -> None:
+        ways.append(paid)
+        real_time(runner, sizes, paid, *args)
+
+    def chosen(traced: dict, stock: dict) -> dict:
+        real = real_choose(traced, stock)
+        assert (2, 1) in real and set(real) <= {(2, w) for w in range(1, 5)}, real
+        return {**{k: False for k in real}, (2, 1): True}  # plain passes stock, the rest traced
+    monkeypatch.setattr(batch_costs, "_time", timing)
+    monkeypatch.setattr(batch_costs, "choose", chosen)
+    lines: list[tuple[str, int, int]] = []
+    paid, timed = runner.batch_costs(2, told=lambda *a: lines.append(a))
+    assert timed and len(ways) == 2
+    traced, untraced = ways
+    assert paid is traced
+    assert list(paid[(2, PIPED)]) == list(untraced[(2, PIPED)])
+    assert list(paid[(2, 0)]) == list(untraced[(2, 0)])
+    assert list(paid[(2, 1)]) != list(untraced[(2, 1)])
+    assert any(what.endswith("untraced") for what, _, _ in lines)
+    assert lines[-1][1] == lines[-1][2] == 2 * len(batch_costs.shapes(batch_costs.deepest(runner)))
+    key = runner.costs().key
+    assert batch_costs.stored_stock(key) == runner.trunk.passes.stock_rows
+    assert runner.trunk.passes.stock_rows[(2, 1)] is True
+
+    later = load(bundle)
+    later.trunk.use_traced()
+    later.costs()
+    assert later.trunk.passes.stock_rows == runner.trunk.passes.stock_rows
+    calls: list[tuple[int, ...]] = []
+    real_rows = later.trunk.passes._rows
+
+    def spy(tokens: Any, *args: Any) -> Any:
+        calls.append(tuple(tokens.shape))
+        return real_rows(tokens, *args)
+    later.trunk.passes._rows = spy
+    prompts = [[5, 6, 7, 8, 9], [3, 4, 5]]
+    stocked = [r.tokens for _, r in _results(later.stream_batch(prompts, 6, depth=0))]
+    assert calls == [], "plain passes of 2 rows went untraced"
+    later.trunk.passes.stock_rows = {}
+    traced_out = [r.tokens for _, r in _results(later.stream_batch(prompts, 6, depth=0))]
+    assert (2, 1) in calls and traced_out == stocked
+
+    doc = _json(bundle, "--max-batch", "2")  # the CLI's runner is not traced on a CPU
+    assert "untraced" not in doc["batch"]
+    doc["batch"]["untraced"] = ["2,1"]
+    validate(doc, "tune")
+    text = "\n".join(_batch_text(doc["batch"]))
+    assert "passes faster untraced than traced here (run so): 2 rows x 1" in text
+
+
+def _results(pieces: Any) -> list[tuple[int, Any]]:
+    return sorted((i, p.result) for i, p in pieces if p.result is not None)

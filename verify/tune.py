@@ -67,6 +67,9 @@ def report(runner: Runner, bundle: str, refresh: bool = False,
         doc["batch"] = {"max_batch": batch, "measured": timed, "head": runner.head is not None,
                         "round_ms": {f"{rows},{shape}": round(1000 * statistics.median(t), 3)
                                      for (rows, shape), t in sorted(paid.items()) if t}}
+        if runner.trunk.passes is not None:
+            doc["batch"]["untraced"] = [f"{rows},{w}" for (rows, w), stock
+                                        in sorted(runner.trunk.passes.stock_rows.items()) if stock]
     return doc
 
 
@@ -238,6 +241,10 @@ def _batch_text(batch: dict[str, Any]) -> list[str]:
             return "-" if found is None else f"{found:.2f}"
         cells = "".join(f"{cell(-1 - k, k):>10}" for k in depths)
         lines.append(f"    {rows:>4}  {cell(-1):>10}  {cell(0):>11}{cells}")
+    if "untraced" in batch:
+        faster = ", ".join(f"{r} rows x {w}" for r, w in
+                           (name.split(",") for name in batch["untraced"])) or "none"
+        lines.append(f"    passes faster untraced than traced here (run so): {faster}")
     return lines
 
 
