@@ -57,6 +57,9 @@ def overlaps() -> bool:
     return mx.default_device().type == mx.DeviceType.gpu
 
 
+STAGES = 8  # pieces a synchronous round's pass is evaluated in, `between` after each
+
+
 def _padded(a: mx.array, width: int) -> mx.array:
     """(1, n, ...) right-padded with zeros to (1, width, ...)."""
     extra = width - a.shape[1]
@@ -69,10 +72,13 @@ class Batch:
     """The caches of every active row and the passes over them. Rows are sessions, in the
     order they joined (minus those that left)."""
 
-    def __init__(self, trunk: Trunk, head: MTPHead | None, bounded: bool | None = None) -> None:
+    def __init__(self, trunk: Trunk, head: MTPHead | None, bounded: bool | None = None,
+                 between: Callable[[], None] | None = None) -> None:
         """bounded: attention shapes from a bounded set (default: where a GPU compiles each
-        shape, decoder/shapes.py)."""
+        shape, decoder/shapes.py). between: run between the stages of a synchronous round's
+        pass (`_staged`)."""
         self.trunk, self.head = trunk, head
+        self.between = between
         self.bounded = bounded_by_default() if bounded is None else bounded
         self.pipelined = overlaps()  # steps and rounds may run pipelined (a GPU)
         self.rows: list[Session] = []
@@ -131,7 +137,7 @@ class Batch:
         stay = [i for i in range(len(self.rows)) if i not in gone]
         heads = [sum(self.headed[:i]) for i in stay if self.headed[i]]
         if not stay:
-            self.__init__(self.trunk, self.head, self.bounded)  # type: ignore[misc]
+            self.__init__(self.trunk, self.head, self.bounded, self.between)  # type: ignore[misc]
             return
         assert self.cache is not None
         keep_rows(self.cache, stay, self.holes)
@@ -155,7 +161,7 @@ class Batch:
             assert self.head is not None and self.mtp_cache is not None
             session.mtp_cache = _alone(self.mtp_cache, self.mtp_holes,
                                        self.head.make_cache(session.bounded))
-        self.__init__(self.trunk, self.head, self.bounded)  # type: ignore[misc]
+        self.__init__(self.trunk, self.head, self.bounded, self.between)  # type: ignore[misc]
         return session
 
     def _arrays(self) -> list[mx.array]:
@@ -176,6 +182,7 @@ class Batch:
         width = max(d.depth + 1 for d in drafts)
         verify = mx.concatenate([widened(d.tokens, width) for d in drafts])
         hidden, logits = self._pass(verify, mx.array([d.depth + 1 for d in drafts]), width)
+        self._staged()
         verdicts = self._judged(verify, logits, drafts, mx.array([d.depth for d in drafts]))
         # the round's one host read: every row's drafts, kept count and emitted token
         committed, kept = self._read(_verdicts(verify, verdicts).tolist(), width)
@@ -189,6 +196,22 @@ class Batch:
                 committed[b], draft.depth, kept[b], draft.source, draft.drafted, draft.match,
                 paid, width, owed[b])))
         return outcomes
+
+    def _staged(self) -> None:
+        """The pass just built, evaluated in STAGES pieces (up to each piece's last attention
+        layer's keys: every layer before it runs), `between` after each. A request that
+        arrives during a synchronous round is then prefilled and sent its first token after
+        one piece, not after the whole round (on a CPU a round of 3 rows costs about 150 ms of
+        SmolLM2). The same ops run in the same order: nothing a row computes changes. Only
+        stock passes stage (a traced one is one replay; on a GPU rounds are short)."""
+        fed = [c for c in self.cache or [] if isinstance(c, RowKVCache) and c.fed is not None]
+        if self.between is not None and fed:
+            every = max(1, len(fed) // STAGES)
+            for c in fed[every - 1::every]:
+                mx.eval(c.fed)
+                self.between()
+        for c in fed:
+            c.fed = None
 
     def spec_rounds(self, depth: int, count: int, stop: Callable[[], bool] | None = None,
                     done: Callable[[int], bool] | None = None) -> Iterator[list[RoundOutcome]]:
@@ -282,6 +305,9 @@ class Batch:
         """One trunk pass over every row's `width` tokens, row b's first real[b] real (the
         rest pad it): (hidden, logits), traced where the caches allow (decoder/traced.py)."""
         self.holes.open(real, width)
+        for c in self.cache or []:
+            if isinstance(c, RowKVCache):
+                c.fed = None  # (set again by a stock pass: what `_staged` evaluates)
         passes = self.trunk.passes
         traced = passes.run_rows(tokens, self.cache, self.holes) if passes is not None else None
         return traced or recorded(self.trunk.recorders, True,

@@ -82,6 +82,7 @@ class RowKVCache(BatchKVCache):
     def __init__(self, holes: Holes, bounded: bool = False) -> None:
         super().__init__([])
         self.holes, self.bounded = holes, bounded
+        self.fed: mx.array | None = None  # the last pass's new keys (Batch stages on them)
 
     @classmethod
     def of(cls, single: KVCache, holes: Holes, bounded: bool = False) -> RowKVCache:
@@ -110,6 +111,7 @@ class RowKVCache(BatchKVCache):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         start, end = self._idx, self._idx + keys.shape[2]
+        self.fed = keys
         view = self.reserve(end, keys, values)
         self.keys[..., start:end, :] = keys
         self.values[..., start:end, :] = values

@@ -3,7 +3,10 @@ when done, cancelled or disconnected (decoder/batch.py runs the passes).
 
 A joining request is prefilled alone (a Session: prefix cache, chunks, first token), in chunks
 between the others' rounds: one chunk per round, so a long prompt stalls the batch for no more
-than one chunk at a time. Each round every row asks for its draft: at a fixed depth as a lone
+than one chunk at a time. Where rounds are synchronous (a CPU) and a server takes arrivals
+mid-round (`arrivals`, `early`), that chunk may run between the stages of a round's pass
+(Batch._staged): a request that arrives during a round waits for one stage, not the round.
+Each round every row asks for its draft: at a fixed depth as a lone
 session would (context drafts where its text offers some, else the head's, else a plain step);
 under `--depth auto` from its own acceptance trackers, with the batch's depth chosen by
 decoder/batch_policy.py from what a pass of this many rows and positions costs here.
@@ -90,6 +93,13 @@ class Scheduler:
         self.stretch: Iterator[tuple[list[int], float]] | None = None  # pipelined plain steps
         self.entering: list[Request] = []  # first token sent; join the batch next step
         self.spec: Iterator[list[RoundOutcome]] | None = None  # pipelined speculative rounds
+        # mid-round joins (a server's): `arrivals()` queues what arrived since (add), `early`
+        # sends the events a prefill between a round's stages made; one fill per step
+        self.arrivals: Callable[[], None] | None = None
+        self.early: Callable[[list[Event]], None] | None = None
+        self._filled = False
+        if not batch.pipelined:
+            batch.between = self._between
 
     def add(self, request: Request) -> None:
         """Queue a request (prepared by Runner.prepare); the first under auto brings the batch
@@ -112,6 +122,7 @@ class Scheduler:
             self.batch.join(request.session)
             self.active.append(request)
         self.entering = []
+        self._filled = False
         if self.solo is not None:
             return self._solo_step()
         if self.stretch is not None and (events := self._stretch_step()) is not None:
@@ -171,8 +182,23 @@ class Scheduler:
 
     # -- joining ----------------------------------------------------------------------------
 
+    def _between(self) -> None:
+        """Between the stages of a synchronous round's pass: what arrived is queued and, once
+        a step, a waiting request's next prefill chunk runs; a first token goes out at once
+        (`early`) and its request joins the batch next step. Nothing the round's rows
+        compute depends on it (its own caches, sessions and draws)."""
+        if self.early is None or self._filled:
+            return
+        if self.arrivals is not None:
+            self.arrivals()
+        if self.filling is not None or self.waiting:
+            events = self._fill()
+            if events:
+                self.early(events)
+
     def _fill(self) -> list[Event]:
-        if self.filling is None and self.waiting and len(self.active) < self.max_batch:
+        if (self.filling is None and self.waiting
+                and len(self.active) + len(self.entering) < self.max_batch):
             if (len(self.waiting) > 1 and prefill_pays()
                     and len(together := self._together()) > 1):
                 return self._prefill_together(together)
@@ -180,6 +206,7 @@ class Scheduler:
             self.filling = (request, request.session.start_chunks(request.ids))
         if self.filling is None:
             return []
+        self._filled = True
         request, chunks = self.filling
         try:
             first = next(chunks)
@@ -210,6 +237,7 @@ class Scheduler:
         batch next step."""
         for _ in requests:
             self.waiting.popleft()
+        self._filled = True
         firsts = prefill_together([r.session for r in requests], [r.ids for r in requests])
         mx.reset_peak_memory()
         events = []

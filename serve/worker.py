@@ -14,6 +14,7 @@ and older ("terminate called without an active exception").
 
 from __future__ import annotations
 
+import functools
 import math
 import queue
 import threading
@@ -292,19 +293,10 @@ class Worker:
         """Decode the submitted generations together until stop() (decoder/scheduler.py): each
         round every running one commits its tokens, whose deltas go to its channel."""
         assert self.batcher is not None
-        scheduler = self.batcher()
         live: dict[int, tuple[Ticket, Shape]] = {}
+        scheduler = self._scheduler(live)
         while (joining := self._admit(bool(live))) is not None:
-            for ticket in joining:
-                try:
-                    assert ticket.join is not None
-                    request, shape = ticket.join()
-                except Exception as exc:  # answered as its own request would answer it
-                    ticket.channel.put(exc)
-                    ticket._end()
-                    continue
-                scheduler.add(request)
-                live[id(request)] = (ticket, shape)
+            self._join(scheduler, live, joining)
             if not live:
                 continue
             try:
@@ -315,16 +307,49 @@ class Worker:
                     ticket._end()
                 if not isinstance(exc, Exception):
                     raise
-                live, scheduler = {}, self.batcher()
+                live.clear()
+                scheduler = self._scheduler(live)
                 continue
             if scheduler.rows and self.on_pass is not None:
                 self.on_pass(scheduler.rows)
-            for event in events:
-                ticket, shape = live[id(event.request)]
-                for delta in shape(event):
-                    cut = delta.result is not None and ticket in self.cuts
-                    ticket.channel.put(stopping() if cut else delta)
-                if event.done:
-                    ticket.channel.put(END)
-                    ticket._end()
-                    del live[id(event.request)]
+            self._send(live, events)
+
+    def _scheduler(self, live: dict[int, tuple[Ticket, Shape]]) -> Scheduler:
+        """A fresh scheduler that takes arrivals mid-round too (between the stages of a
+        synchronous round's pass: a CPU) and sends the first tokens it makes there at once."""
+        assert self.batcher is not None
+        scheduler = self.batcher()
+
+        def arrivals() -> None:
+            if joining := self._admit(True):
+                self._join(scheduler, live, joining)
+        scheduler.arrivals = arrivals
+        scheduler.early = functools.partial(self._send, live)
+        return scheduler
+
+    def _join(self, scheduler: Scheduler, live: dict[int, tuple[Ticket, Shape]],
+              joining: list[Ticket]) -> None:
+        """Admitted tickets become the scheduler's requests (one that cannot is answered as
+        its own request would answer it)."""
+        for ticket in joining:
+            try:
+                assert ticket.join is not None
+                request, shape = ticket.join()
+            except Exception as exc:
+                ticket.channel.put(exc)
+                ticket._end()
+                continue
+            scheduler.add(request)
+            live[id(request)] = (ticket, shape)
+
+    def _send(self, live: dict[int, tuple[Ticket, Shape]], events: list[Event]) -> None:
+        """Each event's deltas to its ticket's channel; a finished one's END."""
+        for event in events:
+            ticket, shape = live[id(event.request)]
+            for delta in shape(event):
+                cut = delta.result is not None and ticket in self.cuts
+                ticket.channel.put(stopping() if cut else delta)
+            if event.done:
+                ticket.channel.put(END)
+                ticket._end()
+                del live[id(event.request)]

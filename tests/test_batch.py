@@ -804,3 +804,53 @@ def test_the_policy_is_told_whether_a_depth_would_run_pipelined(
     monkeypatch.setattr(BatchPolicy, "depth", spy)
     oracle.generate_batch(prompts, each=[{"depth": "auto", "draft": draft, "max_tokens": 24}] * 2)
     assert told == want
+
+
+@pytest.mark.parametrize("family", ["mimo", "qwen3_5"])
+def test_a_request_arriving_mid_round_is_prefilled_between_the_rounds_stages(
+        runners: Callable[[str], Runner], family: str) -> None:
+    """Where rounds are synchronous (a CPU), a server's arrivals are taken between the stages
+    of a round's pass: the first to arrive is prefilled there and its first token sent at once
+    (`early`), while the round is still in flight; one fill a step, so a second arrival waits
+    for the next step's. Every row, the late ones included, decodes exactly as alone."""
+    from mtpkit.decoder.batch import Batch
+    from mtpkit.decoder.batch_cache import RowKVCache
+    from mtpkit.decoder.scheduler import Event, Scheduler
+
+    runner = runners(family)
+    prompts = [PROMPTS[0], PROMPTS[3], REPEAT * 3, PROMPTS[4], [9, 8, 7, 6]]
+    each = [{"depth": 2, "max_tokens": 30}, {"depth": 3, "max_tokens": 30},
+            {"depth": 3, "draft": "lookup", "max_tokens": 30}, {"depth": 2, "max_tokens": 12},
+            {"depth": 0, "max_tokens": 8}]
+    alone = _alone(runner, prompts, each)
+    batch = Batch(runner.trunk, runner.head)
+    assert not batch.pipelined
+    scheduler = Scheduler(batch, 5, runner.batch_paid, solo=False)
+    requests = [runner.prepare(p, **e) for p, e in zip(prompts, each, strict=True)]
+    for request in requests[:3]:
+        scheduler.add(request)
+    while len(scheduler.active) < 3:
+        scheduler.step()
+    late = requests[3:]
+    arrived: list[bool] = []  # whether the round's pass was in flight at each call
+    early: list[Event] = []
+
+    def arrivals() -> None:
+        arrived.append(any(isinstance(c, RowKVCache) and c.fed is not None
+                           for c in batch.cache or []))
+        if len(arrived) == 1:
+            for request in late:
+                scheduler.add(request)
+    scheduler.arrivals, scheduler.early = arrivals, early.extend
+    events = scheduler.step()
+    assert arrived and all(arrived), "asked only while a round's pass was in flight"
+    assert [e.request for e in early] == [late[0]] and len(early[0].tokens) == 1
+    assert sorted(id(e.request) for e in events) == sorted(map(id, requests[:3])), \
+        "the round went on and finished"
+    assert late[1].first_at is None and list(scheduler.waiting) == [late[1]]
+    events = scheduler.step()  # late[0] joins; late[1]'s prefill opens this step, as before
+    assert any(r is late[0] for r in scheduler.active) and len(early) == 1
+    assert [e.request for e in events] == [late[1]] and len(events[0].tokens) == 1
+    while scheduler:
+        scheduler.step()
+    assert [r.tokens for r in requests] == [a.tokens for a in alone]
