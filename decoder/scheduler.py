@@ -4,7 +4,7 @@ when done, cancelled or disconnected (decoder/batch.py runs the passes).
 A joining request is prefilled alone (a Session: prefix cache, chunks, first token), in chunks
 between the others' rounds: one chunk per round, so a long prompt stalls the batch for no more
 than one chunk at a time. Where rounds are synchronous (a CPU) and a server takes arrivals
-mid-round (`arrivals`, `early`), that chunk may run between the stages of a round's pass
+mid-round (`take_arrivals`), that chunk may run between the stages of a round's pass
 (Batch._staged): a request that arrives during a round waits for one stage, not the round.
 Each round every row asks for its draft: at a fixed depth as a lone
 session would (context drafts where its text offers some, else the head's, else a plain step);
@@ -93,13 +93,9 @@ class Scheduler:
         self.stretch: Iterator[tuple[list[int], float]] | None = None  # pipelined plain steps
         self.entering: list[Request] = []  # first token sent; join the batch next step
         self.spec: Iterator[list[RoundOutcome]] | None = None  # pipelined speculative rounds
-        # mid-round joins (a server's): `arrivals()` queues what arrived since (add), `early`
-        # sends the events a prefill between a round's stages made; one fill per step
-        self.arrivals: Callable[[], None] | None = None
+        self.arrivals: Callable[[], None] | None = None  # mid-round joins: `take_arrivals`
         self.early: Callable[[list[Event]], None] | None = None
-        self._filled = False
-        if not batch.pipelined:
-            batch.between = self._between
+        self._filled = False  # a prefill chunk ran this step (one a step)
 
     def add(self, request: Request) -> None:
         """Queue a request (prepared by Runner.prepare); the first under auto brings the batch
@@ -182,13 +178,23 @@ class Scheduler:
 
     # -- joining ----------------------------------------------------------------------------
 
+    def take_arrivals(self, arrivals: Callable[[], None],
+                      early: Callable[[list[Event]], None]) -> None:
+        """Take requests mid-round too, where rounds are synchronous (a CPU): between the
+        stages of a round's pass `arrivals()` queues what arrived since (`add`), and `early`
+        sends the events a prefill made there (a server's; offline batches have nothing to
+        wait for, and their passes are not staged)."""
+        self.arrivals, self.early = arrivals, early
+        if not self.batch.pipelined:
+            self.batch.between = self._between
+
     def _between(self) -> None:
         """Between the stages of a synchronous round's pass: what arrived is queued and, once
         a step, a waiting request's next prefill chunk runs; a first token goes out at once
         (`early`) and its request joins the batch next step. Nothing the round's rows
         compute depends on it (its own caches, sessions and draws)."""
         if self.early is None or self._filled:
-            return
+            return  # (one prefill chunk a step, as between rounds)
         if self.arrivals is not None:
             self.arrivals()
         if self.filling is not None or self.waiting:

@@ -323,8 +323,7 @@ class Worker:
         def arrivals() -> None:
             if joining := self._admit(True):
                 self._join(scheduler, live, joining)
-        scheduler.arrivals = arrivals
-        scheduler.early = functools.partial(self._send, live)
+        scheduler.take_arrivals(arrivals, functools.partial(self._send, live))
         return scheduler
 
     def _join(self, scheduler: Scheduler, live: dict[int, tuple[Ticket, Shape]],

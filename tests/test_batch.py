@@ -841,7 +841,7 @@ def test_a_request_arriving_mid_round_is_prefilled_between_the_rounds_stages(
         if len(arrived) == 1:
             for request in late:
                 scheduler.add(request)
-    scheduler.arrivals, scheduler.early = arrivals, early.extend
+    scheduler.take_arrivals(arrivals, early.extend)
     events = scheduler.step()
     assert arrived and all(arrived), "asked only while a round's pass was in flight"
     assert [e.request for e in early] == [late[0]] and len(early[0].tokens) == 1
