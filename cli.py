@@ -592,7 +592,7 @@ def serve(bundle: str, host: str, port: int, api_key: str | None, api_key_file: 
     from mtpkit.decoder.runner import load, numerics_note
     from mtpkit.serve.server import Server, api_key_from, check_bind, check_port
     from mtpkit.serve.service import Service
-    from mtpkit.verify.tune import batch_summary, progress_bar, summary
+    from mtpkit.verify.tune import batch_lines, batch_summary, progress_bar, summary
 
     with _user_errors("--out"):
         api_key = api_key_from(api_key, api_key_file, os.environ)
@@ -606,7 +606,8 @@ def serve(bundle: str, host: str, port: int, api_key: str | None, api_key_file: 
             click.echo(advice, err=True)
         if depth_opt == "auto":  # the cost curve now, so that no request pays for it
             click.echo(summary(runner, draft, verbose, progress_bar()), err=True)
-            if max_batch > 1 and shard is None:
+            if max_batch > 1 and shard is None:  # and what its batches' rounds cost (once
+                runner.batch_costs(max_batch, told=batch_lines())  # per bundle, as tune's)
                 click.echo(batch_summary(runner), err=True)
         service = Service(runner, Path(bundle).name, depth_opt, max_tokens, draft,
                           cache_bytes=int(cache_gb * (1 << 30)) if shard is None else 0,

@@ -173,8 +173,19 @@ def test_serve_auto_measures_the_curve_at_start_up(built: Callable[..., Path], c
     assert "verify c(T)" not in result.stderr  # the curve itself only with --verbose
     assert "(MTP depth auto)" in result.stderr
     assert started[0].service.depth == "auto"
-    assert len(list(cache.glob("*.json"))) == 1, "measured (and cached) before any request"
-    assert started[0].service.runner._costs is not None
+    # the curve and what batched rounds cost (default --max-batch 8), both before any request
+    assert len(list(cache.glob("*.batch.json"))) == 1 and len(list(cache.glob("*.json"))) == 2
+    assert "timing batched rounds for --depth auto" in result.stderr
+    assert re.search(r"batches: round prices for [\d, ]+ rows, timed once", result.stderr)
+    runner = started[0].service.runner
+    assert runner._costs is not None and {2, 4, 8} <= {rows for rows, _ in runner.batch_paid}
+
+    started.clear()  # a second start reads both; one at a time times no batch
+    again = _invoke("serve", str(built("qwen3_5")), "--port", "0", "--max-batch", "4")
+    assert again.exit_code == 0 and "timing batched rounds" not in again.stderr
+    assert re.search(r"batches: round prices for [\d, ]+ rows, timed once", again.stderr)
+    alone = _invoke("serve", str(built("qwen3_5")), "--port", "0", "--max-batch", "1")
+    assert alone.exit_code == 0 and "batch" not in alone.stderr
 
     started.clear()
     headless = _invoke("serve", str(built("qwen3_5", sidecar=None)), "--port", "0", "--verbose")

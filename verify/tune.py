@@ -252,9 +252,12 @@ def batch_summary(runner: Runner) -> str:
     """What `serve` says of its batches' round prices at start-up (after `summary`)."""
     sizes = sorted({rows for rows, _ in runner.batch_paid})
     if sizes:
-        return (f"batches: round prices for {', '.join(map(str, sizes))} rows from mtpkit tune "
-                "--max-batch; other sizes borrow the nearest, and every round is timed as it runs")
+        return (f"batches: round prices for {', '.join(map(str, sizes))} rows, timed once for "
+                "this bundle (as mtpkit tune --max-batch N times them); other sizes borrow the "
+                "nearest, and every round is timed as it runs")
     return ("batches: rounds are timed as they run, the first at each size exploring depths 0-3 "
+            "(no MTP head: nothing to time up front)" if runner.head is None else
+            "batches: rounds are timed as they run, the first at each size exploring depths 0-3 "
             "(mtpkit tune BUNDLE --max-batch N times them once, up front)")
 
 
