@@ -808,7 +808,7 @@ def test_the_policy_is_told_whether_a_depth_would_run_pipelined(
 
 @pytest.mark.parametrize("family", ["mimo", "qwen3_5"])
 def test_a_request_arriving_mid_round_is_prefilled_between_the_rounds_stages(
-        runners: Callable[[str], Runner], family: str) -> None:
+        runners: Callable[[str], Runner], family: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where rounds are synchronous (a CPU), a server's arrivals are taken between the stages
     of a round's pass: the first to arrive is prefilled there and its first token sent at once
     (`early`), while the round is still in flight; one fill a step, so a second arrival waits
@@ -823,8 +823,9 @@ def test_a_request_arriving_mid_round_is_prefilled_between_the_rounds_stages(
             {"depth": 3, "draft": "lookup", "max_tokens": 30}, {"depth": 2, "max_tokens": 12},
             {"depth": 0, "max_tokens": 8}]
     alone = _alone(runner, prompts, each)
-    batch = Batch(runner.trunk, runner.head)
-    assert not batch.pipelined
+    monkeypatch.setattr(runner.trunk, "passes", None)  # stock passes with synchronous rounds,
+    batch = Batch(runner.trunk, runner.head)  # as on a CPU (a GPU pipelines and traces them)
+    batch.pipelined = False
     scheduler = Scheduler(batch, 5, runner.batch_paid, solo=False)
     requests = [runner.prepare(p, **e) for p, e in zip(prompts, each, strict=True)]
     for request in requests[:3]:
