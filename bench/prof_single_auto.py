@@ -42,9 +42,10 @@ def main() -> None:
             took = time.perf_counter() - start
             total += took
             scales = {str(k): round(v, 2) for k, v in runner.paid.summary().items()}
+            probes = [round(p, 2) for p in runner.paid.probes]  # extra plain steps' worth
             print(f"pass {n} {name}: {took:.1f} s, {len(result.tokens) / took:.1f} tok/s, "
-                  f"depths {dict(sorted(result.stats.depths.items()))}, scales {scales}",
-                  flush=True)
+                  f"depths {dict(sorted(result.stats.depths.items()))}, scales {scales}, "
+                  f"probes {probes} (next stretch >= {runner.paid.probe_stretch()})", flush=True)
         print(f"pass {n}: {total:.1f} s", flush=True)
 
 
