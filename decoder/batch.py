@@ -79,6 +79,7 @@ class Batch:
         pass (`_staged`)."""
         self.trunk, self.head = trunk, head
         self.between = between
+        self.stock_pass = False  # the last pass ran stock (not a traced replay)
         self.bounded = bounded_by_default() if bounded is None else bounded
         self.pipelined = overlaps()  # steps and rounds may run pipelined (a GPU)
         self.rows: list[Session] = []
@@ -204,14 +205,15 @@ class Batch:
         one piece, not after the whole round (on a CPU a round of 3 rows costs about 150 ms of
         SmolLM2). The same ops run in the same order: nothing a row computes changes. Only
         stock passes stage (a traced one is one replay; on a GPU rounds are short)."""
-        fed = [c for c in self.cache or [] if isinstance(c, RowKVCache) and c.fed is not None]
-        if self.between is not None and fed:
-            every = max(1, len(fed) // STAGES)
-            for c in fed[every - 1::every]:
-                mx.eval(c.fed)
-                self.between()
-        for c in fed:
-            c.fed = None
+        if self.between is None or not self.stock_pass:
+            return
+        rows = [c for c in self.cache or [] if isinstance(c, RowKVCache)]
+        every = max(1, len(rows) // STAGES)
+        for c in rows[every - 1::every]:
+            mx.eval(c.fed)
+            self.between()
+        for c in rows:
+            c.fed = None  # (evaluated; the references go)
 
     def spec_rounds(self, depth: int, count: int, stop: Callable[[], bool] | None = None,
                     done: Callable[[int], bool] | None = None) -> Iterator[list[RoundOutcome]]:
@@ -305,11 +307,9 @@ class Batch:
         """One trunk pass over every row's `width` tokens, row b's first real[b] real (the
         rest pad it): (hidden, logits), traced where the caches allow (decoder/traced.py)."""
         self.holes.open(real, width)
-        for c in self.cache or []:
-            if isinstance(c, RowKVCache):
-                c.fed = None  # (set again by a stock pass: what `_staged` evaluates)
         passes = self.trunk.passes
         traced = passes.run_rows(tokens, self.cache, self.holes) if passes is not None else None
+        self.stock_pass = traced is None  # its layers' keys are what `_staged` evaluates
         return traced or recorded(self.trunk.recorders, True,
                                   lambda: self.trunk.forward(tokens, self.cache))
 

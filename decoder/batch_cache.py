@@ -82,7 +82,7 @@ class RowKVCache(BatchKVCache):
     def __init__(self, holes: Holes, bounded: bool = False) -> None:
         super().__init__([])
         self.holes, self.bounded = holes, bounded
-        self.fed: mx.array | None = None  # the last pass's new keys (Batch stages on them)
+        self.fed: mx.array | None = None  # the last stock pass's new keys (Batch._staged)
 
     @classmethod
     def of(cls, single: KVCache, holes: Holes, bounded: bool = False) -> RowKVCache:

@@ -121,6 +121,8 @@ def measure(runner: Runner, most: int, told: Told | None = None, paid: Paid | No
     paid = {} if paid is None else paid
     if told is not None:
         told("start", 0, total)
+    if passes is not None:
+        passes.stock_rows = {}  # traced first: every shape, whatever an older store chose
     _time(runner, sizes, paid, told, 0, total, seed)
     if passes is not None:
         untraced: Paid = {}
@@ -134,7 +136,6 @@ def measure(runner: Runner, most: int, told: Told | None = None, paid: Paid | No
                      if chosen.get((key[0], width(key[1])))})
         if stock is not None:
             stock.update(chosen)
-        passes.stock_rows = chosen
     if told is not None:
         told("done", total, total)
     return paid
@@ -167,7 +168,7 @@ def _time(runner: Runner, sizes: list[int], paid: Paid, told: Told | None, done:
 
 def width(shape: int) -> int:
     """The positions per row of a pass of `shape` (plain: 1; depth K, pipelined or not: K+1)."""
-    return 1 if shape in (PIPED, 0) else shape + 1 if shape > 0 else -shape
+    return shape + 1 if shape >= 0 else -shape  # (piped(K) = -1 - K; PIPED = piped(0))
 
 
 def choose(traced: Paid, stock: Paid, margin: float = MARGIN) -> Stock:
@@ -220,27 +221,41 @@ def _pairs(table: Any, value: Callable[[Any], Any]) -> dict[tuple[int, int], Any
     return out
 
 
+def read(key: dict[str, Any]) -> tuple[Paid, Stock]:
+    """(stored, stored_stock) from one read of the store."""
+    doc = _doc(key)
+    return _times(doc), _stock(doc)
+
+
 def stored(key: dict[str, Any]) -> Paid:
     """The round times stored for `key`; {} for none, unreadable or another key's."""
+    return _times(_doc(key))
+
+
+def stored_stock(key: dict[str, Any]) -> Stock:
+    """Which batch pass shapes were timed faster untraced for `key`; {} for none (a store
+    from before the comparison, or one interrupted during it: every shape stays traced)."""
+    return _stock(_doc(key))
+
+
+def _times(doc: dict[str, Any]) -> Paid:
     def times(values: Any) -> deque:
         out = [float(t) for t in values]
         if not all(0 < t < 3600 for t in out):
             raise ValueError(values)
         return deque(out, maxlen=WINDOW)
     try:
-        return _pairs(_doc(key).get("paid", {}), times)
+        return _pairs(doc.get("paid", {}), times)
     except (ValueError, TypeError, AttributeError):
         return {}
 
 
-def stored_stock(key: dict[str, Any]) -> Stock:
-    """Which batch pass shapes were timed faster untraced for `key`; {} for none (a store
-    from before the comparison, or one interrupted during it: every shape stays traced)."""
+def _stock(doc: dict[str, Any]) -> Stock:
     def flag(v: Any) -> bool:
         if not isinstance(v, bool):
             raise TypeError(v)
         return v
     try:
-        return _pairs(_doc(key).get("stock", {}), flag)
+        return _pairs(doc.get("stock", {}), flag)
     except (ValueError, TypeError, AttributeError):
         return {}

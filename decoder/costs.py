@@ -105,10 +105,14 @@ def cache_dir() -> Path:
     return Path(base) / "costs"
 
 
+def key_name(key: dict[str, Any]) -> str:
+    """A file name for what was measured under `key` (the cost curve, kernel choices, warm-ups)."""
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+
+
 def cache_file(key: dict[str, Any], suffix: str = ".json") -> Path:
     """Where what was measured under `key` is kept (the cost curve; `suffix` for others)."""
-    name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
-    return cache_dir() / f"{name}{suffix}"
+    return cache_dir() / f"{key_name(key)}{suffix}"
 
 
 def write_json(path: Path, doc: Any) -> Path:

@@ -16,8 +16,6 @@ instead of compiling. The first warm-up of a layout on a machine says so on stde
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -26,7 +24,7 @@ from typing import Any
 import mlx.core as mx
 
 from mtpkit.decoder import kernel_choice
-from mtpkit.decoder.costs import cache_dir
+from mtpkit.decoder.costs import cache_dir, key_name
 from mtpkit.decoder.kernel_choice import stderr_line
 
 # every width of a batch's rounds (up to 16 rows x depth 3, 8 x 7); powers of two for prefills
@@ -45,9 +43,7 @@ def layout_of(layer: Any) -> Layout:
 def _marker(layout: Layout) -> Path:
     """A file that says this layout was warmed under the kernel choice's key (device, versions,
     the kernel's source: a changed kernel compiles anew)."""
-    key = {**kernel_choice._key(), "layout": list(layout)}
-    name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
-    return cache_dir().parent / "warmed" / name
+    return cache_dir().parent / "warmed" / key_name({**kernel_choice.key(), "layout": list(layout)})
 
 
 def warm(layers: Iterable[Any], say: Callable[[str], None] = stderr_line,

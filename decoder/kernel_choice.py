@@ -28,7 +28,7 @@ from typing import Any
 import mlx.core as mx
 
 from mtpkit.decoder import kernels
-from mtpkit.decoder.costs import cache_dir, versions
+from mtpkit.decoder.costs import cache_dir, key_name, versions, write_json
 
 MARGIN = 0.9  # MLX's op takes a row count only where it needs under 0.9x the kernel's time
 PRODUCTS = 8  # products per timing, in one eval: one ~0.1 ms product would time the launch
@@ -85,7 +85,8 @@ def measure(layer: Any) -> dict[str, dict[int, float]]:
     return out
 
 
-def _key() -> dict[str, Any]:
+def key() -> dict[str, Any]:
+    """What a choice depends on: the device, versions, the kernel's source, the margin."""
     info = mx.device_info() if hasattr(mx, "device_info") else {}
     source = hashlib.sha256((kernels._SOURCE + repr(kernels.ROW_BUCKETS)).encode()).hexdigest()
     return {"device": str(info.get("device_name", "")), "versions": versions(),
@@ -93,8 +94,7 @@ def _key() -> dict[str, Any]:
 
 
 def _path(key: dict[str, Any]) -> Path:
-    name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
-    return cache_dir().parent / "kernels" / f"{name}.json"
+    return cache_dir().parent / "kernels" / f"{key_name(key)}.json"
 
 
 def _read(path: Path, key: dict[str, Any]) -> dict[str, Any]:
@@ -108,14 +108,6 @@ def _read(path: Path, key: dict[str, Any]) -> dict[str, Any]:
                 for name, entry in data["shapes"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return {}
-
-
-def _write(path: Path, key: dict[str, Any], shapes: dict[str, Any]) -> None:
-    """Atomically (a temp file renamed over): a concurrent process never reads half."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"key": key, "shapes": shapes}, indent=1))
-    os.replace(tmp, path)
 
 
 def _name(shape: Shape) -> str:
@@ -134,9 +126,9 @@ def assign(layers: Iterable[Any], say: Callable[[str], None] = stderr_line
     twins = [t for t in layers if t._fits]
     if not twins or os.environ.get("MTPKIT_VERIFY_KERNEL_ROWS") == "all":
         return {}
-    key = _key()
-    path = _path(key)
-    stored = _read(path, key)
+    where = key()
+    path = _path(where)
+    stored = _read(path, where)
     fresh = {}
     for twin in twins:
         name = _name(shape_of(twin))
@@ -148,7 +140,7 @@ def assign(layers: Iterable[Any], say: Callable[[str], None] = stderr_line
     if fresh:
         stored |= fresh
         with contextlib.suppress(OSError):  # a read-only cache: the choice holds for this run
-            _write(path, key, stored)
+            write_json(path, {"key": where, "shapes": stored})
     chosen = {}
     for twin in twins:
         shape = shape_of(twin)

@@ -151,8 +151,9 @@ class Runner:
             self.paid = PaidCosts()
             self.batch_paid.clear()  # (in place: schedulers made before share it)
             if self._costs.key:  # a bundle's: what `tune --batch` timed, as the first prices
-                self.batch_paid.update(batch_costs.stored(self._costs.key))
-                self._stock(batch_costs.stored_stock(self._costs.key))
+                paid, stock = batch_costs.read(self._costs.key)
+                self.batch_paid.update(paid)
+                self._stock(stock)
         return self._costs
 
     def _stock(self, stock: batch_costs.Stock) -> None:
@@ -167,10 +168,9 @@ class Runner:
         become this runner's batch prices. Returns them and whether they were timed now."""
         most = batch_option(most)
         key = self.costs().key
-        found = batch_costs.stored(key) if key and not refresh else {}
+        found, stock = batch_costs.read(key) if key and not refresh else ({}, {})
         complete = all(batch_costs.missing(found, size, batch_costs.deepest(self)) is None
                        for size in batch_costs.sizes_up_to(most))
-        stock: batch_costs.Stock = batch_costs.stored_stock(key) if found else {}
         if complete or self.head is None:
             paid, timed = found, False
         else:

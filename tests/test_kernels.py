@@ -202,8 +202,8 @@ def test_each_shape_is_timed_once_and_its_choice_kept_on_disk(
     kernel_choice.assign([_twin(n=256)])
     assert len(timed) == 3
 
-    key = kernel_choice._key()
-    monkeypatch.setattr(kernel_choice, "_key", lambda: {**key, "device": "another GPU"})
+    key = kernel_choice.key()
+    monkeypatch.setattr(kernel_choice, "key", lambda: {**key, "device": "another GPU"})
     kernel_choice.assign([_twin(n=256)])
     assert len(timed) == 4
 

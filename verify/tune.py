@@ -255,10 +255,9 @@ def batch_summary(runner: Runner) -> str:
         return (f"batches: round prices for {', '.join(map(str, sizes))} rows, timed once for "
                 "this bundle (as mtpkit tune --max-batch N times them); other sizes borrow the "
                 "nearest, and every round is timed as it runs")
-    return ("batches: rounds are timed as they run, the first at each size exploring depths 0-3 "
-            "(no MTP head: nothing to time up front)" if runner.head is None else
-            "batches: rounds are timed as they run, the first at each size exploring depths 0-3 "
-            "(mtpkit tune BUNDLE --max-batch N times them once, up front)")
+    why = ("no MTP head: nothing to time up front" if runner.head is None
+           else "mtpkit tune BUNDLE --max-batch N times them once, up front")
+    return f"batches: rounds are timed as they run, the first at each size exploring depths 0-3 ({why})"
 
 
 def summary(runner: Runner, draft: str | None = None, verbose: bool = False,
