@@ -23,7 +23,33 @@ def _summary(steps: list[tuple[str, float]]) -> dict[str, tuple[int, float, int]
     return {k: (len(v), round(statistics.median(v), 2), round(sum(v))) for k, v in kinds.items()}
 
 
-def run(runner, prompts, tokens, depth, label):
+PASSES: list[tuple] = []  # each trunk pass under `--shapes`: (rows, width, key buffer,
+# stock, ms building it, ms evaluating it)
+
+
+def _log_passes() -> None:
+    """Record every batch pass's shape and its build and device time (diagnostic: what the
+    slow steps ran; evaluating each pass at once serializes pipelined rounds)."""
+    import mlx.core as mx
+
+    from mtpkit.decoder.batch import Batch
+
+    stock = Batch._pass
+
+    def logged(self, tokens, real, width):
+        t0 = time.perf_counter()
+        out = stock(self, tokens, real, width)
+        t1 = time.perf_counter()
+        mx.eval(out)
+        t2 = time.perf_counter()
+        PASSES.append((*tokens.shape[:2], self.cache[0].keys.shape[2], self.stock_pass,
+                       round((t1 - t0) * 1000, 1), round((t2 - t1) * 1000, 1)))
+        return out
+
+    Batch._pass = logged
+
+
+def run(runner, prompts, tokens, depth, label, shapes=False):
     from mtpkit.decoder.batch import Batch
     from mtpkit.decoder.scheduler import Scheduler
 
@@ -37,9 +63,13 @@ def run(runner, prompts, tokens, depth, label):
         while sch:
             kind = ("spec" if sch.spec is not None else "piped" if sch.stretch is not None
                     else "other")
+            PASSES.clear()
             t0 = time.perf_counter()
             events = sch.step()
             dt = time.perf_counter() - t0
+            if shapes and not _warm and (part == "tail" or dt > 0.03):
+                print(f"    {part} {kind}/{sch.rows} {dt * 1000:.1f} ms passes {PASSES[:3]}"
+                      f"{'...' if len(PASSES) > 3 else ''} ({len(PASSES)})", flush=True)
             kind = ("spec" if sch.spec is not None else "piped" if sch.stretch is not None
                     else kind)
             total += sum(len(e.tokens) for e in events)
@@ -119,10 +149,16 @@ def main() -> None:
     parser.add_argument("--depths", default="0,1,2,3,auto", help="the oracle's arms")
     parser.add_argument("--mlx-lm", action="store_true", help="mlx-lm's steps beside ours")
     parser.add_argument("--small", action="store_true")
+    parser.add_argument("--shapes", action="store_true",
+                        help="print the pass shapes of the tail's and every slow step")
+    parser.add_argument("--tuned", action="store_true",
+                        help="the batch's round prices timed first (tune --max-batch 8)")
     args = parser.parse_args()
     if args.bundle:
         return real(args)
     depths = args.depths.split(",")
+    if args.shapes:
+        _log_passes()
     model = llama8b(4, small=args.small)
     trunk = Trunk(model)
     if cuda_available():
@@ -132,11 +168,17 @@ def main() -> None:
     vocab = trunk.args.vocab_size
     runner = Runner(trunk, bb.BatchOracle(SUCCESSOR[id(model)], bb.RATES, seed=0), None)
     runner._costs = measure(runner)
+    if args.tuned:
+        from mtpkit.verify.tune import batch_lines
+
+        runner.batch_costs(8, told=batch_lines())
+        if trunk.passes is not None:
+            print("untraced:", sorted(k for k, s in trunk.passes.stock_rows.items() if s))
     for n in (4, 8):
         prompts = [[(13 * i + 7 + 101 * s) % vocab for i in range(bb.PROMPT)] for s in range(n)]
         for depth in depths:
             run(runner, prompts, 256, depth if depth == "auto" else int(depth),
-                f"{n} rows depth {depth}")
+                f"{n} rows depth {depth}", args.shapes)
         if args.mlx_lm:
             theirs(model, prompts, 256, f"{n} rows mlx-lm")
         mx.clear_cache()

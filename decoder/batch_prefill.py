@@ -20,7 +20,7 @@ from mlx_lm.models.cache import BatchKVCache
 from mtpkit.decoder.batch import overlaps
 from mtpkit.decoder.caches import FrozenKV
 from mtpkit.decoder.session import Session
-from mtpkit.decoder.shapes import padded
+from mtpkit.decoder.shapes import bucket
 
 
 def pays() -> bool:
@@ -39,7 +39,7 @@ def prefill_together(sessions: list[Session], prompts: list[list[int]]) -> list[
     lengths = [len(ids) for ids in prompts]
     width = max(lengths)
     if any(s.bounded for s in sessions):  # query lengths from a bounded set, as alone
-        width = padded(width)
+        width = bucket(width)
     pads = [width - n for n in lengths]
     tokens = mx.array([[ids[0]] * pad + ids for ids, pad in zip(prompts, pads, strict=True)])
     caches = [BatchKVCache(pads) for _ in sessions[0].cache]

@@ -17,6 +17,7 @@ from mlx_lm.utils import dequantize_model, load_model
 
 from mtpkit.decoder import batch_costs, distributed, kernels, sharding
 from mtpkit.decoder.batch import Batch
+from mtpkit.decoder.batch_policy import Prices
 from mtpkit.decoder.context import check_prompt, context_of
 from mtpkit.decoder.controller import Controller
 from mtpkit.decoder.costs import Progress, costs_for
@@ -141,7 +142,7 @@ class Runner:
         self.dtype_note = ""  # what dtype="auto" chose and why (decoder/dtypes.py)
         self._costs: CostCurve | None = None
         self.paid = PaidCosts()  # what rounds and plain steps really cost here (policy.py)
-        self.batch_paid: dict = {}  # what a batch's rounds cost, by (rows, depth): batch_policy.py
+        self.batch_paid = Prices()  # what a batch's rounds cost, by (rows, depth): batch_policy.py
 
     def costs(self, refresh: bool = False, progress: Progress | None = None) -> CostCurve:
         """This machine's cost curve for this runner (measured once, cached per bundle).

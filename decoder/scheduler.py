@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from mtpkit.decoder.batch import Ask, Batch
-from mtpkit.decoder.batch_policy import BatchPolicy
+from mtpkit.decoder.batch_policy import PROBE_ROUNDS, BatchPolicy, Prices
 from mtpkit.decoder.batch_prefill import pays as prefill_pays
 from mtpkit.decoder.batch_prefill import prefill_together
 from mtpkit.decoder.controller import Controller
@@ -30,7 +30,7 @@ from mtpkit.decoder.policy import DepthPolicy
 from mtpkit.decoder.session import RoundOutcome, Session, Stopped
 from mtpkit.decoder.stats import Stats
 
-SPEC_ROUNDS = 16  # pipelined speculative rounds between two synchronous ones (policy, context)
+SPEC_ROUNDS = 16  # pipelined speculative rounds between two of the batch policy's choices
 
 
 @dataclass
@@ -83,7 +83,7 @@ class Scheduler:
         `batch_paid`), for the batch policy under auto."""
         self.batch, self.max_batch = batch, max_batch
         self.policy: BatchPolicy | None = None
-        self.paid = {} if paid is None else paid
+        self.paid = Prices() if paid is None else paid
         self.waiting: deque[Request] = deque()
         self.filling: tuple[Request, Iterator[int | None]] | None = None
         self.active: list[Request] = []
@@ -96,6 +96,7 @@ class Scheduler:
         self.arrivals: Callable[[], None] | None = None  # mid-round joins: `take_arrivals`
         self.early: Callable[[list[Event]], None] | None = None
         self._filled = False  # a prefill chunk ran this step (one a step)
+        self.next_depth: tuple[int, int] | None = None  # (rows, depth) stop() chose: _asks
 
     def add(self, request: Request) -> None:
         """Queue a request (prepared by Runner.prepare); the first under auto brings the batch
@@ -278,15 +279,30 @@ class Scheduler:
         return events
 
     def _wanted(self) -> bool:
-        """A row done, or a request waiting for a place: a pipelined stretch ends."""
-        return (any(r.finish is not None for r in self.active)
-                or bool(self.waiting) and len(self.active) < self.max_batch)
+        """Whether a pipelined stretch ends: a request waits for a place, or every row is done.
+        Where passes overlap (a GPU) a row done mid-stretch stays in the batch, taking
+        nothing, until then: a pass of one row fewer costs about the same, while leaving
+        changes the pass's shape (a cuDNN attention graph not built yet: 70-90 ms on the
+        H200) and restarts the pipeline with a round the host cannot overlap. On a CPU a row
+        costs its compute, so a row done ends the stretch and leaves."""
+        live = sum(r.finish is None for r in self.active)
+        if live < len(self.active) and not self.batch.pipelined:
+            return True
+        return live == 0 or bool(self.waiting) and live < self.max_batch
 
     def _start_spec(self, asks: list[Ask]) -> bool:
         """Speculative rounds pipelined (Batch.spec_rounds) where every row drafts the same
         depth from the head: under auto once the batch policy chose that depth on prices (not
-        while it explores or probes), for up to SPEC_ROUNDS rounds, none of which can reach a
-        row's max_tokens (its last rounds draft fewer, as alone). Rows then draft from the
+        while it explores). Every SPEC_ROUNDS rounds (PROBE_ROUNDS in a stretch that re-prices
+        a neighbouring depth: BatchPolicy._probe) the policy chooses again and
+        the stretch goes on while it picks this depth (a restart costs a round the host
+        cannot overlap: on the H200's 8-row oracle a stretch of 16 rounds averaged 16.9 ms a
+        round against a median of 14.8); once a row is done, until every row is (a done row
+        stays until then: `_wanted`). With a row at a fixed depth, no round can reach a row's
+        max_tokens (its last rounds draft fewer, as alone: its seeded text is the same
+        batched); under auto a row's surplus past its max_tokens is dropped (its depth is
+        the batch's choice anyway, and what it commits is exact at any depth), so the
+        batch's last tokens come pipelined too. Rows then draft from the
         head only; a row at a fixed depth with a context index keeps synchronous rounds (it
         drafts from its context where its text offers, as alone). Only where the host's work
         overlaps the device's (a GPU: batch.overlaps)."""
@@ -298,10 +314,33 @@ class Scheduler:
                 or any(r.policy is None and r.session.lookup is not None for r in self.active)
                 or auto and not (self.policy is not None and self.policy.decided)):
             return False
-        rounds = min(SPEC_ROUNDS, (min(r.left for r in self.active) - 1) // (depth + 1))
+        fixed = [r.left for r in self.active if r.policy is None]
+        rounds = ((min(fixed) - 1) // (depth + 1) if fixed
+                  else max(r.left for r in self.active))
         if rounds < 2:
             return False
-        self.spec = self.batch.spec_rounds(depth, rounds, self._wanted,
+        auto_rows = [r for r in self.active if r.policy is not None]
+        read, every = 0, (PROBE_ROUNDS if self.policy is not None and self.policy.probing
+                          else SPEC_ROUNDS)
+
+        def stop() -> bool:  # after each round read: the one queued is the last?
+            nonlocal read, every
+            read += 1
+            if self._wanted():
+                return True
+            if (read + 1 < every or self.policy is None or not auto_rows
+                    or any(r.finish is not None for r in self.active)):
+                return False
+            read = 0
+            chosen = self.policy.depth(auto_rows, len(self.active))
+            every = PROBE_ROUNDS if self.policy.probing else SPEC_ROUNDS
+            if chosen == depth and self.policy.decided:
+                return False
+            if chosen > 0 and self.policy.decided:  # the next stretch's, as chosen (a probe)
+                self.next_depth = (len(self.active), chosen)
+            return True
+
+        self.spec = self.batch.spec_rounds(depth, rounds, stop,
                                            lambda b: self.active[b].finish is not None)
         return True
 
@@ -360,10 +399,15 @@ class Scheduler:
     def _asks(self) -> list[Ask]:
         auto = [r for r in self.active if r.policy is not None]
         if self.policy is not None:  # as _start_spec asks (context drafts keep rounds apart)
-            self.policy.pipelines = (self.batch.pipelined and all(self.batch.headed)
+            self.policy.overlaps = self.batch.pipelined and all(self.batch.headed)
+            self.policy.pipelines = (self.policy.overlaps
                                      and all(r.session.lookup is None for r in self.active))
-        depth = (self.policy.depth(auto, len(self.active)) if self.policy is not None and auto
-                 else 0)
+        if self.next_depth is not None and self.next_depth[0] == len(self.active):
+            depth = self.next_depth[1]  # chosen as the last stretch ended (decided)
+        else:
+            depth = (self.policy.depth(auto, len(self.active))
+                     if self.policy is not None and auto else 0)
+        self.next_depth = None
         return [self._ask(r, depth) for r in self.active]
 
     def _ask(self, request: Request, batch_depth: int) -> Ask:

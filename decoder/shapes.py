@@ -24,6 +24,13 @@ def padded(n: int) -> int:
     return -(-n // STEP) * STEP
 
 
+def bucket(n: int) -> int:
+    """A query length from a bounded set that holds n: a power of two below STEP, else whole
+    STEPs (8 prompts of 128 tokens prefilled together at 256 cost 260 ms on the H200, twice
+    the work)."""
+    return 1 << (n - 1).bit_length() if n <= STEP else padded(n)
+
+
 class PaddedKVCache(KVCache):
     """A KVCache whose multi-row views have a key length that is a multiple of STEP."""
 

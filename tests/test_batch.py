@@ -503,6 +503,52 @@ def _pipelined_seen(monkeypatch: pytest.MonkeyPatch, name: str = "plain_steps",
     return steps
 
 
+def test_a_stale_neighbouring_price_is_taken_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the chosen depth is timed as it runs: where rounds run pipelined, a neighbouring
+    depth whose price is older than STALE_S runs once more (decided, so pipelined), and a
+    price once taken too dear stops deciding the depth as soon as it is fresh."""
+    from types import SimpleNamespace
+
+    import mtpkit.decoder.batch_policy as batch_policy
+    from mtpkit.decoder.batch_policy import BatchPolicy, Prices, piped
+    from mtpkit.decoder.curve import CostCurve
+    from mtpkit.decoder.policy import MIN_OBSERVED, DepthPolicy
+
+    clock = [100.0]
+    monkeypatch.setattr(batch_policy.time, "monotonic", lambda: clock[0])
+    curve = CostCurve([0.01] * 16, 0.01, 0.0)
+    rows = []
+    for _ in range(4):
+        row = DepthPolicy(curve, 3)
+        for i in range(40):
+            row.record(3, 3 if i % 10 else 0)  # 90% of drafts kept
+        rows.append(SimpleNamespace(policy=row, session=SimpleNamespace(head=1, depth=3)))
+    paid = Prices()
+    policy = BatchPolicy(curve, 3, paid=paid)
+    policy.pipelines = policy.overlaps = True
+    timed = {0: 0.012, 1: 0.020, 2: 0.030, 3: 0.040, piped(0): 0.012,
+             piped(1): 0.030, piped(2): 0.021}  # depth 1 once timed too dear
+    for key, cost in timed.items():
+        for _ in range(batch_policy.WINDOW if key == piped(1) else MIN_OBSERVED):
+            policy._paid(4, key, cost)
+    assert policy.depth(rows) == 2 and not policy.probing  # every price fresh: depth 2
+    clock[0] += batch_policy.STALE_S + 1
+    policy._paid(4, piped(2), 0.021)  # depth 2 ran; 1 and 3 were not timed since
+    true = {1: 0.012, 3: 0.040}  # what their pipelined rounds cost now
+    probed = []
+    while (depth := policy.depth(rows)) != 1 or policy.probing:
+        assert policy.probing and policy.decided and depth in true and len(probed) < 2
+        probed.append(depth)
+        for _ in range(batch_policy.PROBE_ROUNDS):  # a probe's stretch (its times afresh)
+            policy.observe(4, [SimpleNamespace(depth=depth, paid_s=true[depth])],
+                           pipelined=True)
+    assert 1 in probed  # depth 1 re-priced: 12 ms, not the 30 it was once timed at
+    assert policy.depth(rows) == 1 and not policy.probing  # and not asked again at once
+    policy.pipelines = policy.overlaps = False  # synchronous rounds: no probes
+    clock[0] += 10 * batch_policy.STALE_S
+    assert policy.depth(rows) == 1 and not policy.probing
+
+
 def test_plain_is_priced_by_pipelined_steps_once_timed() -> None:
     """Depth-1 rounds that beat plain rounds through the verify path but lose to pipelined
     plain steps: once a stretch's steps are timed, the policy decodes plain."""
@@ -780,6 +826,86 @@ def test_auto_rounds_run_pipelined_once_the_policy_chooses(
                                                     "max_tokens": 120}] * 3)
     assert [r.tokens for r in results] == plain
     assert len(rounds) >= 10 and max(rounds) == 3
+
+
+def test_auto_rows_done_mid_stretch_stay_until_it_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU, auto rows' pipelined rounds run past the first row's max_tokens: a row done
+    mid-stretch stays in the batch, taking nothing, and leaves when the stretch ends (a new
+    pass shape and a pipeline restart, not one per row); each row's surplus past its
+    max_tokens is dropped, and every row's tokens are its plain greedy ones. The stretch
+    goes on through the policy's choices while it picks the same depth: one stretch."""
+    import mtpkit.decoder.batch_policy as batch_policy
+    from mtpkit.decoder.batch import Batch
+    from mtpkit.decoder.batch_policy import BatchPolicy
+
+    monkeypatch.setattr(batch_policy, "STALE_S", float("inf"))  # (no neighbour probes)
+    base = tiny_runner(vocab=6)
+    prompts = [[1, 2, 3, 4], [5, 4, 3], [2, 2, 1]]
+    lengths = [90, 100, 120]
+    oracle, plain = _oracle_batch(base, prompts, [7, 8, 9], 120)
+    _pipelined_seen(monkeypatch, "spec_rounds")
+    monkeypatch.setattr(BatchPolicy, "cost", lambda self, rows, depth, timed=None:
+                        0.01)  # drafts free: the deepest pays, every time the policy chooses
+    dead: list[int] = []  # per pipelined round: rows already done when it was read
+    left: list[int] = []  # rows that left, per Batch.leave
+    starts: list[int] = []  # the depth of each pipelined stretch
+    spec, leave = Batch.spec_rounds, Batch.leave
+
+    def rounds(self: Batch, depth: int, count: int, stop: Any = None, done: Any = None) -> Any:
+        starts.append(depth)
+        for out in spec(self, depth, count, stop, done):
+            dead.append(sum(done(b) for b in range(len(out))))
+            yield out
+
+    def leaving(self: Batch, gone: set[int]) -> None:
+        left.append(len(gone))
+        leave(self, gone)
+
+    monkeypatch.setattr(Batch, "spec_rounds", rounds)
+    monkeypatch.setattr(Batch, "leave", leaving)
+    results = oracle.generate_batch(prompts, each=[{"depth": "auto", "draft": "head",
+                                                    "max_tokens": n} for n in lengths])
+    assert [r.tokens for r in results] == [t[:n] for t, n in zip(plain, lengths, strict=True)]
+    assert sum(1 for d in dead if d) >= 4, dead  # (ending the stretch at a row done: <= 2)
+    assert left == [3], left  # (all together, when the last was done)
+    assert len(starts) == 1 and len(dead) > 16, (starts, len(dead))
+
+
+def test_a_stale_neighbour_is_probed_in_a_short_pipelined_stretch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the neighbouring depth's price goes stale mid-stretch, the policy's next choice
+    (at the stretch's SPEC_ROUNDS check) is a probe: it runs next, pipelined, for PROBE_ROUNDS
+    rounds, and the chosen depth resumes after it. Tokens stay the plain greedy ones."""
+    import mtpkit.decoder.batch_policy as batch_policy
+    from mtpkit.decoder.batch import Batch
+    from mtpkit.decoder.batch_policy import BatchPolicy
+
+    clock = [0.0]
+    monkeypatch.setattr(batch_policy.time, "monotonic", lambda: clock[0])
+    base = tiny_runner(vocab=6)
+    prompts = [[1, 2, 3, 4], [5, 4, 3], [2, 2, 1]]
+    oracle, plain = _oracle_batch(base, prompts, [7, 8, 9], 200)
+    _pipelined_seen(monkeypatch, "spec_rounds")
+    monkeypatch.setattr(BatchPolicy, "cost", lambda self, rows, depth, timed=None: 0.01)
+    stretches: list[list[int]] = []  # per pipelined stretch: its depth, then its rounds
+    spec = Batch.spec_rounds
+
+    def rounds(self: Batch, depth: int, count: int, stop: Any = None, done: Any = None) -> Any:
+        stretches.append([depth, 0])
+        for out in spec(self, depth, count, stop, done):
+            stretches[-1][1] += 1
+            if sum(n for _, n in stretches) == 20:
+                clock[0] += batch_policy.STALE_S + 1  # every other price goes stale
+            yield out
+
+    monkeypatch.setattr(Batch, "spec_rounds", rounds)
+    results = oracle.generate_batch(prompts, each=[{"depth": "auto", "draft": "head",
+                                                    "max_tokens": 200}] * 3)
+    assert [r.tokens for r in results] == plain
+    (deepest, first), (probe, probed), (again, _) = stretches[:3]
+    assert first >= 20, stretches  # (the check before the prices went stale: go on)
+    assert probe == deepest - 1 and probed == batch_policy.PROBE_ROUNDS, stretches
+    assert again == deepest, stretches
 
 
 @pytest.mark.parametrize(("ahead", "draft", "want"), [

@@ -16,7 +16,14 @@ import mtpkit
 from mtpkit.decoder.runner import Runner
 from mtpkit.decoder.sampling import SamplingParams
 from mtpkit.decoder.session import Session, generate_ids
-from mtpkit.decoder.shapes import STEP, PaddedKVCache, bounded_caches, padded, pieces
+from mtpkit.decoder.shapes import (
+    STEP,
+    PaddedKVCache,
+    bounded_caches,
+    bucket,
+    padded,
+    pieces,
+)
 
 FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "deepseek_v3", "mimo")  # with MTP heads
 PROMPT = [5, 17, 42, 99, 7, 3] * 50  # 300 tokens: the prompt crosses a 256 boundary
@@ -28,6 +35,17 @@ def test_pieces_cover_every_length_from_a_fixed_set() -> None:
         sizes = pieces(n)
         assert sum(sizes) == n and set(sizes) <= allowed
         assert len(sizes) <= n // STEP + 8
+
+
+def test_bucket_holds_every_length_in_a_bounded_set() -> None:
+    """Prompts prefilled together are padded to a power of two below STEP, whole STEPs above:
+    never twice the work below STEP, and few shapes."""
+    allowed = {STEP >> i for i in range(9)}
+    for n in range(1, 1300):
+        b = bucket(n)
+        assert b >= n and (b in allowed or b == padded(n))
+        assert b < 2 * n or n == 1
+    assert bucket(128) == 128 and bucket(129) == 256 and bucket(300) == 512
 
 
 def test_padded_cache_views_masks_and_buffer() -> None:
