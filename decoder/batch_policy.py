@@ -63,8 +63,7 @@ def piped(depth: int) -> int:
 
 
 PIPED = piped(0)  # what a plain stretch's pipelined steps cost
-STALE_S = 20.0  # a neighbouring depth's pipelined price older than this is taken again
-PROBE_ROUNDS = 6  # pipelined rounds that take it (the first pays the stretch's start)
+STALE_S = 60.0  # a neighbouring depth's pipelined price older than this is taken again
 
 
 class Prices(dict):
@@ -92,7 +91,6 @@ class BatchPolicy:
     decided: bool = False  # the last depth was chosen on prices (not an exploration or probe)
     pipelines: bool = False  # a depth chosen now would run pipelined (set per round: scheduler)
     overlaps: bool = False  # rounds every row drafts from the head may (probes: set likewise)
-    probing: bool = False  # the last depth chosen is a stale neighbour's probe (_probe)
 
     def cost(self, rows: int, depth: int, timed: dict[int, float] | None = None) -> float:
         """Seconds for a round of `rows` rows at `depth` drafts: the median paid where timed
@@ -101,6 +99,10 @@ class BatchPolicy:
         timed = self._timed(rows) if timed is None else timed
         if piped(depth) in timed:  # as it runs: plain as a stretch, rounds pipelined
             return timed[piped(depth)]
+        ran = {-1 - k: c for k, c in timed.items() if k < PIPED}  # pipelined rounds, by depth
+        if depth not in timed and len(below := sorted(k for k in ran if k < depth)) >= 2:
+            a, b = below[-2], below[-1]  # (a GPU after tune: extended as they run)
+            return ran[b] + max((ran[b] - ran[a]) / (b - a), 0.0) * (depth - b)
         if depth in timed:
             cost = timed[depth]
         else:
@@ -138,7 +140,7 @@ class BatchPolicy:
         """A depth up to EXPLORE not yet timed MIN_OBSERVED times at this size or another
         (`timed`: _timed(rows)), if any."""
         for depth in range(min(EXPLORE, self.max_depth) + 1):
-            if depth not in timed and (depth > 0 or PIPED not in timed):
+            if depth not in timed and piped(depth) not in timed:
                 return depth
         return None
 
@@ -159,7 +161,7 @@ class BatchPolicy:
     def depth(self, requests: list[Request], rows: int | None = None) -> int:
         """The depth of the next round for these requests (0: plain steps); `rows`: the
         batch's, where mates at fixed depths share the pass (its cost is that many rows')."""
-        self.decided = self.probing = False
+        self.decided = False
         if self.plain_left > 0:
             self.plain_left -= 1
             return 1 if self.plain_left == 0 else 0  # the stretch's last round probes
@@ -170,7 +172,8 @@ class BatchPolicy:
                 self.plain_left = MIN_OBSERVED + 2
             return explore
         plain = self.expected(requests, 0) / self.cost(rows, 0, timed)
-        deepest = min(max(timed) + 1, self.max_depth)  # climb one untimed depth
+        known = max(k if k >= 0 else -1 - k for k in timed)  # deepest timed, either way
+        deepest = min(known + 1, self.max_depth)  # climb one untimed depth
         rate, depth = max((self.expected(requests, k) / self.cost(rows, k, timed), k)
                           for k in range(1, deepest + 1))
         if rate < MARGIN * plain:
@@ -181,13 +184,15 @@ class BatchPolicy:
 
     def _probe(self, rows: int, depth: int, deepest: int) -> int:
         """`depth`, or where rounds run pipelined, a neighbouring depth whose pipelined price
-        at this size was last taken over STALE_S ago (the older of the two): its times start
-        afresh and it runs PROBE_ROUNDS rounds (decided, so pipelined: the scheduler asks
-        again after them), which price it. Only the chosen depth is timed as it runs, so a
-        neighbour's price once taken too dear would never be taken again (on the H200's
+        at this size was last taken over STALE_S ago (the older of the two): it runs a
+        stretch (decided, so pipelined: SPEC_ROUNDS rounds, more than the WINDOW its price is
+        the median of), which prices it afresh. Only the chosen depth is timed as it runs, so
+        a neighbour's price once taken too dear would never be taken again (on the H200's
         oracle tune once priced 8-row depth-1 rounds at 24.2 ms, which ran at 15.2, and the
-        batch decoded at depth 2 at 21.6 ms a round: 12% fewer tokens)."""
-        self.probing = False
+        batch decoded at depth 2 at 21.6 ms a round: 12% fewer tokens). Once a minute: a
+        probe of 6 rounds was cheaper but its median as noisy as the GPU (one at 19.3 ms
+        for 15 ms rounds sent a run to depth 2), and probes every 5 s spent a third of a
+        2-second run at the neighbours."""
         if not self.overlaps or not isinstance(self.paid, Prices):
             return depth
         now = time.monotonic()
@@ -198,8 +203,6 @@ class BatchPolicy:
             return depth
         probe = max(stale, key=lambda k: ages[k])
         self.paid.seen[(rows, piped(probe))] = now  # (asked once, even if cut short)
-        self.paid[(rows, piped(probe))] = deque(maxlen=WINDOW)
-        self.probing = True
         return probe
 
     def ask(self, request: Request, depth: int, most: int, headed: bool) -> Ask:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from mtpkit.decoder.batch import Ask, Batch
-from mtpkit.decoder.batch_policy import PROBE_ROUNDS, BatchPolicy, Prices
+from mtpkit.decoder.batch_policy import BatchPolicy, Prices
 from mtpkit.decoder.batch_prefill import pays as prefill_pays
 from mtpkit.decoder.batch_prefill import prefill_together
 from mtpkit.decoder.controller import Controller
@@ -293,8 +293,8 @@ class Scheduler:
     def _start_spec(self, asks: list[Ask]) -> bool:
         """Speculative rounds pipelined (Batch.spec_rounds) where every row drafts the same
         depth from the head: under auto once the batch policy chose that depth on prices (not
-        while it explores). Every SPEC_ROUNDS rounds (PROBE_ROUNDS in a stretch that re-prices
-        a neighbouring depth: BatchPolicy._probe) the policy chooses again and
+        while it explores). Every SPEC_ROUNDS rounds the policy chooses again (a stale
+        neighbouring depth's probe among its choices: BatchPolicy._probe) and
         the stretch goes on while it picks this depth (a restart costs a round the host
         cannot overlap: on the H200's 8-row oracle a stretch of 16 rounds averaged 16.9 ms a
         round against a median of 14.8); once a row is done, until every row is (a done row
@@ -320,20 +320,18 @@ class Scheduler:
         if rounds < 2:
             return False
         auto_rows = [r for r in self.active if r.policy is not None]
-        read, every = 0, (PROBE_ROUNDS if self.policy is not None and self.policy.probing
-                          else SPEC_ROUNDS)
+        read = 0
 
         def stop() -> bool:  # after each round read: the one queued is the last?
-            nonlocal read, every
+            nonlocal read
             read += 1
             if self._wanted():
                 return True
-            if (read + 1 < every or self.policy is None or not auto_rows
+            if (read + 1 < SPEC_ROUNDS or self.policy is None or not auto_rows
                     or any(r.finish is not None for r in self.active)):
                 return False
             read = 0
             chosen = self.policy.depth(auto_rows, len(self.active))
-            every = PROBE_ROUNDS if self.policy.probing else SPEC_ROUNDS
             if chosen == depth and self.policy.decided:
                 return False
             if chosen > 0 and self.policy.decided:  # the next stretch's, as chosen (a probe)

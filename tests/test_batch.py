@@ -503,6 +503,34 @@ def _pipelined_seen(monkeypatch: pytest.MonkeyPatch, name: str = "plain_steps",
     return steps
 
 
+def test_pipelined_prices_alone_need_no_exploring_and_extend_deeper() -> None:
+    """A GPU's tune times every depth pipelined (and plain rounds): a runner starting from
+    those prices explores nothing synchronously, climbs by what is timed either way, and
+    prices one depth beyond by extending the pipelined prices."""
+    from types import SimpleNamespace
+
+    from mtpkit.decoder.batch_policy import PIPED, BatchPolicy, piped
+    from mtpkit.decoder.curve import CostCurve
+    from mtpkit.decoder.policy import MIN_OBSERVED, DepthPolicy
+
+    curve = CostCurve([0.001] * 16, 0.001, 0.0)  # one sequence's rounds: far cheaper
+    rows = []
+    for _ in range(4):
+        row = DepthPolicy(curve, 5)
+        for i in range(40):
+            row.record(3, 3 if i % 10 else 0)  # 90% of drafts kept
+        rows.append(SimpleNamespace(policy=row, session=SimpleNamespace(head=1, depth=3)))
+    policy = BatchPolicy(curve, 5)
+    for key, cost in {0: 0.02, PIPED: 0.012, piped(1): 0.014, piped(2): 0.016,
+                      piped(3): 0.018}.items():
+        for _ in range(MIN_OBSERVED):
+            policy._paid(4, key, cost)
+    timed = policy._timed(4)
+    assert policy._explore(timed) is None
+    assert policy.cost(4, 4, timed) == pytest.approx(0.020)  # not the single curve's 1 ms
+    assert policy.depth(rows) >= 3 and policy.decided  # (climbed past depth 1)
+
+
 def test_a_stale_neighbouring_price_is_taken_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """Only the chosen depth is timed as it runs: where rounds run pipelined, a neighbouring
     depth whose price is older than STALE_S runs once more (decided, so pipelined), and a
@@ -513,6 +541,7 @@ def test_a_stale_neighbouring_price_is_taken_again(monkeypatch: pytest.MonkeyPat
     from mtpkit.decoder.batch_policy import BatchPolicy, Prices, piped
     from mtpkit.decoder.curve import CostCurve
     from mtpkit.decoder.policy import MIN_OBSERVED, DepthPolicy
+    from mtpkit.decoder.scheduler import SPEC_ROUNDS
 
     clock = [100.0]
     monkeypatch.setattr(batch_policy.time, "monotonic", lambda: clock[0])
@@ -531,22 +560,25 @@ def test_a_stale_neighbouring_price_is_taken_again(monkeypatch: pytest.MonkeyPat
     for key, cost in timed.items():
         for _ in range(batch_policy.WINDOW if key == piped(1) else MIN_OBSERVED):
             policy._paid(4, key, cost)
-    assert policy.depth(rows) == 2 and not policy.probing  # every price fresh: depth 2
+    assert policy.depth(rows) == 2  # every price fresh: depth 2
     clock[0] += batch_policy.STALE_S + 1
     policy._paid(4, piped(2), 0.021)  # depth 2 ran; 1 and 3 were not timed since
     true = {1: 0.012, 3: 0.040}  # what their pipelined rounds cost now
     probed = []
-    while (depth := policy.depth(rows)) != 1 or policy.probing:
-        assert policy.probing and policy.decided and depth in true and len(probed) < 2
+    for _ in range(2):  # the older neighbour, then the other unless depth 1 won already
+        depth = policy.depth(rows)
+        if depth not in true or depth in probed:
+            break
+        assert policy.decided
         probed.append(depth)
-        for _ in range(batch_policy.PROBE_ROUNDS):  # a probe's stretch (its times afresh)
+        for _ in range(SPEC_ROUNDS):  # the probe's stretch: a WINDOW of fresh times
             policy.observe(4, [SimpleNamespace(depth=depth, paid_s=true[depth])],
                            pipelined=True)
     assert 1 in probed  # depth 1 re-priced: 12 ms, not the 30 it was once timed at
-    assert policy.depth(rows) == 1 and not policy.probing  # and not asked again at once
+    assert policy.depth(rows) == 1 == policy.depth(rows)  # it wins; no probe again at once
     policy.pipelines = policy.overlaps = False  # synchronous rounds: no probes
     clock[0] += 10 * batch_policy.STALE_S
-    assert policy.depth(rows) == 1 and not policy.probing
+    assert policy.depth(rows) == 1
 
 
 def test_plain_is_priced_by_pipelined_steps_once_timed() -> None:
@@ -845,7 +877,7 @@ def test_auto_rows_done_mid_stretch_stay_until_it_ends(monkeypatch: pytest.Monke
     oracle, plain = _oracle_batch(base, prompts, [7, 8, 9], 120)
     _pipelined_seen(monkeypatch, "spec_rounds")
     monkeypatch.setattr(BatchPolicy, "cost", lambda self, rows, depth, timed=None:
-                        0.01)  # drafts free: the deepest pays, every time the policy chooses
+                        0.01 if depth <= 4 else 1.0)  # depth 4 pays, every time it chooses
     dead: list[int] = []  # per pipelined round: rows already done when it was read
     left: list[int] = []  # rows that left, per Batch.leave
     starts: list[int] = []  # the depth of each pipelined stretch
@@ -871,22 +903,24 @@ def test_auto_rows_done_mid_stretch_stay_until_it_ends(monkeypatch: pytest.Monke
     assert len(starts) == 1 and len(dead) > 16, (starts, len(dead))
 
 
-def test_a_stale_neighbour_is_probed_in_a_short_pipelined_stretch(
+def test_a_stale_neighbour_is_probed_in_a_pipelined_stretch(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Once the neighbouring depth's price goes stale mid-stretch, the policy's next choice
-    (at the stretch's SPEC_ROUNDS check) is a probe: it runs next, pipelined, for PROBE_ROUNDS
+    (at the stretch's SPEC_ROUNDS check) is a probe: it runs next, pipelined, for SPEC_ROUNDS
     rounds, and the chosen depth resumes after it. Tokens stay the plain greedy ones."""
     import mtpkit.decoder.batch_policy as batch_policy
     from mtpkit.decoder.batch import Batch
     from mtpkit.decoder.batch_policy import BatchPolicy
+    from mtpkit.decoder.scheduler import SPEC_ROUNDS
 
     clock = [0.0]
     monkeypatch.setattr(batch_policy.time, "monotonic", lambda: clock[0])
     base = tiny_runner(vocab=6)
     prompts = [[1, 2, 3, 4], [5, 4, 3], [2, 2, 1]]
-    oracle, plain = _oracle_batch(base, prompts, [7, 8, 9], 200)
+    oracle, plain = _oracle_batch(base, prompts, [7, 8, 9], 400)
     _pipelined_seen(monkeypatch, "spec_rounds")
-    monkeypatch.setattr(BatchPolicy, "cost", lambda self, rows, depth, timed=None: 0.01)
+    monkeypatch.setattr(BatchPolicy, "cost", lambda self, rows, depth, timed=None:
+                        0.01 if depth <= 1 else 1.0)  # depth 1 pays best: one neighbour
     stretches: list[list[int]] = []  # per pipelined stretch: its depth, then its rounds
     spec = Batch.spec_rounds
 
@@ -900,12 +934,14 @@ def test_a_stale_neighbour_is_probed_in_a_short_pipelined_stretch(
 
     monkeypatch.setattr(Batch, "spec_rounds", rounds)
     results = oracle.generate_batch(prompts, each=[{"depth": "auto", "draft": "head",
-                                                    "max_tokens": 200}] * 3)
+                                                    "max_tokens": 400}] * 3)
     assert [r.tokens for r in results] == plain
-    (deepest, first), (probe, probed), (again, _) = stretches[:3]
-    assert first >= 20, stretches  # (the check before the prices went stale: go on)
-    assert probe == deepest - 1 and probed == batch_policy.PROBE_ROUNDS, stretches
-    assert again == deepest, stretches
+    (best, first), *after = stretches
+    probes = [s for s in after[:2] if s[0] != best]
+    assert best == 1 and first >= 20, stretches  # (the check before the prices went stale)
+    assert [d for d, _ in probes] == [2], stretches
+    assert all(n == SPEC_ROUNDS for _, n in probes), stretches
+    assert after[len(probes)][0] == best, stretches
 
 
 @pytest.mark.parametrize(("ahead", "draft", "want"), [
@@ -939,6 +975,8 @@ def test_a_request_arriving_mid_round_is_prefilled_between_the_rounds_stages(
     of a round's pass: the first to arrive is prefilled there and its first token sent at once
     (`early`), while the round is still in flight; one fill a step, so a second arrival waits
     for the next step's. Every row, the late ones included, decodes exactly as alone."""
+    import mtpkit.decoder.scheduler as scheduler_module
+    import mtpkit.decoder.session as session_module
     from mtpkit.decoder.batch import Batch
     from mtpkit.decoder.batch_cache import RowKVCache
     from mtpkit.decoder.scheduler import Event, Scheduler
@@ -951,6 +989,8 @@ def test_a_request_arriving_mid_round_is_prefilled_between_the_rounds_stages(
     alone = _alone(runner, prompts, each)
     monkeypatch.setattr(runner.trunk, "passes", None)  # stock passes with synchronous rounds,
     batch = Batch(runner.trunk, runner.head)  # as on a CPU (a GPU pipelines and traces them)
+    monkeypatch.setattr(session_module, "bounded_by_default", lambda: False)  # each prompt
+    monkeypatch.setattr(scheduler_module, "prefill_pays", lambda: False)  # one chunk, alone
     batch.pipelined = False
     scheduler = Scheduler(batch, 5, runner.batch_paid, solo=False)
     requests = [runner.prepare(p, **e) for p, e in zip(prompts, each, strict=True)]
