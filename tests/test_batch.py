@@ -462,15 +462,10 @@ def test_a_new_batch_size_borrows_the_nearest_sizes_timings() -> None:
 
     from mtpkit.decoder.batch_policy import EXPLORE, BatchPolicy
     from mtpkit.decoder.curve import CostCurve
-    from mtpkit.decoder.policy import MIN_OBSERVED, DepthPolicy
+    from mtpkit.decoder.policy import MIN_OBSERVED
 
     curve = CostCurve([0.01] * 16, 0.01, 0.0)
-    rows = []
-    for _ in range(4):
-        row = DepthPolicy(curve, 3)
-        for i in range(40):
-            row.record(3, 3 if i % 10 else 0)  # 90% of drafts kept
-        rows.append(SimpleNamespace(policy=row, session=SimpleNamespace(head=1, depth=3)))
+    rows = _keen_rows(curve, 3)
     policy = BatchPolicy(curve, 3)
     for depth in range(EXPLORE + 1):
         for _ in range(MIN_OBSERVED):
@@ -480,6 +475,21 @@ def test_a_new_batch_size_borrows_the_nearest_sizes_timings() -> None:
         policy.observe(3, [SimpleNamespace(depth=3, paid_s=0.2)])
     assert policy.depth(rows[:3], 3) == 2 and policy.decided
     assert policy.depth(rows, 4) == 3
+
+
+def _keen_rows(curve: Any, max_depth: int) -> list[Any]:
+    """Four auto rows (as the batch policy sees them) whose head kept 90% of depth-3 drafts."""
+    from types import SimpleNamespace
+
+    from mtpkit.decoder.policy import DepthPolicy
+
+    rows = []
+    for _ in range(4):
+        row = DepthPolicy(curve, max_depth)
+        for i in range(40):
+            row.record(3, 3 if i % 10 else 0)
+        rows.append(SimpleNamespace(policy=row, session=SimpleNamespace(head=1, depth=3)))
+    return rows
 
 
 def _pipelined_seen(monkeypatch: pytest.MonkeyPatch, name: str = "plain_steps",
@@ -507,19 +517,13 @@ def test_pipelined_prices_alone_need_no_exploring_and_extend_deeper() -> None:
     """A GPU's tune times every depth pipelined (and plain rounds): a runner starting from
     those prices explores nothing synchronously, climbs by what is timed either way, and
     prices one depth beyond by extending the pipelined prices."""
-    from types import SimpleNamespace
 
     from mtpkit.decoder.batch_policy import PIPED, BatchPolicy, piped
     from mtpkit.decoder.curve import CostCurve
-    from mtpkit.decoder.policy import MIN_OBSERVED, DepthPolicy
+    from mtpkit.decoder.policy import MIN_OBSERVED
 
     curve = CostCurve([0.001] * 16, 0.001, 0.0)  # one sequence's rounds: far cheaper
-    rows = []
-    for _ in range(4):
-        row = DepthPolicy(curve, 5)
-        for i in range(40):
-            row.record(3, 3 if i % 10 else 0)  # 90% of drafts kept
-        rows.append(SimpleNamespace(policy=row, session=SimpleNamespace(head=1, depth=3)))
+    rows = _keen_rows(curve, 5)
     policy = BatchPolicy(curve, 5)
     for key, cost in {0: 0.02, PIPED: 0.012, piped(1): 0.014, piped(2): 0.016,
                       piped(3): 0.018}.items():
@@ -540,18 +544,13 @@ def test_a_stale_neighbouring_price_is_taken_again(monkeypatch: pytest.MonkeyPat
     import mtpkit.decoder.batch_policy as batch_policy
     from mtpkit.decoder.batch_policy import BatchPolicy, Prices, piped
     from mtpkit.decoder.curve import CostCurve
-    from mtpkit.decoder.policy import MIN_OBSERVED, DepthPolicy
+    from mtpkit.decoder.policy import MIN_OBSERVED
     from mtpkit.decoder.scheduler import SPEC_ROUNDS
 
     clock = [100.0]
     monkeypatch.setattr(batch_policy.time, "monotonic", lambda: clock[0])
     curve = CostCurve([0.01] * 16, 0.01, 0.0)
-    rows = []
-    for _ in range(4):
-        row = DepthPolicy(curve, 3)
-        for i in range(40):
-            row.record(3, 3 if i % 10 else 0)  # 90% of drafts kept
-        rows.append(SimpleNamespace(policy=row, session=SimpleNamespace(head=1, depth=3)))
+    rows = _keen_rows(curve, 3)
     paid = Prices()
     policy = BatchPolicy(curve, 3, paid=paid)
     policy.pipelines = policy.overlaps = True
