@@ -222,23 +222,16 @@ def _pairs(table: Any, value: Callable[[Any], Any]) -> dict[tuple[int, int], Any
 
 
 def read(key: dict[str, Any]) -> tuple[Paid, Stock]:
-    """(stored, stored_stock) from one read of the store."""
+    """The round times stored for `key` and which batch pass shapes were timed faster
+    untraced, from one read of the store; {} for none, unreadable or another key's (and no
+    choice from a store from before the comparison, or one interrupted during it: every
+    shape stays traced)."""
     doc = _doc(key)
     return _times(doc), _stock(doc)
 
 
-def stored(key: dict[str, Any]) -> Paid:
-    """The round times stored for `key`; {} for none, unreadable or another key's."""
-    return _times(_doc(key))
-
-
-def stored_stock(key: dict[str, Any]) -> Stock:
-    """Which batch pass shapes were timed faster untraced for `key`; {} for none (a store
-    from before the comparison, or one interrupted during it: every shape stays traced)."""
-    return _stock(_doc(key))
-
-
 def _times(doc: dict[str, Any]) -> Paid:
+    """The round times stored; {} for none, unreadable or another key's."""
     def times(values: Any) -> deque:
         out = [float(t) for t in values]
         if not all(0 < t < 3600 for t in out):
@@ -251,6 +244,7 @@ def _times(doc: dict[str, Any]) -> Paid:
 
 
 def _stock(doc: dict[str, Any]) -> Stock:
+    """Which shapes were timed faster untraced; {} for none."""
     def flag(v: Any) -> bool:
         if not isinstance(v, bool):
             raise TypeError(v)

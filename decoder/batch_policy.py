@@ -66,6 +66,16 @@ PIPED = piped(0)  # what a plain stretch's pipelined steps cost
 STALE_S = 60.0  # a neighbouring depth's pipelined price older than this is taken again
 
 
+def _extended(prices: dict[int, float], depth: int) -> float | None:
+    """`depth`'s price extended linearly in K from the two deepest priced below it (never
+    cheaper than the deeper one), where two are."""
+    below = sorted(k for k in prices if k < depth)
+    if len(below) < 2:
+        return None
+    a, b = below[-2], below[-1]
+    return prices[b] + max((prices[b] - prices[a]) / (b - a), 0.0) * (depth - b)
+
+
 class Prices(dict):
     """Round times by (rows, key) (deques of seconds; a runner's, shared by its batches), and
     when each key was last timed here (`seen`, monotonic seconds; `since`: when these prices
@@ -100,17 +110,12 @@ class BatchPolicy:
         if piped(depth) in timed:  # as it runs: plain as a stretch, rounds pipelined
             return timed[piped(depth)]
         ran = {-1 - k: c for k, c in timed.items() if k < PIPED}  # pipelined rounds, by depth
-        if depth not in timed and len(below := sorted(k for k in ran if k < depth)) >= 2:
-            a, b = below[-2], below[-1]  # (a GPU after tune: extended as they run)
-            return ran[b] + max((ran[b] - ran[a]) / (b - a), 0.0) * (depth - b)
+        if depth not in timed and (cost := _extended(ran, depth)) is not None:
+            return cost  # (a GPU after tune: extended as they run)
         if depth in timed:
             cost = timed[depth]
-        else:
-            below = sorted(k for k in timed if 0 <= k < depth)
-            if len(below) < 2:
-                return self._single(depth)
-            a, b = below[-2], below[-1]
-            cost = timed[b] + max((timed[b] - timed[a]) / (b - a), 0.0) * (depth - b)
+        elif (cost := _extended({k: c for k, c in timed.items() if k >= 0}, depth)) is None:
+            return self._single(depth)
         # a synchronous price, scaled by what pipelining saved at the depths run both ways
         saved = [timed[piped(k)] / timed[k] for k in timed if k > 0 and piped(k) in timed]
         if not saved and self.pipelines and PIPED in timed and 0 in timed:

@@ -327,19 +327,26 @@ class Scheduler:
             read += 1
             if self._wanted():
                 return True
-            if (read + 1 < SPEC_ROUNDS or self.policy is None or not auto_rows
+            if (read + 1 < SPEC_ROUNDS or not auto_rows
                     or any(r.finish is not None for r in self.active)):
                 return False
             read = 0
-            chosen = self.policy.depth(auto_rows, len(self.active))
-            if chosen == depth and self.policy.decided:
-                return False
-            if chosen > 0 and self.policy.decided:  # the next stretch's, as chosen (a probe)
-                self.next_depth = (len(self.active), chosen)
-            return True
+            return self._chosen_otherwise(auto_rows, depth)
 
         self.spec = self.batch.spec_rounds(depth, rounds, stop,
                                            lambda b: self.active[b].finish is not None)
+        return True
+
+    def _chosen_otherwise(self, auto_rows: list[Request], depth: int) -> bool:
+        """The policy's choice at a pipelined stretch's check: whether it is not `depth` again
+        (the stretch then ends). A different depth chosen on prices (a probe among them) is
+        what the next stretch runs: `_asks` takes it rather than choosing again."""
+        assert self.policy is not None
+        chosen = self.policy.depth(auto_rows, len(self.active))
+        if chosen == depth and self.policy.decided:
+            return False
+        if chosen > 0 and self.policy.decided:
+            self.next_depth = (len(self.active), chosen)
         return True
 
     def _spec_step(self) -> list[Event] | None:

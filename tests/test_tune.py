@@ -188,7 +188,7 @@ def test_tune_times_batched_rounds_and_runners_start_from_them(built: Callable[.
 
     runner = load(bundle)
     curve = runner.costs()
-    stored = batch_costs.stored(curve.key)
+    stored, _ = batch_costs.read(curve.key)
     assert len(stored[(3, PIPED)]) >= batch_costs.ROUNDS
     assert {k: list(v) for k, v in runner.batch_paid.items()} == \
         {k: list(v) for k, v in stored.items()}
@@ -224,7 +224,7 @@ def test_an_interrupted_batch_timing_keeps_what_it_timed(built: Callable[..., Pa
     with pytest.raises(KeyboardInterrupt):
         runner.batch_costs(4)
     key = runner.costs().key
-    assert {k: list(v) for k, v in batch_costs.stored(key).items()} == {(2, -1): [0.01, 0.011,
+    assert {k: list(v) for k, v in batch_costs.read(key)[0].items()} == {(2, -1): [0.01, 0.011,
                                                                                   0.012]}
     monkeypatch.setattr(batch_costs, "measure", real)
     paid, timed = runner.batch_costs(2)
@@ -306,7 +306,7 @@ def test_a_traced_trunk_times_its_batch_passes_both_ways_and_keeps_the_faster(
     assert any(what.endswith("untraced") for what, _, _ in lines)
     assert lines[-1][1] == lines[-1][2] == 2 * len(batch_costs.shapes(batch_costs.deepest(runner)))
     key = runner.costs().key
-    assert batch_costs.stored_stock(key) == runner.trunk.passes.stock_rows
+    assert batch_costs.read(key)[1] == runner.trunk.passes.stock_rows
     assert runner.trunk.passes.stock_rows[(2, 1)] is True
 
     later = load(bundle)
