@@ -15,12 +15,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import bench_batch as bb  # noqa: E402
 
 
-def _summary(steps: list[tuple[str, float]]) -> dict[str, tuple[int, float, int]]:
-    """(count, median ms, total ms) per kind."""
+def _summary(steps: list[tuple[str, float]]) -> dict[str, tuple[int, float, float, int]]:
+    """(count, median ms, max ms, total ms) per kind."""
     kinds: dict[str, list[float]] = {}
     for kind, ms in steps:
         kinds.setdefault(kind, []).append(ms)
-    return {k: (len(v), round(statistics.median(v), 2), round(sum(v))) for k, v in kinds.items()}
+    return {k: (len(v), round(statistics.median(v), 2), round(max(v), 1), round(sum(v)))
+            for k, v in kinds.items()}
+
+
+DEPTH = [0]  # the depth of the pipelined stretch running (its steps' kind says it)
+
+
+def _log_depths() -> None:
+    """Label each pipelined stretch's steps with its depth (Batch.spec_rounds)."""
+    from mtpkit.decoder.batch import Batch
+
+    stock = Batch.spec_rounds
+
+    def labelled(self, depth, *args, **kwargs):
+        DEPTH[0] = depth
+        yield from stock(self, depth, *args, **kwargs)
+
+    Batch.spec_rounds = labelled
 
 
 PASSES: list[tuple] = []  # each trunk pass under `--shapes`: (rows, width, key buffer,
@@ -70,8 +87,8 @@ def run(runner, prompts, tokens, depth, label, shapes=False):
             if shapes and not _warm and (part == "tail" or dt > 0.03):
                 print(f"    {part} {kind}/{sch.rows} {dt * 1000:.1f} ms passes {PASSES[:3]}"
                       f"{'...' if len(PASSES) > 3 else ''} ({len(PASSES)})", flush=True)
-            kind = ("spec" if sch.spec is not None else "piped" if sch.stretch is not None
-                    else kind)
+            kind = (f"spec{DEPTH[0]}" if sch.spec is not None
+                    else "piped" if sch.stretch is not None else kind)
             total += sum(len(e.tokens) for e in events)
             if part == "start" and sch.rows == len(prompts):
                 part = "steady"
@@ -82,6 +99,10 @@ def run(runner, prompts, tokens, depth, label, shapes=False):
     print(label, f"{total / wall:.1f} tok/s wall {wall:.2f}s", flush=True)
     for name, steps in parts.items():
         print(f"  {name}: {sum(ms for _, ms in steps):.0f} ms", _summary(steps), flush=True)
+        slow = [(i, k, round(ms)) for i, (k, ms) in enumerate(steps)
+                if ms > 1.5 * statistics.median(m for _, m in steps)]
+        if slow:
+            print(f"    slow steps (index, kind, ms): {slow[:24]}", flush=True)
 
 
 def theirs(model, prompts, tokens, label):
@@ -159,6 +180,7 @@ def main() -> None:
     depths = args.depths.split(",")
     if args.shapes:
         _log_passes()
+    _log_depths()
     model = llama8b(4, small=args.small)
     trunk = Trunk(model)
     if cuda_available():

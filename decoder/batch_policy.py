@@ -16,7 +16,8 @@ rounds of 8 rows lost to plain rounds of 8 under the single-sequence curve's sca
 round's wall time is kept per shape (median of the last WINDOW), and the first rounds explore
 depths 0..EXPLORE (MIN_OBSERVED rounds each; plain as a short pipelined stretch, the way it
 runs when chosen) so that plain and shallow rounds are timed too; a batch size not timed yet
-borrows the nearest size's times until its own are taken (rows join and leave all the time);
+borrows the nearest size's times until its own are taken (rows join and leave all the time;
+a smaller size lends no depth that no size at least as large has timed);
 one depth beyond the deepest timed is a candidate, priced
 by extending the two deepest timed ones linearly in K (so the policy climbs one untimed depth
 at a time, never jumping to a deep shape on an extrapolation). The timings live on the runner
@@ -125,15 +126,21 @@ class BatchPolicy:
     def _timed(self, rows: int) -> dict[int, float]:
         """Median round times at this size; a shape not yet timed here borrows the nearest
         size's (rows join and leave all the time: exploring every size anew would spend
-        synchronous rounds at each, and the shape chosen is then timed here as it runs)."""
+        synchronous rounds at each, and the shape chosen is then timed here as it runs). A
+        smaller batch lends no shape that no batch of at least this size has timed: its price
+        would be too cheap here, and such a depth is priced by extending this size's own
+        (the H100's 8-row oracle, borrowing 4-row prices for depths 5-6, ran 16-round
+        stretches at depths 6 and 7: 39 and 73 ms rounds against 15 ms at depth 1)."""
         sizes: dict[int, dict[int, float]] = {}
         for (b, k), seen in self.paid.items():
             if len(seen) >= MIN_OBSERVED:
                 sizes.setdefault(b, {})[k] = statistics.median(seen)
+        larger = {k for b, keys in sizes.items() if b >= rows for k in keys}
         timed: dict[int, float] = {}
         for b in sorted(sizes, key=lambda b: (abs(b - rows), -b)):  # this size, then nearest
             for k, c in sizes[b].items():
-                timed.setdefault(k, c)
+                if b >= rows or not larger or k in larger:
+                    timed.setdefault(k, c)
         return timed
 
     def _single(self, depth: int) -> float:

@@ -477,6 +477,32 @@ def test_a_new_batch_size_borrows_the_nearest_sizes_timings() -> None:
     assert policy.depth(rows, 4) == 3
 
 
+def test_a_smaller_batch_lends_no_deeper_shape_than_this_size_has_timed() -> None:
+    """A 4-row batch's cheap deep rounds do not price an 8-row batch's: depths no batch of 8
+    or more has timed are priced by extending the 8-row prices (the old borrowing chose
+    depth 7 here); shapes 8 rows have timed are still lent to a batch of 7."""
+    from mtpkit.decoder.batch_policy import PIPED, BatchPolicy, piped
+    from mtpkit.decoder.curve import CostCurve
+    from mtpkit.decoder.policy import MIN_OBSERVED
+
+    curve = CostCurve([0.001] * 16, 0.001, 0.0)
+    rows = _keen_rows(curve, 8) * 2
+    policy = BatchPolicy(curve, 8)
+    prices = {(8, PIPED): 0.014, (8, piped(1)): 0.015, (8, piped(2)): 0.020,
+              (8, piped(3)): 0.027, (8, piped(4)): 0.036,
+              (4, piped(4)): 0.017, (4, piped(5)): 0.018, (4, piped(6)): 0.019}
+    for (size, key), cost in prices.items():
+        for _ in range(MIN_OBSERVED):
+            policy._paid(size, key, cost)
+    timed = policy._timed(8)
+    assert piped(5) not in timed and piped(6) not in timed
+    assert timed[piped(4)] == pytest.approx(0.036)
+    assert policy.cost(8, 6, timed) == pytest.approx(0.036 + 2 * 0.009)
+    assert policy.depth(rows, 8) == 2 and policy.decided  # (the best of the 8-row prices)
+    assert policy._timed(7) == {k: c for (size, k), c in prices.items() if size == 8}
+    assert policy.depth(rows[:4], 4) >= 6  # (4 rows: their own cheap deep rounds)
+
+
 def _keen_rows(curve: Any, max_depth: int) -> list[Any]:
     """Four auto rows (as the batch policy sees them) whose head kept 90% of depth-3 drafts."""
     from types import SimpleNamespace
