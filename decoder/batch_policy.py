@@ -64,7 +64,9 @@ def piped(depth: int) -> int:
 
 
 PIPED = piped(0)  # what a plain stretch's pipelined steps cost
-STALE_S = 60.0  # a neighbouring depth's pipelined price older than this is taken again
+STALE_S = 60.0  # a neighbouring depth's pipelined price older than this is taken again,
+PROBE_ROUNDS = 64 * 16  # once this many rounds of its size have run since: probes spend at
+# most 1/64 of the rounds (a probe is a 16-round stretch), however bursty the traffic
 
 
 def _extended(prices: dict[int, float], depth: int) -> float | None:
@@ -80,12 +82,27 @@ def _extended(prices: dict[int, float], depth: int) -> float | None:
 class Prices(dict):
     """Round times by (rows, key) (deques of seconds; a runner's, shared by its batches), and
     when each key was last timed here (`seen`, monotonic seconds; `since`: when these prices
-    began, for those taken elsewhere: tune's, from disk)."""
+    began, for those taken elsewhere: tune's, from disk; `at`: how many rounds of its size
+    had run by then, of `rounds` run at each size here)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.seen: dict[tuple[int, int], float] = {}
         self.since = time.monotonic()
+        self.rounds: dict[int, int] = {}
+        self.at: dict[tuple[int, int], int] = {}
+
+    def timed(self, rows: int, key: int) -> None:
+        """`key` was timed (or asked for) at `rows` rows now."""
+        self.seen[(rows, key)] = time.monotonic()
+        self.at[(rows, key)] = self.rounds.get(rows, 0)
+
+    def stale(self, rows: int, key: int, now: float) -> float | None:
+        """How long ago `key` was last timed at this size, where that is over STALE_S and
+        PROBE_ROUNDS rounds of this size have run since (else None)."""
+        age = now - self.seen.get((rows, key), self.since)
+        worked = self.rounds.get(rows, 0) - self.at.get((rows, key), 0)
+        return age if age > STALE_S and worked >= PROBE_ROUNDS else None
 
 
 @dataclass
@@ -196,7 +213,8 @@ class BatchPolicy:
 
     def _probe(self, rows: int, depth: int, deepest: int) -> int:
         """`depth`, or where rounds run pipelined, a neighbouring depth whose pipelined price
-        at this size was last taken over STALE_S ago (the older of the two): it runs a
+        at this size was last taken over STALE_S and PROBE_ROUNDS rounds ago (`Prices.stale`;
+        the older of the two): it runs a
         stretch (decided, so pipelined: SPEC_ROUNDS rounds, more than the WINDOW its price is
         the median of), which prices it afresh. Only the chosen depth is timed as it runs, so
         a neighbour's price once taken too dear would never be taken again (on the H200's
@@ -204,17 +222,19 @@ class BatchPolicy:
         batch decoded at depth 2 at 21.6 ms a round: 12% fewer tokens). Once a minute: a
         probe of 6 rounds was cheaper but its median as noisy as the GPU (one at 19.3 ms
         for 15 ms rounds sent a run to depth 2), and probes every 5 s spent a third of a
-        2-second run at the neighbours."""
+        2-second run at the neighbours. Counting rounds as well bounds what probes cost to
+        the decoding done, not to the wall time: on the H100's bench, whose 8-stream batches
+        decode a third of the time between other arms, 16-round probes at depth 3 cost
+        2-5% of the runs they fell in."""
         if not self.overlaps or not isinstance(self.paid, Prices):
             return depth
         now = time.monotonic()
-        ages = {k: now - self.paid.seen.get((rows, piped(k)), self.paid.since)
-                for k in (depth - 1, depth + 1) if 1 <= k <= deepest}
-        stale = [k for k, age in ages.items() if age > STALE_S]
-        if not stale:
+        ages = {k: age for k in (depth - 1, depth + 1) if 1 <= k <= deepest
+                and (age := self.paid.stale(rows, piped(k), now)) is not None}
+        if not ages:
             return depth
-        probe = max(stale, key=lambda k: ages[k])
-        self.paid.seen[(rows, piped(probe))] = now  # (asked once, even if cut short)
+        probe = max(ages, key=lambda k: ages[k])
+        self.paid.timed(rows, piped(probe))  # (asked once, even if cut short)
         return probe
 
     def ask(self, request: Request, depth: int, most: int, headed: bool) -> Ask:
@@ -249,7 +269,8 @@ class BatchPolicy:
     def _paid(self, rows: int, key: int, paid_s: float) -> None:
         self.paid.setdefault((rows, key), deque(maxlen=WINDOW)).append(paid_s)
         if isinstance(self.paid, Prices):
-            self.paid.seen[(rows, key)] = time.monotonic()
+            self.paid.rounds[rows] = self.paid.rounds.get(rows, 0) + 1
+            self.paid.timed(rows, key)
 
     def observe(self, rows: int, outcomes: list[RoundOutcome], pipelined: bool = False) -> None:
         """What a round of `rows` rows paid, under its shape (the deepest draft) and whether

@@ -563,8 +563,9 @@ def test_pipelined_prices_alone_need_no_exploring_and_extend_deeper() -> None:
 
 def test_a_stale_neighbouring_price_is_taken_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """Only the chosen depth is timed as it runs: where rounds run pipelined, a neighbouring
-    depth whose price is older than STALE_S runs once more (decided, so pipelined), and a
-    price once taken too dear stops deciding the depth as soon as it is fresh."""
+    depth whose price is older than STALE_S and PROBE_ROUNDS rounds of its size runs once
+    more (decided, so pipelined), and a price once taken too dear stops deciding the depth
+    as soon as it is fresh."""
     from types import SimpleNamespace
 
     import mtpkit.decoder.batch_policy as batch_policy
@@ -588,6 +589,13 @@ def test_a_stale_neighbouring_price_is_taken_again(monkeypatch: pytest.MonkeyPat
     assert policy.depth(rows) == 2  # every price fresh: depth 2
     clock[0] += batch_policy.STALE_S + 1
     policy._paid(4, piped(2), 0.021)  # depth 2 ran; 1 and 3 were not timed since
+    assert policy.depth(rows) == 2  # stale by the clock, but few rounds decoded since
+    short = batch_policy.PROBE_ROUNDS - (paid.rounds[4] - paid.at[(4, piped(1))]) - 1
+    for _ in range(short):
+        policy._paid(4, piped(2), 0.021)
+    assert paid.stale(4, piped(1), clock[0]) is None  # one round short since depth 1's price
+    policy._paid(4, piped(2), 0.021)
+    assert paid.stale(4, piped(1), clock[0]) == pytest.approx(batch_policy.STALE_S + 1)
     true = {1: 0.012, 3: 0.040}  # what their pipelined rounds cost now
     probed = []
     for _ in range(2):  # the older neighbour, then the other unless depth 1 won already
@@ -940,6 +948,7 @@ def test_a_stale_neighbour_is_probed_in_a_pipelined_stretch(
 
     clock = [0.0]
     monkeypatch.setattr(batch_policy.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(batch_policy, "PROBE_ROUNDS", 8)  # (a short batch's worth)
     base = tiny_runner(vocab=6)
     prompts = [[1, 2, 3, 4], [5, 4, 3], [2, 2, 1]]
     oracle, plain = _oracle_batch(base, prompts, [7, 8, 9], 400)
