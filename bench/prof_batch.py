@@ -132,7 +132,7 @@ def theirs(model, prompts, tokens, label):
 def real(args: argparse.Namespace) -> None:
     """`--bundle B [--dtype D] [--tokens N]`: a real bundle on the serve bench's four loads
     (held_code, held_memo, edit, code; chat ones templated), batched at depth auto, then each
-    alone (what a one-at-a-time server spends on them)."""
+    alone (what a one-at-a-time server spends on them), and what each drafted either way."""
     import mtpkit
     from mtpkit.verify.loads import real_loads
 
@@ -143,13 +143,18 @@ def real(args: argparse.Namespace) -> None:
                else load.fresh(None) for load in loads.values()]
     ids = [runner.encode(p) for p in prompts]
     run(runner, ids, tokens, "auto", f"{len(ids)} prompts batched, depth auto")
+    batched = runner.generate_batch(ids, max_tokens=tokens, depth="auto")
     for _warm in (True, False):
         start = time.perf_counter()
-        for p in ids:
-            for _ in runner.stream(p, tokens, depth="auto"):
-                pass
+        alone = [runner.generate(p, max_tokens=tokens, depth="auto") for p in ids]
         wall = time.perf_counter() - start
     print(f"one at a time: wall {wall:.2f}s", flush=True)
+    for name, b, a in zip(loads, batched, alone, strict=True):  # what each row drafted
+        for way, result in (("batched", b), ("alone", a)):
+            kept = {source: (c["rounds"], c["proposed"], c["accepted"])
+                    for source, c in result.stats.sources.items()}
+            print(f"  {name} {way}: rounds by depth {result.stats.depths}; per source (rounds,"
+                  f" proposed, kept per position) {kept}", flush=True)
 
 
 def main() -> None:
