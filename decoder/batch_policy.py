@@ -17,7 +17,7 @@ round's wall time is kept per shape (median of the last WINDOW), and the first r
 depths 0..EXPLORE (MIN_OBSERVED rounds each; plain as a short pipelined stretch, the way it
 runs when chosen) so that plain and shallow rounds are timed too; a batch size not timed yet
 borrows the nearest size's times until its own are taken (rows join and leave all the time;
-a smaller size lends no depth that no size at least as large has timed);
+a smaller size lends no depth beyond EXPLORE deeper than a size at least as large has timed);
 one depth beyond the deepest timed is a candidate, priced
 by extending the two deepest timed ones linearly in K (so the policy climbs one untimed depth
 at a time, never jumping to a deep shape on an extrapolation). The timings live on the runner
@@ -64,6 +64,13 @@ def piped(depth: int) -> int:
 
 
 PIPED = piped(0)  # what a plain stretch's pipelined steps cost
+
+
+def drafted(key: int) -> int:
+    """The depth a price key stands for (synchronous or pipelined)."""
+    return key if key >= 0 else -1 - key
+
+
 STALE_S = 60.0  # a neighbouring depth's pipelined price older than this is taken again,
 PROBE_ROUNDS = 64 * 16  # once this many rounds of its size have run since: probes spend at
 # most 1/64 of the rounds (a probe is a 16-round stretch), however bursty the traffic
@@ -144,19 +151,21 @@ class BatchPolicy:
         """Median round times at this size; a shape not yet timed here borrows the nearest
         size's (rows join and leave all the time: exploring every size anew would spend
         synchronous rounds at each, and the shape chosen is then timed here as it runs). A
-        smaller batch lends no shape that no batch of at least this size has timed: its price
-        would be too cheap here, and such a depth is priced by extending this size's own
-        (the H100's 8-row oracle, borrowing 4-row prices for depths 5-6, ran 16-round
-        stretches at depths 6 and 7: 39 and 73 ms rounds against 15 ms at depth 1)."""
+        smaller batch lends no depth beyond EXPLORE deeper than a batch of at least this size
+        has timed: its price would be too cheap here, and such a depth is priced by
+        extending this size's own (the H100's 8-row oracle, borrowing 4-row prices for depths
+        5-8, ran 16-round stretches at depths 4-8: 39 ms rounds at depth 6, 73 at depth 7,
+        against 15 at depth 1)."""
         sizes: dict[int, dict[int, float]] = {}
         for (b, k), seen in self.paid.items():
             if len(seen) >= MIN_OBSERVED:
                 sizes.setdefault(b, {})[k] = statistics.median(seen)
-        larger = {k for b, keys in sizes.items() if b >= rows for k in keys}
+        reach = max([EXPLORE] + [drafted(k) for b, keys in sizes.items() if b >= rows
+                                 for k in keys])
         timed: dict[int, float] = {}
         for b in sorted(sizes, key=lambda b: (abs(b - rows), -b)):  # this size, then nearest
             for k, c in sizes[b].items():
-                if b >= rows or not larger or k in larger:
+                if b >= rows or drafted(k) <= reach:
                     timed.setdefault(k, c)
         return timed
 
@@ -201,7 +210,7 @@ class BatchPolicy:
                 self.plain_left = MIN_OBSERVED + 2
             return explore
         plain = self.expected(requests, 0) / self.cost(rows, 0, timed)
-        known = max(k if k >= 0 else -1 - k for k in timed)  # deepest timed, either way
+        known = max(drafted(k) for k in timed)  # deepest timed, either way
         deepest = min(known + 1, self.max_depth)  # climb one untimed depth
         rate, depth = max((self.expected(requests, k) / self.cost(rows, k, timed), k)
                           for k in range(1, deepest + 1))

@@ -478,10 +478,12 @@ def test_a_new_batch_size_borrows_the_nearest_sizes_timings() -> None:
 
 
 def test_a_smaller_batch_lends_no_deeper_shape_than_this_size_has_timed() -> None:
-    """A 4-row batch's cheap deep rounds do not price an 8-row batch's: depths no batch of 8
-    or more has timed are priced by extending the 8-row prices (the old borrowing chose
-    depth 7 here); shapes 8 rows have timed are still lent to a batch of 7."""
-    from mtpkit.decoder.batch_policy import PIPED, BatchPolicy, piped
+    """A 4-row batch's cheap deep rounds do not price an 8-row batch's: depths beyond what a
+    batch of 8 or more has timed (and beyond EXPLORE) are priced by extending the 8-row
+    prices (the old borrowing chose depth 7 here); shapes 8 rows have timed are still lent to
+    a batch of 7, and shallow ones to a larger batch that has timed one depth only (it
+    explores nothing)."""
+    from mtpkit.decoder.batch_policy import EXPLORE, PIPED, BatchPolicy, piped
     from mtpkit.decoder.curve import CostCurve
     from mtpkit.decoder.policy import MIN_OBSERVED
 
@@ -501,6 +503,15 @@ def test_a_smaller_batch_lends_no_deeper_shape_than_this_size_has_timed() -> Non
     assert policy.depth(rows, 8) == 2 and policy.decided  # (the best of the 8-row prices)
     assert policy._timed(7) == {k: c for (size, k), c in prices.items() if size == 8}
     assert policy.depth(rows[:4], 4) >= 6  # (4 rows: their own cheap deep rounds)
+    fresh = BatchPolicy(curve, 8)
+    for key in (PIPED, piped(1), piped(2), piped(3), piped(4), piped(5)):
+        for _ in range(MIN_OBSERVED):
+            fresh._paid(4, key, 0.01)
+    for _ in range(MIN_OBSERVED):
+        fresh._paid(8, piped(1), 0.02)
+    timed = fresh._timed(8)
+    assert fresh._explore(timed) is None
+    assert set(timed) == {PIPED, piped(1), piped(2), piped(3)} and EXPLORE == 3
 
 
 def _keen_rows(curve: Any, max_depth: int) -> list[Any]:
