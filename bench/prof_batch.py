@@ -67,13 +67,16 @@ def _log_passes() -> None:
 
 
 def run(runner, prompts, tokens, depth, label, shapes=False):
+    """Decode `prompts` together twice (the first warms up) and print where the second's time
+    went; returns its requests' statistics."""
     from mtpkit.decoder.batch import Batch
     from mtpkit.decoder.scheduler import Scheduler
 
     for _warm in (True, False):
         sch = Scheduler(Batch(runner.trunk, runner.head), len(prompts), runner.batch_paid)
-        for p in prompts:
-            sch.add(runner.prepare(p, tokens, depth=depth))
+        requests = [runner.prepare(p, tokens, depth=depth) for p in prompts]
+        for request in requests:
+            sch.add(request)
         parts: dict[str, list[tuple[str, float]]] = {"start": [], "steady": [], "tail": []}
         part, total = "start", 0
         start = time.perf_counter()
@@ -103,6 +106,7 @@ def run(runner, prompts, tokens, depth, label, shapes=False):
                 if ms > 1.5 * statistics.median(m for _, m in steps)]
         if slow:
             print(f"    slow steps (index, kind, ms): {slow[:24]}", flush=True)
+    return [r.stats for r in requests]
 
 
 def theirs(model, prompts, tokens, label):
@@ -142,18 +146,17 @@ def real(args: argparse.Namespace) -> None:
     prompts = [[{"role": "user", "content": load.fresh(None)}] if load.chat
                else load.fresh(None) for load in loads.values()]
     ids = [runner.encode(p) for p in prompts]
-    run(runner, ids, tokens, "auto", f"{len(ids)} prompts batched, depth auto")
-    batched = runner.generate_batch(ids, max_tokens=tokens, depth="auto")
+    batched = run(runner, ids, tokens, "auto", f"{len(ids)} prompts batched, depth auto")
     for _warm in (True, False):
         start = time.perf_counter()
-        alone = [runner.generate(p, max_tokens=tokens, depth="auto") for p in ids]
+        alone = [runner.generate(p, max_tokens=tokens, depth="auto").stats for p in ids]
         wall = time.perf_counter() - start
     print(f"one at a time: wall {wall:.2f}s", flush=True)
     for name, b, a in zip(loads, batched, alone, strict=True):  # what each row drafted
-        for way, result in (("batched", b), ("alone", a)):
+        for way, stats in (("batched", b), ("alone", a)):
             kept = {source: (c["rounds"], c["proposed"], c["accepted"])
-                    for source, c in result.stats.sources.items()}
-            print(f"  {name} {way}: rounds by depth {result.stats.depths}; per source (rounds,"
+                    for source, c in stats.sources.items()}
+            print(f"  {name} {way}: rounds by depth {stats.depths}; per source (rounds,"
                   f" proposed, kept per position) {kept}", flush=True)
 
 

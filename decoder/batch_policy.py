@@ -64,16 +64,14 @@ def piped(depth: int) -> int:
 
 
 PIPED = piped(0)  # what a plain stretch's pipelined steps cost
+STALE_S = 60.0  # a neighbouring depth's pipelined price older than this is taken again,
+PROBE_ROUNDS = 64 * 16  # once this many rounds of its size have run since: probes spend at
+# most 1/64 of the rounds (a probe is a 16-round stretch), however bursty the traffic
 
 
 def drafted(key: int) -> int:
     """The depth a price key stands for (synchronous or pipelined)."""
     return key if key >= 0 else -1 - key
-
-
-STALE_S = 60.0  # a neighbouring depth's pipelined price older than this is taken again,
-PROBE_ROUNDS = 64 * 16  # once this many rounds of its size have run since: probes spend at
-# most 1/64 of the rounds (a probe is a 16-round stretch), however bursty the traffic
 
 
 def _extended(prices: dict[int, float], depth: int) -> float | None:
@@ -134,7 +132,7 @@ class BatchPolicy:
         timed = self._timed(rows) if timed is None else timed
         if piped(depth) in timed:  # as it runs: plain as a stretch, rounds pipelined
             return timed[piped(depth)]
-        ran = {-1 - k: c for k, c in timed.items() if k < PIPED}  # pipelined rounds, by depth
+        ran = {drafted(k): c for k, c in timed.items() if k < PIPED}  # pipelined rounds
         if depth not in timed and (cost := _extended(ran, depth)) is not None:
             return cost  # (a GPU after tune: extended as they run)
         if depth in timed:
@@ -228,13 +226,9 @@ class BatchPolicy:
         the median of), which prices it afresh. Only the chosen depth is timed as it runs, so
         a neighbour's price once taken too dear would never be taken again (on the H200's
         oracle tune once priced 8-row depth-1 rounds at 24.2 ms, which ran at 15.2, and the
-        batch decoded at depth 2 at 21.6 ms a round: 12% fewer tokens). Once a minute: a
-        probe of 6 rounds was cheaper but its median as noisy as the GPU (one at 19.3 ms
-        for 15 ms rounds sent a run to depth 2), and probes every 5 s spent a third of a
-        2-second run at the neighbours. Counting rounds as well bounds what probes cost to
-        the decoding done, not to the wall time: on the H100's bench, whose 8-stream batches
-        decode a third of the time between other arms, 16-round probes at depth 3 cost
-        2-5% of the runs they fell in."""
+        batch decoded at depth 2 at 21.6 ms a round: 12% fewer tokens). Counting rounds as
+        well as seconds bounds what probes cost to the decoding done, however bursty the
+        traffic (the probes tried and dropped: docs/batching.md)."""
         if not self.overlaps or not isinstance(self.paid, Prices):
             return depth
         now = time.monotonic()
