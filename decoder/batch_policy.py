@@ -180,19 +180,25 @@ class BatchPolicy:
                 return depth
         return None
 
-    def expected(self, requests: list[Request], depth: int) -> float:
-        """The batch's expected committed tokens in a round at `depth`."""
-        total = 0.0
-        for request in requests:
-            total += 1.0
-            policy, session = request.policy, request.session
-            if depth == 0 or policy is None:
-                continue
-            sources = [s for s in policy.sources
-                       if s != Source.HEAD or (session.head is not None and session.depth > 0)]
-            if sources:
-                total += max(sum(policy.acceptance(s)[:depth]) for s in sources)
-        return total
+    def gains(self, request: Request) -> list[float]:
+        """A row's expected kept drafts in a round at each depth 0..max_depth: its best
+        source's, as `ask` picks it. A context's are those of the match it would draft from
+        now (its tracker by match length) and only as many as it offers: the one-token
+        matches' tracker understated copying rows (held_code kept 79% of its depth-1 context
+        drafts batched, and the batch still chose depth 1 in 119 of 134 rounds)."""
+        out = [0.0] * (self.max_depth + 1)
+        policy, session = request.policy, request.session
+        if policy is None:
+            return out
+        head = (policy.acceptance(Source.HEAD) if Source.HEAD in policy.sources
+                and session.head is not None and session.depth > 0 else [])
+        context: list[float] = []
+        if Source.LOOKUP in policy.sources and session.lookup is not None:
+            drafts, match = session.lookup.propose(self.max_depth)
+            context = policy.acceptance(Source.LOOKUP, match)[:len(drafts)] if drafts else []
+        for k in range(1, self.max_depth + 1):
+            out[k] = max(sum(head[:k]), sum(context[:k]))
+        return out
 
     def depth(self, requests: list[Request], rows: int | None = None) -> int:
         """The depth of the next round for these requests (0: plain steps); `rows`: the
@@ -207,10 +213,15 @@ class BatchPolicy:
             if explore == 0:  # plain is timed as a stretch runs it: pipelined steps
                 self.plain_left = MIN_OBSERVED + 2
             return explore
-        plain = self.expected(requests, 0) / self.cost(rows, 0, timed)
+        gains = [self.gains(r) for r in requests]
+
+        def expected(k: int) -> float:  # the batch's committed tokens in a round at depth k
+            return sum(1.0 + g[k] for g in gains)
+
+        plain = expected(0) / self.cost(rows, 0, timed)
         known = max(drafted(k) for k in timed)  # deepest timed, either way
         deepest = min(known + 1, self.max_depth)  # climb one untimed depth
-        rate, depth = max((self.expected(requests, k) / self.cost(rows, k, timed), k)
+        rate, depth = max((expected(k) / self.cost(rows, k, timed), k)
                           for k in range(1, deepest + 1))
         if rate < MARGIN * plain:
             self.plain_left, self.stretch = self.stretch, min(2 * self.stretch, MAX_STRETCH)

@@ -514,6 +514,48 @@ def test_a_smaller_batch_lends_no_deeper_shape_than_this_size_has_timed() -> Non
     assert set(timed) == {PIPED, piped(1), piped(2), piped(3)} and EXPLORE == 3
 
 
+def test_a_copying_row_is_priced_by_the_match_it_would_draft_from() -> None:
+    """A row whose text repeats (a 40-token line seen before: a match of 8) keeps 95% of the
+    context drafts of long matches and 10% of one-token ones. The batch's expected tokens take
+    the long match's tracker, as the row's draft would, so a depth-3 round pays (old: the
+    one-token matches' tracker, and plain steps); a row whose text offers no match gains
+    nothing from a context, and a mate whose head keeps little leaves it plain."""
+    from types import SimpleNamespace
+
+    from mtpkit.decoder.batch_policy import BatchPolicy
+    from mtpkit.decoder.curve import CostCurve
+    from mtpkit.decoder.lookup import ContextIndex
+    from mtpkit.decoder.options import Source
+    from mtpkit.decoder.policy import MIN_OBSERVED, DepthPolicy
+
+    curve = CostCurve([0.01] * 16, 0.01, 0.0)
+
+    def row(text: list[int]) -> Any:
+        policy = DepthPolicy(curve, 3, sources=(Source.HEAD, Source.LOOKUP))
+        for i in range(40):
+            policy.record(3, 3 if i % 20 else 0, Source.LOOKUP, match=8)
+            policy.record(1, int(i % 10 == 0), Source.LOOKUP, match=1)
+            policy.record(3, 0)  # the head keeps nothing
+        index = ContextIndex()
+        index.extend(text)
+        return SimpleNamespace(policy=policy, session=SimpleNamespace(head=1, depth=3,
+                                                                      lookup=index))
+
+    line = [(7 * i) % 50 for i in range(40)]
+    copying = row(line + line[:10])
+    policy = BatchPolicy(curve, 3)
+    for depth, paid in ((0, 0.010), (1, 0.012), (2, 0.014), (3, 0.016)):
+        for _ in range(MIN_OBSERVED):
+            policy.observe(4, [SimpleNamespace(depth=depth, paid_s=paid)])
+    gains = policy.gains(copying)
+    assert gains[3] == pytest.approx(sum(copying.policy.acceptance(Source.LOOKUP, 8)[:3]))
+    assert gains[3] > 2.5 and sum(copying.policy.acceptance(Source.LOOKUP, 1)[:3]) < 0.5
+    assert policy.depth([copying] * 4) == 3 and policy.decided
+    fresh = row(list(range(50)))  # no earlier occurrence of any suffix
+    assert policy.gains(fresh)[3] == pytest.approx(sum(fresh.policy.acceptance()[:3]))
+    assert policy.depth([fresh] * 4) == 0
+
+
 def _keen_rows(curve: Any, max_depth: int) -> list[Any]:
     """Four auto rows (as the batch policy sees them) whose head kept 90% of depth-3 drafts."""
     from types import SimpleNamespace
