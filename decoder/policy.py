@@ -22,13 +22,8 @@ once MIN_OBSERVED are in. The first round of each shape a runner runs is not cou
 it may have paid a compile), nor is the first round after a plain stretch: it also pays for the
 switch (the head catching up on the stretch). Until plain decoding has been timed, a
 generation starts with a short calibrating plain stretch. These ratios are the machine's, not
-the text's: the runner keeps them across its generations. Acceptance starts afresh each
-time, but a context tracker (by match length) starts from its first-draft rate over the
-runner's earlier generations rather than PRIOR: a lookup is drafted only where its estimate
-beats plain, so with deep lookup rounds scaled dear the prior (0.5) kept copying requests plain
-for their whole generation (SmolLM2's one-at-a-time server: 181 of 190 rounds plain, 10.7 s instead of 4.2;
-the head is probed after every plain stretch, a context is not). A curve given by hand
-(`estimate=False`: a what-if) is taken as it is.
+the text's: the runner keeps them across its generations (acceptance starts afresh each
+time). A curve given by hand (`estimate=False`: a what-if) is taken as it is.
 
 When plain decoding wins, the session decodes plainly (pipelined, as fast as depth 0) for a
 stretch, then probes one depth-1 round to see whether the head has become useful; a probe that
@@ -61,7 +56,6 @@ WINDOW = 15  # paid/predicted cost ratios the policy takes the median of, per so
 MIN_OBSERVED = 3  # round ratios needed before they count (one odd round says little; one
 # plain stretch averages its steps)
 CALIBRATE = 8  # plain tokens decoded first while plain decoding has not been timed as paid
-PRIOR_SEEN = 8  # first drafts of a context tracker, over earlier generations, that set its prior
 LONG_MATCH = 4  # lookups are tracked apart by match length 1, 2, 3, 4+: a rejected one-token
 # match says little about an eight-token one, and one tracker let it starve the long ones
 
@@ -113,8 +107,6 @@ class PaidCosts:
 
     ratios: dict[str, deque] = field(default_factory=dict)
     probes: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # plain steps' worth
-    firsts: dict[str, list[float]] = field(default_factory=dict)  # a context tracker's first
-    # drafts, [kept, tried], over every generation: its prior in the next (`prior`)
     shapes: set[Hashable] = field(default_factory=set)  # of the rounds run here
     _scales: dict[str, float] = field(default_factory=dict)  # asked per depth option: kept
 
@@ -151,12 +143,6 @@ class PaidCosts:
     def timed(self, kind: str) -> bool:
         return bool(self.ratios.get(kind))
 
-    def prior(self, tracker: str, default: float) -> float:
-        """A tracker's first-draft rate over the generations before, once PRIOR_SEEN drafts
-        are in (else `default`)."""
-        kept, tried = self.firsts.get(tracker, (0.0, 0.0))
-        return kept / tried if tried >= PRIOR_SEEN else default
-
     def summary(self) -> dict[str, float]:
         """kind -> the scale in use (for the generation's statistics)."""
         return {kind: self.scale(kind) for kind in self.ratios}
@@ -182,8 +168,7 @@ class DepthPolicy:
                 for n in (range(1, LONG_MATCH + 1) if s == Source.LOOKUP else (0,))]
         keys += [tracker_key(Source.CHAIN)] if {Source.HEAD, Source.LOOKUP} <= set(self.sources) \
             else []
-        self.trackers = self.trackers or {
-            k: Tracker(self.max_depth, self.paid.prior(k, self.prior)) for k in keys}
+        self.trackers = self.trackers or {k: Tracker(self.max_depth, self.prior) for k in keys}
 
     def acceptance(self, source: Source = Source.HEAD, match: int = 0) -> list[float]:
         """a_1..a_max_depth of a source (a lookup's: of matches `match` tokens long)."""
@@ -256,12 +241,7 @@ class DepthPolicy:
             if accepted >= drafted:
                 self.trackers[Source.CHAIN].record(depth - drafted, accepted - drafted)
         else:
-            key = tracker_key(source, match)
-            self.trackers[key].record(depth, accepted)
-            if source == Source.LOOKUP and depth > 0:
-                firsts = self.paid.firsts.setdefault(key, [0.0, 0.0])
-                firsts[0] += accepted > 0
-                firsts[1] += 1
+            self.trackers[tracker_key(source, match)].record(depth, accepted)
         self.chosen[depth] = self.chosen.get(depth, 0) + 1
 
     def observe_round(self, seconds: float, depth: int, source: Source = Source.HEAD,

@@ -19,14 +19,11 @@ from fixtures.decoder_models import OracleHead
 from mtpkit.decoder import costs
 from mtpkit.decoder.controller import Controller
 from mtpkit.decoder.curve import MAX_ROWS, CostCurve
-from mtpkit.decoder.options import Source
 from mtpkit.decoder.policy import (
     CALIBRATE,
     MAX_STRETCH,
     MIN_OBSERVED,
     MIN_STRETCH,
-    PRIOR,
-    PRIOR_SEEN,
     PROBE_SHARE,
     WINDOW,
     DepthPolicy,
@@ -173,36 +170,6 @@ def test_rounds_dearer_than_measured_turn_the_policy_plain() -> None:
     for _ in range(WINDOW):
         given.observe_round(3 * given.cost(deep), deep)
     assert given.paid.scale("head") == 1.0 and given.best() == deep
-
-
-def test_a_context_tracker_starts_from_what_earlier_generations_kept() -> None:
-    """A context is drafted only where its estimate beats plain, and deep lookup rounds scaled
-    dear made the fresh prior (0.5) lose: copying requests decoded plain for their whole
-    generation. A lookup tracker (by match length) now starts from its first-draft rate over
-    the runner's earlier generations (once PRIOR_SEEN drafts are in); the head's stays PRIOR."""
-    timed = replace(gpu_like(), estimate=True)
-    sources = (Source.HEAD, Source.LOOKUP)
-    first = DepthPolicy(timed, 7, sources=sources)
-    for _ in range(WINDOW):
-        first.observe_round(2 * first.cost(3, Source.LOOKUP), 3, Source.LOOKUP)
-        first.observe_plain(1.0 * 16, 16)
-    assert first.choose(7, match=8) == (None, 0)  # the prior loses to plain
-    for i in range(PRIOR_SEEN - 1):
-        first.record(7, 7 if i % 7 else 0, Source.LOOKUP, match=8)  # 6 of 7 kept
-    first.record(2, 0, Source.LOOKUP, match=1)
-    early = DepthPolicy(timed, 7, sources=sources, paid=first.paid)
-    assert early.acceptance(Source.LOOKUP, 8)[0] == pytest.approx(PRIOR)  # 7 < PRIOR_SEEN
-    first.record(7, 7, Source.LOOKUP, match=8)
-    second = DepthPolicy(timed, 7, sources=sources, paid=first.paid)
-    assert second.acceptance(Source.LOOKUP, 8)[0] == pytest.approx(7 / 8)
-    assert second.acceptance(Source.LOOKUP, 1)[0] == pytest.approx(PRIOR)  # one draft only
-    assert second.acceptance(Source.HEAD)[0] == pytest.approx(PRIOR)
-    assert second.choose(7, match=8) == (Source.LOOKUP, 7)
-    for _ in range(2 * PRIOR_SEEN):  # long matches that turn out useless lower it again
-        second.record(7, 0, Source.LOOKUP, match=8)
-    third = DepthPolicy(timed, 7, sources=sources, paid=first.paid)
-    assert third.acceptance(Source.LOOKUP, 8)[0] == pytest.approx(7 / 24)
-    assert third.choose(7, match=8) == (None, 0)
 
 
 def test_auto_reports_what_rounds_and_plain_stretches_paid(qwen: Runner) -> None:
