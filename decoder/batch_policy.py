@@ -110,6 +110,21 @@ class Prices(dict):
         return age if age > STALE_S and worked >= PROBE_ROUNDS else None
 
 
+def _offers(request: Request, width: int, headed: bool
+            ) -> tuple[list[float], list[int], int, list[float]]:
+    """What a row can draft now, up to `width`: its head's acceptance ([] where it has no head
+    drafts: `headed` false or not a source), and its context's drafts, their match length and
+    that match length's acceptance for as many drafts as the context offers."""
+    session, policy = request.session, request.policy
+    assert policy is not None
+    head = policy.acceptance(Source.HEAD) if headed and Source.HEAD in policy.sources else []
+    drafts, match = (session.lookup.propose(width)
+                     if Source.LOOKUP in policy.sources and session.lookup is not None
+                     else ([], 0))
+    context = policy.acceptance(Source.LOOKUP, match)[:len(drafts)] if drafts else []
+    return head, drafts, match, context
+
+
 @dataclass
 class BatchPolicy:
     """The batch's depth per round, from measured (B, K) round costs and every row's own
@@ -187,15 +202,11 @@ class BatchPolicy:
         matches' tracker understated copying rows (held_code kept 79% of its depth-1 context
         drafts batched, and the batch still chose depth 1 in 119 of 134 rounds)."""
         out = [0.0] * (self.max_depth + 1)
-        policy, session = request.policy, request.session
-        if policy is None:
+        if request.policy is None:
             return out
-        head = (policy.acceptance(Source.HEAD) if Source.HEAD in policy.sources
-                and session.head is not None and session.depth > 0 else [])
-        context: list[float] = []
-        if Source.LOOKUP in policy.sources and session.lookup is not None:
-            drafts, match = session.lookup.propose(self.max_depth)
-            context = policy.acceptance(Source.LOOKUP, match)[:len(drafts)] if drafts else []
+        session = request.session
+        headed = session.head is not None and session.depth > 0
+        head, _, _, context = _offers(request, self.max_depth, headed)
         for k in range(1, self.max_depth + 1):
             out[k] = max(sum(head[:k]), sum(context[:k]))
         return out
@@ -255,17 +266,13 @@ class BatchPolicy:
         """A row's draft in a round at `depth` (at most `most` drafts): context drafts where
         they are expected to keep at least what the head's would, else the head's."""
         depth = min(depth, most)
-        session, policy = request.session, request.policy
-        assert policy is not None
-        headed = headed and Source.HEAD in policy.sources
+        assert request.policy is not None
         if depth <= 0:
             return Ask()
-        if session.lookup is not None and Source.LOOKUP in policy.sources:
-            drafts, match = session.lookup.propose(depth)
-            if drafts and (not headed or sum(policy.acceptance(Source.LOOKUP, match)[:len(drafts)])
-                           >= sum(policy.acceptance(Source.HEAD)[:depth])):
-                return Ask(context=tuple(drafts), match=match)
-        return Ask(depth=depth if headed else 0)
+        head, drafts, match, context = _offers(request, depth, headed)
+        if drafts and sum(context) >= sum(head[:depth]):
+            return Ask(context=tuple(drafts), match=match)
+        return Ask(depth=depth if head else 0)
 
     def stretch_steps(self) -> int:
         """Plain steps the batch may take pipelined now (Batch.plain_steps): what is left of
