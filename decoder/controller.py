@@ -62,14 +62,18 @@ class Controller:
         return outcome
 
     def update(self, outcome: RoundOutcome) -> None:
-        """What a verified round kept and paid, into the policy (the first round after the
-        prefill or a plain stretch also paid the switch: its cost is left out)."""
+        """What a verified round kept and paid, into the policy (the first head round after
+        the prefill or a plain stretch also paid the switch, the head fed the pairs it was
+        owed: its cost is left out; a context round feeds the head nothing and counts)."""
         if outcome.depth > 0:
             policy, o = self.policy, outcome
             policy.record(o.depth, o.kept, o.source, o.drafted, o.match)
-            if not self.switched:  # the shape a pass may have compiled: the caches as it left them
+            if not self.switched or o.source == Source.LOOKUP:
+                # the shape a pass may have compiled: the caches as it left them (the pairs
+                # a context round leaves owed are fed at the next head round, not in it)
                 session = self.session
-                shape = (o.source, o.width, o.owed, extent(session.cache),
+                owed = 0 if o.source == Source.LOOKUP else o.owed
+                shape = (o.source, o.width, owed, extent(session.cache),
                          extent(session.mtp_cache))
                 policy.observe_round(o.paid_s, o.depth, o.source, o.drafted, shape)
             self.session.stats.predicted_s += policy.cost(o.depth, o.source, o.drafted)

@@ -103,12 +103,19 @@ class Tracker:
 @dataclass
 class PaidCosts:
     """Ratios of what rounds (per source) and plain steps cost as decoding paid them to what the
-    curve predicted: the median of the last WINDOW of each (1.0 before any)."""
+    curve predicted: the median of the last WINDOW of each (1.0 before any), and per source and
+    depth (`by_depth`): a round's surplus over the curve grows with its width where the context
+    is longer than the curve's (attention over W x S scores: on a CPU, depth-8 context rounds
+    at 700-950 tokens paid 1.37x the curve while shallow ones paid about what it said), so
+    one scale per source priced every shallow round by the deep ones and locked requests into
+    plain steps (docs/benchmarks-history.md, sixth and ninth sessions)."""
 
     ratios: dict[str, deque] = field(default_factory=dict)
+    by_depth: dict[tuple[str, int], deque] = field(default_factory=dict)
     probes: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # plain steps' worth
     shapes: set[Hashable] = field(default_factory=set)  # of the rounds run here
-    _scales: dict[str, float] = field(default_factory=dict)  # asked per depth option: kept
+    _scales: dict[tuple[str, int | None], float] = field(default_factory=dict)  # asked per
+    # depth option: kept until the next ratio
 
     def first_of(self, shape: Hashable) -> bool:
         """Whether this is the first round of its shape here (and remember it)."""
@@ -120,17 +127,43 @@ class PaidCosts:
         """The shortest plain stretch that the median probe's extra cost is PROBE_SHARE of."""
         return math.ceil(statistics.median(self.probes) / PROBE_SHARE) if self.probes else 0
 
-    def add(self, kind: str, paid: float, predicted: float) -> None:
+    def add(self, kind: str, paid: float, predicted: float, depth: int | None = None) -> None:
         if predicted > 0 and paid > 0:
             self.ratios.setdefault(kind, deque(maxlen=WINDOW)).append(paid / predicted)
+            if depth is not None:
+                self.by_depth.setdefault((kind, depth), deque(maxlen=WINDOW)).append(
+                    paid / predicted)
             self._scales.clear()
 
-    def scale(self, kind: str) -> float:
+    def scale(self, kind: str, depth: int | None = None) -> float:
         """The kind's median ratio; a source not yet seen takes the median of every round's;
-        1.0 until MIN_OBSERVED ratios are in."""
-        if kind not in self._scales:
-            self._scales[kind] = self._median(kind)
-        return self._scales[kind]
+        1.0 until MIN_OBSERVED ratios are in. With `depth`: that depth's (`_at`)."""
+        key = (kind, depth)
+        if key not in self._scales:
+            self._scales[key] = self._median(kind) if depth is None else self._at(kind, depth)
+        return self._scales[key]
+
+    def _at(self, kind: str, depth: int) -> float:
+        """A round of `depth` drafts from `kind`: the median of what rounds of that depth paid
+        (MIN_OBSERVED of them); between two such depths, linear in depth; beyond the deepest,
+        the deepest's; below the shallowest, linear toward plain steps' ratio at depth 0 where
+        plain is timed (a narrow pass is nearly a plain step), else the shallowest's. A depth
+        priced too cheap this way is chosen, paid and corrected; one priced too dear by a
+        deeper one's ratio would never have been. No depth of the kind timed: its median."""
+        points = {d: statistics.median(q) for (k, d), q in self.by_depth.items()
+                  if k == kind and len(q) >= MIN_OBSERVED}
+        if not points:
+            return self._median(kind)
+        if depth in points:
+            return points[depth]
+        below = [d for d in points if d < depth]
+        if not below and self.timed("plain"):
+            points[0], below = self._median("plain"), [0]
+        above = [d for d in points if d > depth]
+        if not below or not above:
+            return points[min(above)] if not below else points[max(below)]
+        lo, hi = max(below), min(above)
+        return points[lo] + (points[hi] - points[lo]) * (depth - lo) / (hi - lo)
 
     def _median(self, kind: str) -> float:
         seen = list(self.ratios.get(kind, ()))
@@ -187,7 +220,8 @@ class DepthPolicy:
         if depth == 0:
             return 1.0 / (self.curve.plain * self.paid.scale("plain"))
         a = self.acceptance(source) if acceptance is None else acceptance
-        return (1.0 + sum(a[:depth])) / (self.cost(depth, source) * self.paid.scale(source))
+        return (1.0 + sum(a[:depth])) / (self.cost(depth, source)
+                                        * self.paid.scale(source, depth))
 
     def choose(self, lookup_width: int = 0, sources: tuple[Source, ...] | None = None,
                match: int = 0) -> tuple[Source | None, int]:
@@ -250,7 +284,7 @@ class DepthPolicy:
         the first of its `shape` (the verify width and the cache buffers): that one may have
         compiled."""
         if self.curve.estimate and (shape is None or not self.paid.first_of(shape)):
-            self.paid.add(source, seconds, self.cost(depth, source, drafted))
+            self.paid.add(source, seconds, self.cost(depth, source, drafted), depth)
 
     def observe_probe(self, seconds: float, tokens: int) -> None:
         """What a probe after a plain stretch took, committing `tokens` (a measured curve

@@ -145,9 +145,10 @@ def test_first_round_of_a_shape_is_not_counted() -> None:
 
 def test_rounds_dearer_than_measured_turn_the_policy_plain() -> None:
     """A measured curve says depth 3 pays (1.5x at 70%); rounds that really cost three times
-    what it predicts make plain decoding the choice, and rounds paid as predicted bring the
-    speculation back. Odd one-off rounds (a trace, a stalled host) do not move the median. A
-    curve given by hand is a what-if: observations leave it alone."""
+    what it predicts (at every depth, once tried) make plain decoding the choice, and rounds
+    paid as predicted bring the speculation back. Odd one-off rounds (a trace, a stalled
+    host) do not move the median. A curve given by hand is a what-if: observations leave it
+    alone."""
     timed = replace(gpu_like(), estimate=True)
     policy = trained(timed, [0.7, 0.5, 0.35, 0.25])
     deep = policy.best()
@@ -157,7 +158,14 @@ def test_rounds_dearer_than_measured_turn_the_policy_plain() -> None:
     for _ in range(WINDOW):
         policy.observe_round(3 * policy.cost(deep), deep)
         policy.observe_plain(1.0 * 16, 16)
-    assert policy.paid.scale("head") == pytest.approx(3.0) and policy.best() == 0
+    assert policy.paid.scale("head") == pytest.approx(3.0)
+    # a shallower depth, not run yet, is priced between plain steps' ratio and depth `deep`'s:
+    # tried, it pays as dear, and plain decoding is the choice
+    assert 0 < policy.best() < deep
+    for _ in range(WINDOW):
+        for depth in range(1, deep):
+            policy.observe_round(3 * policy.cost(depth), depth)
+    assert policy.best() == 0
     for _ in range(WINDOW // 2 + 1):
         policy.observe_round(policy.cost(deep), deep)
     policy.observe_round(100 * policy.cost(deep), deep)  # one outlier
@@ -170,6 +178,61 @@ def test_rounds_dearer_than_measured_turn_the_policy_plain() -> None:
     for _ in range(WINDOW):
         given.observe_round(3 * given.cost(deep), deep)
     assert given.paid.scale("head") == 1.0 and given.best() == deep
+
+
+def test_deep_rounds_paying_more_than_the_curve_do_not_price_the_shallow_ones() -> None:
+    """Each depth is scaled by what rounds of that depth paid: context rounds at depth 8 paying
+    1.4x the curve (attention over a longer context than the curve's) leave a depth-2 context
+    round, never run yet, priced between plain steps' ratio and theirs, so a long match that
+    pays at depth 2 is taken; once depth-2 rounds have paid, their own ratio prices them. One
+    scale per source priced depth 2 at 1.4x too and decoded plain (the ninth session's
+    one-at-a-time requests, plain for 181 of 190 rounds)."""
+    timed = replace(cpu_like(), verify=[1.0 + 0.1 * t for t in range(16)], estimate=True)
+    policy = DepthPolicy(timed, 8, sources=("head", "lookup"))
+    for _ in range(WINDOW):
+        policy.observe_round(1.4 * policy.cost(8, "lookup"), 8, "lookup")
+        policy.observe_plain(0.8 * 16, 16)
+    assert policy.paid.scale("lookup", 8) == pytest.approx(1.4)
+    assert policy.paid.scale("lookup", 2) == pytest.approx(0.8 + 0.6 * 2 / 8)
+    assert policy.paid.scale("lookup", 12) == pytest.approx(1.4)  # beyond: the deepest's
+    assert policy.paid.scale("lookup") == pytest.approx(1.4)  # the source's, for reports
+    # a new generation: its long-match tracker starts from the prior (0.5); at 1.4x depth 2
+    # loses to plain steps, at its interpolated scale it wins
+    fresh = DepthPolicy(timed, 8, sources=("head", "lookup"), paid=policy.paid)
+    a = fresh.acceptance("lookup", 6)
+    for depth in (1, 2):
+        pooled = (1 + sum(a[:depth])) / (fresh.cost(depth, "lookup") * 1.4)
+        assert pooled < fresh.rate(0) < fresh.rate(depth, a, "lookup")
+    assert fresh.choose(lookup_width=2, match=6)[0] == "lookup"
+    for _ in range(MIN_OBSERVED):
+        policy.observe_round(1.6 * policy.cost(2, "lookup"), 2, "lookup")
+    assert policy.paid.scale("lookup", 2) == pytest.approx(1.6)
+    assert policy.paid.scale("lookup", 5) == pytest.approx(1.5)  # between two timed depths
+    assert policy.paid.scale("head", 1) == policy.paid.scale("head")  # no head depth timed
+
+
+def test_context_rounds_are_timed_after_a_stretch_and_whatever_pairs_they_leave_owed() -> None:
+    """A context round feeds the head nothing: the first one after a plain stretch pays no
+    switch, and the pairs it leaves owed (more after every context round) do not make each a
+    new shape. So context rounds are timed as they run; before, a request that drafted from
+    its context after every plain stretch never corrected its context scale."""
+    from types import SimpleNamespace
+
+    from mtpkit.decoder.options import Source
+    from mtpkit.decoder.session import RoundOutcome
+    from mtpkit.decoder.stats import Stats
+
+    policy = DepthPolicy(replace(cpu_like(), estimate=True), 8, sources=("head", "lookup"))
+    session = SimpleNamespace(cache=[], mtp_cache=[], stats=Stats())
+    controller = Controller(session, policy)  # type: ignore[arg-type]
+    cost = policy.cost(4, "lookup")
+    for owed in (3, 8, 13, 18):  # each round right after a plain stretch
+        controller.switched = True
+        controller.update(RoundOutcome([1] * 5, 4, 4, Source.LOOKUP, 0, 6, 2 * cost, 5, owed))
+    assert list(policy.paid.by_depth[("lookup", 4)]) == [pytest.approx(2.0)] * 3  # 1st: shape
+    controller.switched = True
+    controller.update(RoundOutcome([1, 2], 1, 1, Source.HEAD, 1, 0, 9.0, 2, 30))
+    assert "head" not in policy.paid.ratios  # a head round after a stretch paid the switch
 
 
 def test_auto_reports_what_rounds_and_plain_stretches_paid(qwen: Runner) -> None:
