@@ -67,6 +67,10 @@ PIPED = piped(0)  # what a plain stretch's pipelined steps cost
 STALE_S = 60.0  # a neighbouring depth's pipelined price older than this is taken again,
 PROBE_ROUNDS = 64 * 16  # once this many rounds of its size have run since: probes spend at
 # most 1/64 of the rounds (a probe is a 16-round stretch), however bursty the traffic
+FIRST_PROBE = 4 * 16  # a price never timed by this process (tune's, from disk) is taken again
+# once this many rounds of its size have run: once per price, and tune's can be far off (on
+# the H100's oracle, 8-row depth-1 rounds priced 17.6-18.4 ms ran at 13.6, and whole 8-stream
+# runs went at depth 2 instead: 641-653 tok/s against 729)
 
 
 def drafted(key: int) -> int:
@@ -104,9 +108,12 @@ class Prices(dict):
 
     def stale(self, rows: int, key: int, now: float) -> float | None:
         """How long ago `key` was last timed at this size, where that is over STALE_S and
-        PROBE_ROUNDS rounds of this size have run since (else None)."""
+        PROBE_ROUNDS rounds of this size have run since, or where this process never timed
+        it and FIRST_PROBE rounds have (else None)."""
         age = now - self.seen.get((rows, key), self.since)
         worked = self.rounds.get(rows, 0) - self.at.get((rows, key), 0)
+        if (rows, key) not in self.seen:
+            return age if worked >= FIRST_PROBE else None
         return age if age > STALE_S and worked >= PROBE_ROUNDS else None
 
 

@@ -667,6 +667,53 @@ def test_a_stale_neighbouring_price_is_taken_again(monkeypatch: pytest.MonkeyPat
     assert policy.depth(rows) == 1
 
 
+def test_a_price_from_tune_is_taken_again_once_after_a_few_stretches(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prices loaded from tune's store were timed apart from decoding, once: a neighbouring
+    depth's that this process never timed is probed after FIRST_PROBE rounds of its size,
+    not after STALE_S and PROBE_ROUNDS (a bench's or a short server's whole life), and then
+    only as any other price (on the H100's oracle, tune priced 8-row depth-1 rounds at
+    17.6-18.4 ms, they ran at 13.6, and 8-stream runs went at depth 2 on the dear price)."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    import mtpkit.decoder.batch_policy as batch_policy
+    from mtpkit.decoder.batch_policy import FIRST_PROBE, BatchPolicy, Prices, piped
+    from mtpkit.decoder.curve import CostCurve
+    from mtpkit.decoder.scheduler import SPEC_ROUNDS
+
+    clock = [100.0]
+    monkeypatch.setattr(batch_policy.time, "monotonic", lambda: clock[0])
+    curve = CostCurve([0.01] * 16, 0.01, 0.0)
+    rows = _keen_rows(curve, 3)
+    paid = Prices()
+    stored = {0: 0.012, 1: 0.020, 2: 0.030, 3: 0.040, piped(0): 0.012, piped(1): 0.030,
+              piped(2): 0.021, piped(3): 0.060}  # depth 1 timed too dear by tune
+    paid.update({(4, k): deque([c] * batch_policy.WINDOW) for k, c in stored.items()})
+    policy = BatchPolicy(curve, 3, paid=paid)
+    policy.pipelines = policy.overlaps = True
+    assert policy.depth(rows) == 2
+    for _ in range(FIRST_PROBE - 1):
+        policy.observe(4, [SimpleNamespace(depth=2, paid_s=0.021)], pipelined=True)
+    assert paid.stale(4, piped(1), clock[0]) is None and policy.depth(rows) == 2
+    policy.observe(4, [SimpleNamespace(depth=2, paid_s=0.021)], pipelined=True)
+    assert paid.stale(4, piped(1), clock[0]) is not None  # a minute has not passed
+    true = {1: 0.012, 3: 0.060}
+    probed = []
+    for _ in range(2):
+        depth = policy.depth(rows)
+        if depth not in true or depth in probed:
+            break
+        probed.append(depth)
+        for _ in range(SPEC_ROUNDS):
+            policy.observe(4, [SimpleNamespace(depth=depth, paid_s=true[depth])],
+                           pipelined=True)
+    assert 1 in probed and policy.depth(rows) == 1  # re-priced at 12 ms: it wins
+    for _ in range(FIRST_PROBE):
+        policy.observe(4, [SimpleNamespace(depth=1, paid_s=0.012)], pipelined=True)
+    assert policy.depth(rows) == 1  # timed here now: stale only by the clock and the rounds
+
+
 def test_plain_is_priced_by_pipelined_steps_once_timed() -> None:
     """Depth-1 rounds that beat plain rounds through the verify path but lose to pipelined
     plain steps: once a stretch's steps are timed, the policy decodes plain."""
