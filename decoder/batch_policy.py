@@ -108,11 +108,13 @@ class Prices(dict):
 
     def stale(self, rows: int, key: int, now: float) -> float | None:
         """How long ago `key` was last timed at this size, where that is over STALE_S and
-        PROBE_ROUNDS rounds of this size have run since, or where this process never timed
-        it and FIRST_PROBE rounds have (else None)."""
+        PROBE_ROUNDS rounds of this size have run since, or where it is a stored price (tune's)
+        that this process never timed and FIRST_PROBE rounds have (else None). A depth never
+        timed anywhere (priced by extension) waits like any other: probing those early cost a
+        4-stream H200 run a third of its tokens (depths 4 and 5 for 16 rounds each)."""
         age = now - self.seen.get((rows, key), self.since)
         worked = self.rounds.get(rows, 0) - self.at.get((rows, key), 0)
-        if (rows, key) not in self.seen:
+        if (rows, key) not in self.seen and (rows, key) in self:
             return age if worked >= FIRST_PROBE else None
         return age if age > STALE_S and worked >= PROBE_ROUNDS else None
 

@@ -698,6 +698,7 @@ def test_a_price_from_tune_is_taken_again_once_after_a_few_stretches(
     assert paid.stale(4, piped(1), clock[0]) is None and policy.depth(rows) == 2
     policy.observe(4, [SimpleNamespace(depth=2, paid_s=0.021)], pipelined=True)
     assert paid.stale(4, piped(1), clock[0]) is not None  # a minute has not passed
+    assert paid.stale(4, piped(4), clock[0]) is None  # never stored (extended): waits as ever
     true = {1: 0.012, 3: 0.060}
     probed = []
     for _ in range(2):
