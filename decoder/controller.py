@@ -68,12 +68,12 @@ class Controller:
         if outcome.depth > 0:
             policy, o = self.policy, outcome
             policy.record(o.depth, o.kept, o.source, o.drafted, o.match)
-            if not self.switched or o.source == Source.LOOKUP:
-                # the shape a pass may have compiled: the caches as it left them (the pairs
-                # a context round leaves owed are fed at the next head round, not in it)
+            fed = o.source != Source.LOOKUP  # the head was fed the pairs owed (a context
+            # round leaves them for the next head round)
+            if not (fed and self.switched):
+                # the shape a pass may have compiled: the caches as it left them
                 session = self.session
-                owed = 0 if o.source == Source.LOOKUP else o.owed
-                shape = (o.source, o.width, owed, extent(session.cache),
+                shape = (o.source, o.width, o.owed if fed else 0, extent(session.cache),
                          extent(session.mtp_cache))
                 policy.observe_round(o.paid_s, o.depth, o.source, o.drafted, shape)
             self.session.stats.predicted_s += policy.cost(o.depth, o.source, o.drafted)

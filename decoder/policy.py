@@ -129,10 +129,10 @@ class PaidCosts:
 
     def add(self, kind: str, paid: float, predicted: float, depth: int | None = None) -> None:
         if predicted > 0 and paid > 0:
-            self.ratios.setdefault(kind, deque(maxlen=WINDOW)).append(paid / predicted)
+            ratio = paid / predicted
+            self.ratios.setdefault(kind, deque(maxlen=WINDOW)).append(ratio)
             if depth is not None:
-                self.by_depth.setdefault((kind, depth), deque(maxlen=WINDOW)).append(
-                    paid / predicted)
+                self.by_depth.setdefault((kind, depth), deque(maxlen=WINDOW)).append(ratio)
             self._scales.clear()
 
     def scale(self, kind: str, depth: int | None = None) -> float:
@@ -156,13 +156,12 @@ class PaidCosts:
             return self._median(kind)
         if depth in points:
             return points[depth]
-        below = [d for d in points if d < depth]
-        if not below and self.timed("plain"):
-            points[0], below = self._median("plain"), [0]
-        above = [d for d in points if d > depth]
-        if not below or not above:
-            return points[min(above)] if not below else points[max(below)]
-        lo, hi = max(below), min(above)
+        if min(points) > depth and self.timed("plain"):
+            points[0] = self._median("plain")
+        lo = max((d for d in points if d < depth), default=None)
+        hi = min((d for d in points if d > depth), default=None)
+        if lo is None or hi is None:
+            return points[hi if lo is None else lo]
         return points[lo] + (points[hi] - points[lo]) * (depth - lo) / (hi - lo)
 
     def _median(self, kind: str) -> float:
