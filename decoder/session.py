@@ -361,11 +361,14 @@ class Session:
                      ) -> tuple[mx.array | None, mx.array | None]:
         """Every draw of a sampled round from one random op: (the head's draft draws as
         (head_steps, width) rows, the rule's: a ratio test per possible draft, a chain's
-        context drafts included, then the emitted token's); (None, None) when greedy."""
+        context drafts included, then the emitted token's); (None, None) when greedy. A
+        session at depth 0 has no ratio tests: its round draws what `sample` draws for a plain
+        step, so a seeded plain row draws the same uniforms alone, in a batch's plain step, or
+        in a speculative batch round beside drafting mates (one key per step either way)."""
         if self.params.greedy:
             return None, None
         columns = candidate_width(self.params, self.trunk.args.vocab_size)
-        tests = max(self.depth, head_steps, drafts, 1)
+        tests = max(self.depth, head_steps, drafts)
         noise = self._noise(head_steps * columns + tests + columns)
         draws = noise[:head_steps * columns].reshape(head_steps, columns) if head_steps else None
         return draws, noise[head_steps * columns:]

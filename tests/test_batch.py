@@ -8,7 +8,7 @@ forces each row's rejections at its own positions, so rows keep different counts
 pass and the recurrent families commit a different state per row. Prompts that start together
 are prefilled in one left-padded pass where that pays (a GPU; forced here), and their rows
 still decode as alone. Sampled: a seeded fixed-depth row gives the same text alone and
-batched, and the round-state law test (test_exactness.py) holds for a row decoded among mates
+batched (a plain one beside speculative mates too), and the round-state law test (test_exactness.py) holds for a row decoded among mates
 with other settings.
 
 Mutants these tests kill (issue 33; each applied to a copy of the tree): one row's kept count
@@ -177,6 +177,22 @@ def test_a_seeded_row_samples_the_same_text_alone_and_batched() -> None:
                     strict=True):
         _same(a, b)
     assert sum(a.stats.accepted[0] for a in alone if a.stats.accepted) > 0
+
+
+@pytest.mark.parametrize("mate", [2, "auto"])
+def test_a_seeded_plain_row_samples_the_same_text_beside_a_speculative_mate(
+        mate: int | str) -> None:
+    """A seeded row at depth 0 draws one plain step's uniforms per token whether it runs alone
+    (pipelined plain steps) or as a depth-0 row of a speculative batch round (a round there
+    had drawn one ratio test more, and every later token differed)."""
+    runner = tiny_runner(vocab=6)
+    prompts = [[1, 2, 3, 4], [5, 4, 3]]
+    row = {"depth": 0, "temperature": 0.8, "seed": 5, "max_tokens": 40}
+    alone = runner.generate(prompts[0], **row)
+    batched = runner.generate_batch(prompts, each=[row, {"depth": mate, "max_tokens": 40}],
+                                    max_batch=2)
+    assert batched[0].tokens == alone.tokens
+    assert batched[1].stats.verify_calls > 0  # the mate's rounds carried the plain row
 
 
 def _batch_rounds(runner: Runner, depth: int, pipelined: bool = False, **kwargs: Any
