@@ -21,6 +21,7 @@ from mtpkit.serve.protocol import (
     MAX_MESSAGES,
     Request,
     RequestError,
+    cache_salt,
     integer,
     mtp_depth,
     mtp_draft,
@@ -135,16 +136,17 @@ def parse(body: Any, max_tokens_limit: int) -> Request:
     if not isinstance(stream, bool):
         raise _bad("stream must be true or false", "stream")
     limit = max_tokens_limit
+    max_tokens = integer(body, "max_tokens", None, 1, limit, required=True)  # null: a 400
+    assert max_tokens is not None
     return Request(
-        chat=True, messages=turns, stream=stream,
-        max_tokens=integer(body, "max_tokens", None, 1, limit) or 1,
+        chat=True, messages=turns, stream=stream, max_tokens=max_tokens,
         temperature=number(body, "temperature", 0.0, 0.0, 1.0),
         top_p=number(body, "top_p", 1.0, 1e-9, 1.0),
         top_k=integer(body, "top_k", 0, 0, 1 << 20) or 0,
         seed=integer(body, "seed", None, -(1 << 63), (1 << 63) - 1),
         tools=_tools(body), enable_thinking=_thinking(body), depth=mtp_depth(body),
         draft=mtp_draft(body), stop=stops(body.get("stop_sequences"), "stop_sequences"),
-        prefix_cache=prefix_cache(body))
+        prefix_cache=prefix_cache(body), cache_salt=cache_salt(body))
 
 
 def message_id() -> str:

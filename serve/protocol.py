@@ -9,6 +9,7 @@ a JSON error body.
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 import uuid
@@ -25,6 +26,7 @@ MAX_STOPS, MAX_STOP_CHARS = 16, 256
 ROLES = ("system", "user", "assistant", "tool")
 MAX_DEPTH = 64  # JSON nesting: tool schemas nest a dozen levels; the C parser recurses per level
 MAX_INT_DIGITS = 64  # every integer the APIs take fits in 20 digits
+MAX_SALT_CHARS = 256  # cache_salt: vLLM's field; a salt is a secret's digest, not a document
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")  # escaped, or as raw bytes
@@ -66,6 +68,7 @@ class Request:
     draft: str | None = None  # extension "mtp_draft": "head", "lookup" or "both"
     stop: list[str] | None = None  # stop sequences (the content ends before the first)
     prefix_cache: bool = True  # extension "prefix_cache": false prefills the whole prompt
+    cache_salt: str | None = None  # vLLM's field: only requests with the same salt share prefixes
 
     @property
     def sampling(self) -> dict[str, Any]:
@@ -95,6 +98,15 @@ def _constant(name: str) -> Any:
     raise RequestError(400, f"{name} is not JSON", code="request.invalid_json")
 
 
+def _float(digits: str) -> float:
+    """A JSON number with a fraction or exponent; one past float's range (1e999) would be
+    read as infinity, which is not JSON either."""
+    value = float(digits)
+    if not math.isfinite(value):
+        raise RequestError(400, f"the number {digits[:40]} is out of range", code="request.number")
+    return value
+
+
 def _unicode(doc: Any) -> None:
     """Every string (and key) must be Unicode text: a lone surrogate (an unpaired \\ud800
     escape) cannot be encoded, so a tokenizer or template would fail on it later."""
@@ -118,12 +130,15 @@ def load_json(raw: bytes) -> Any:
     """A request body as JSON, bounded before the parser sees it, for both APIs: nesting at
     most MAX_DEPTH (deeper bodies made the parser recurse until it failed: a 500), integers
     of at most MAX_INT_DIGITS digits (longer ones cost quadratic time, and past 4,300 digits
-    Python refuses them: a 500), no NaN or Infinity, only encodable text."""
+    Python refuses them: a 500), no NaN or Infinity (spelled out, or a number past float's
+    range), only encodable text. Tool calls in a model's output are parsed the same way
+    (serve/service.py)."""
     if _nesting(raw) > MAX_DEPTH:
         raise RequestError(400, f"the body nests deeper than {MAX_DEPTH} levels",
                            code="request.too_deep")
     try:
-        doc = json.loads(raw or b"null", parse_int=_integer, parse_constant=_constant)
+        doc = json.loads(raw or b"null", parse_int=_integer, parse_float=_float,
+                         parse_constant=_constant)
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise RequestError(400, "the body is not valid JSON") from None
     except RecursionError:  # not reached under MAX_DEPTH; kept as a backstop
@@ -176,9 +191,11 @@ def number(body: dict, name: str, default: float, low: float, high: float) -> fl
     return float(value)
 
 
-def integer(body: dict, name: str, default: int | None, low: int, high: int) -> int | None:
+def integer(body: dict, name: str, default: int | None, low: int, high: int,
+            required: bool = False) -> int | None:
+    """An integer field in [low, high]; absent or null: `default`, or refused if `required`."""
     value = body.get(name, default)
-    if value is None:
+    if value is None and not required:
         return default
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise RequestError(400, f"{name} must be an integer in [{low}, {high}]", name)
@@ -215,6 +232,17 @@ def prefix_cache(body: dict) -> bool:
     value = body.get("prefix_cache", True)
     if not isinstance(value, bool):
         raise RequestError(400, "prefix_cache must be true or false", "prefix_cache")
+    return value
+
+
+def cache_salt(body: dict) -> str | None:
+    """vLLM's "cache_salt": requests share cached prefixes only with requests carrying the same
+    salt (and the same API key), so a client that salts its prompts cannot be probed through
+    cached_tokens or the first token's time. A non-empty, bounded string."""
+    value = body.get("cache_salt")
+    if value is not None and not (isinstance(value, str) and 0 < len(value) <= MAX_SALT_CHARS):
+        raise RequestError(400, f"cache_salt must be a string of 1 to {MAX_SALT_CHARS} "
+                           "characters", "cache_salt", code="request.cache_salt")
     return value
 
 
@@ -275,6 +303,7 @@ def parse(body: Any, chat: bool, max_tokens_limit: int) -> Request:
         depth=mtp_depth(body),
         draft=mtp_draft(body),
         stop=stops(body.get("stop"), "stop"), prefix_cache=prefix_cache(body),
+        cache_salt=cache_salt(body),
     )
     req.stream = body.get("stream", False)
     if not isinstance(req.stream, bool):

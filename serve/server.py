@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -44,15 +44,20 @@ ARRIVAL = "X-Mtpkit-Arrival"  # response header: the request's arrival number
 API_NAMES = {"/v1/chat/completions": "chat", "/v1/completions": "completions",
              "/v1/messages": "messages"}  # the `api` label of mtpkit_requests_total
 DRAIN_BYTES = 16 * MAX_BODY_BYTES  # oversized bodies up to this are read and dropped
-KEY_ENV = "MTPKIT_API_KEY"
+KEY_ENV = "MTPKIT_API_KEY"  # one key
+KEYS_ENV = "MTPKIT_API_KEYS"  # several, separated by commas or newlines
+PROBE_S = 1.0  # how often a client whose read side ended is asked whether it still reads
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"  # the ask before the answer starts
+PING = b": ping\n\n"  # the ask in a stream: an SSE comment, which clients skip
+PROBE_WAIT_MS = 20  # how long an ask waits for a closed client's reset (one LAN round trip)
 AUTHORITY = re.compile(r"[A-Za-z0-9.\-]+(:\d{1,5})?|\[[0-9A-Fa-f:.]+\](:\d{1,5})?")
 
 
-def check_bind(host: str, api_key: str | None) -> None:
+def check_bind(host: str, api_keys: Sequence[str] | None) -> None:
     """Refuse to expose the server off loopback without an API key."""
-    if not is_loopback(host) and not api_key:
+    if not is_loopback(host) and not api_keys:
         raise UserError("serve.exposed", f"refusing to bind {host} without an API key",
-                        f"set {KEY_ENV}, pass --api-key-file PATH or --api-key KEY, or bind "
+                        f"set {KEYS_ENV}, pass --api-key-file PATH or --api-key KEY, or bind "
                         "127.0.0.1")
 
 
@@ -77,35 +82,55 @@ def check_port(host: str, port: int) -> None:
             raise _bind_error(host, port, exc) from None
 
 
-def api_key_from(given: str | None, path: Path | None,
-                 environ: Mapping[str, str]) -> str | None:
-    """The API key: --api-key, else the first line of --api-key-file, else $MTPKIT_API_KEY
-    (None: no key). The file and the environment keep it out of `ps`, where a command line
+def _keys_of(text: str, source: str, hint: str) -> list[str]:
+    keys = [k.strip() for k in text.splitlines() if k.strip() and not k.lstrip().startswith("#")]
+    if not keys:
+        raise UserError("serve.api_key", f"{source} holds no API key", hint)
+    return keys
+
+
+def api_keys_from(given: Sequence[str], path: Path | None,
+                  environ: Mapping[str, str]) -> list[str]:
+    """The API keys: each --api-key, else every line of --api-key-file (blank lines and `#`
+    comments skipped), else $MTPKIT_API_KEYS (separated by commas or newlines) and
+    $MTPKIT_API_KEY; [] (no key) when none is set. Each key is its client's partition of the
+    prefix cache. The file and the environment keep keys out of `ps`, where a command line
     shows. An empty key or an unreadable file is refused (UserError serve.api_key): a server
     meant to be keyed must not start open."""
-    if given is not None and path is not None:
-        raise UserError("usage", "--api-key and --api-key-file both give the key",
-                        "give one of them")
+    if given and path is not None:
+        raise UserError("usage", "--api-key and --api-key-file both give keys", "give one of them")
+    unset = f"give a non-empty key (or unset {KEY_ENV} and {KEYS_ENV} and drop the key " \
+        "options to serve loopback without one)"
     if path is not None:
-        source = str(path)
         try:
-            key = (Path(path).read_text("utf-8").splitlines() or [""])[0].strip()
+            text = Path(path).read_text("utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             raise UserError("serve.api_key", f"cannot read the API key file {path}: {reason}",
-                            "point --api-key-file at a readable file whose first line is the "
-                            "key") from None
-    elif given is not None:
-        source, key = "--api-key", given
-    elif KEY_ENV in environ:
-        source, key = f"${KEY_ENV}", environ[KEY_ENV]
+                            "point --api-key-file at a readable file with one key per "
+                            "line") from None
+        keys = _keys_of(text, f"the API key file {path}", "write one key per line")
+    elif given:
+        if any(not key.strip() for key in given):
+            raise UserError("serve.api_key", "the API key from --api-key is empty", unset)
+        keys = list(given)
     else:
-        return None
-    if not key.strip():
-        raise UserError("serve.api_key", f"the API key from {source} is empty",
-                        f"give a non-empty key (or unset {KEY_ENV} and drop the key options "
-                        "to serve loopback without one)")
-    return key
+        keys = []
+        if KEYS_ENV in environ:
+            keys += _keys_of(environ[KEYS_ENV].replace(",", "\n"), f"${KEYS_ENV}", unset)
+        if KEY_ENV in environ:
+            if not environ[KEY_ENV].strip():
+                raise UserError("serve.api_key", f"the API key from ${KEY_ENV} is empty", unset)
+            keys.append(environ[KEY_ENV])
+    return list(dict.fromkeys(keys))
+
+
+def _poll(sock: socket.socket, events: int, timeout_ms: int) -> int:
+    """The events of one socket after up to `timeout_ms` (0: none)."""
+    poller = select.poll()
+    poller.register(sock, events)
+    ready = poller.poll(timeout_ms)
+    return ready[0][1] if ready else 0
 
 
 def is_loopback(host: str) -> bool:
@@ -169,6 +194,19 @@ class Handler(BaseHTTPRequestHandler):
     streaming = False  # the SSE headers are out: an error can no longer change the status
     api = "openai"  # whose error shape this request gets
     job: Ticket | None = None  # the request's generation, once admitted
+    tenant: str | None = None  # the key's partition of the prefix cache ("": no keys)
+    answering = False  # the answer's status line is out: no 100 Continue may follow
+    asked = -PROBE_S  # when a client whose read side ended was last asked (_ask)
+    left = False  # the client is gone (_gone)
+
+    def setup(self) -> None:
+        super().setup()
+        self.writing = threading.Lock()  # the serving thread's asks and this thread's writes
+
+    def send_response(self, code: int, message: str | None = None) -> None:
+        with self.writing:
+            self.answering = True
+            super().send_response(code, message)
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (stdlib signature)
         if self.server.verbose:
@@ -200,7 +238,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def _json(self, status: int, doc: dict[str, Any], close: bool = False,
               headers: dict[str, str] | None = None) -> None:
-        self._send(status, json.dumps(doc).encode(), "application/json", close, headers)
+        self._send(status, json.dumps(doc, allow_nan=False).encode(), "application/json", close,
+                   headers)
 
     def _error(self, err: RequestError, headers: dict[str, str] | None = None) -> None:
         """JSON in the request's API shape with the status; on a stream already started, a
@@ -217,39 +256,99 @@ class Handler(BaseHTTPRequestHandler):
                 return
         self._json(err.status, doc, close=self.close_connection, headers=headers)
 
-    def _authorized(self) -> bool:
-        """`Authorization: Bearer KEY` (OpenAI clients) or `x-api-key: KEY` (Anthropic's),
-        compared in constant time as the bytes the client sent (headers arrive as latin-1)."""
-        key = self.server.api_key
-        if key is None:
-            return True
-        want = key.encode()
+    def _key(self) -> str | None:
+        """Which key the request carries, as `Authorization: Bearer KEY` (OpenAI clients) or
+        `x-api-key: KEY` (Anthropic's): its partition of the prefix cache ("" on a server
+        without keys), or None (a 401). Every key is compared, in constant time, as the bytes
+        the client sent (headers arrive as latin-1)."""
+        keys = self.server.api_keys
+        if not keys:
+            return ""
         bearer = self.headers.get("Authorization", "").encode("latin-1", "replace")
         given = self.headers.get("x-api-key", "").encode("latin-1", "replace")
-        return hmac.compare_digest(bearer, b"Bearer " + want) | hmac.compare_digest(given, want)
+        found = None
+        for i, key in enumerate(keys):
+            want = key.encode()
+            if hmac.compare_digest(bearer, b"Bearer " + want) | hmac.compare_digest(given, want):
+                found = f"key {i}" if found is None else found
+        return found
 
     def _foreign(self) -> RequestError | None:
         """Without a key: a request a web page may have sent (see the module's docstring)."""
-        if self.server.api_key is not None:
+        if self.server.api_keys:
             return None
         return foreign(self.headers.get("Host"), self.headers.get("Origin"))
 
     def _gone(self) -> bool:
-        """The client closed its end (a read would see EOF): its generation can stop."""
+        """The client can no longer take its answer: its connection was reset, or it closed
+        its socket (poll: any descriptor, where select refuses those past 1,023). A read side
+        at EOF alone may be a half-close, a client that shut its writing side after the
+        request and still reads the answer: that is asked (_ask). Once gone, always gone."""
+        if not self.left:
+            self.left = self._closed()
+        return self.left
+
+    def _closed(self) -> bool:
         try:
-            ready, _, _ = select.select([self.connection], [], [], 0)
-            return bool(ready) and self.connection.recv(1, socket.MSG_PEEK) == b""
+            mask = _poll(self.connection, select.POLLIN, 0)
+        except (OSError, ValueError):  # closed under us
+            return True
+        if mask & (select.POLLERR | select.POLLNVAL):
+            return True
+        if not mask & (select.POLLIN | select.POLLHUP):
+            return False
+        try:
+            if self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+                return False  # the next request, pipelined: still there
+        except BlockingIOError:
+            return False
+        except OSError:  # reset
+            return True
+        return self._ask()
+
+    def _ask(self) -> bool:
+        """After EOF on the read side: does the client still read? A closed socket answers
+        anything sent with a reset, a half-closed one takes it. So the client is sent what it
+        must skip: an interim `100 Continue` before the answer starts (RFC 9110 15.2: a client
+        accepts an unexpected 1xx; HTTP/1.0 has none, so there EOF is taken as gone), or an
+        SSE comment inside a stream; at most every PROBE_S, and the reset is awaited one
+        round trip (PROBE_WAIT_MS; a slower one shows at a later ask, as a failed send)."""
+        with self.writing:
+            if self.streaming:
+                probe = PING
+            elif self.request_version != "HTTP/1.1":
+                return True
+            elif self.answering:
+                return False  # a whole answer is being written: its own bytes ask
+            else:
+                probe = CONTINUE
+            if time.monotonic() - self.asked < PROBE_S:
+                return False
+            self.asked = time.monotonic()
+            try:
+                self.connection.sendall(probe)
+            except OSError:
+                return True
+        try:
+            mask = _poll(self.connection, 0, PROBE_WAIT_MS)  # POLLHUP and POLLERR: always
+            error = self.connection.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
         except (OSError, ValueError):
             return True
+        return bool(mask & select.POLLERR) or error != 0
 
     def _body(self) -> bytes:
         """The whole body, read before anything is answered, so that a kept-alive connection
         never takes an unread body for the next request."""
-        try:
-            length = int(self.headers.get("Content-Length", ""))
-        except ValueError:
+        lengths = self.headers.get_all("Content-Length") or []
+        if "Transfer-Encoding" in self.headers and lengths or len(set(lengths)) > 1:
+            self.close_connection = True  # where this body ends is ambiguous: so is the next
+            raise RequestError(400, "the body's length is ambiguous (Content-Length with "
+                               "Transfer-Encoding, or two lengths): send one Content-Length",
+                               code="request.framing")
+        if not lengths or not lengths[0].strip().isdigit() or not lengths[0].strip().isascii():
             self.close_connection = True  # a body of unknown length may follow: cannot skip it
             raise RequestError(411, "Content-Length is required") from None
+        length = int(lengths[0])
         if not 0 <= length <= MAX_BODY_BYTES:
             self.close_connection = True
             if 0 < length <= DRAIN_BYTES:  # read it away so the client sees the 413, not EPIPE
@@ -261,18 +360,23 @@ class Handler(BaseHTTPRequestHandler):
     def _admit(self, req: Any) -> Ticket:
         """Admit `req` to the queue; request errors and a full queue surface here, before any
         status is sent. Its generation runs on the server's worker (serve/worker.py)."""
-        self.job = self.server.worker.submit(self.server.service.deltas(req, self._gone))
+        ticket = self.server.service.deltas(req, self._gone, self.tenant)
+        self.job = self.server.worker.submit(ticket)
         return self.job
 
+    def _write(self, data: bytes) -> None:
+        """Part of a stream, never in the middle of an ask (_ask)."""
+        with self.writing:
+            self.wfile.write(data)
+            self.wfile.flush()
+
     def _sse(self, doc: dict[str, Any] | str) -> None:
-        data = doc if isinstance(doc, str) else json.dumps(doc)
-        self.wfile.write(f"data: {data}\n\n".encode())
-        self.wfile.flush()
+        data = doc if isinstance(doc, str) else json.dumps(doc, allow_nan=False)
+        self._write(f"data: {data}\n\n".encode())
 
     def _event(self, name: str, doc: dict[str, Any]) -> None:
         """An SSE event with its name (Anthropic's streams)."""
-        self.wfile.write(f"event: {name}\ndata: {json.dumps(doc)}\n\n".encode())
-        self.wfile.flush()
+        self._write(f"event: {name}\ndata: {json.dumps(doc, allow_nan=False)}\n\n".encode())
 
     def _arrival(self) -> dict[str, str]:
         """The request's arrival number (its place in the first-in first-out order)."""
@@ -306,11 +410,14 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 (stdlib name)
         path = urlsplit(self.path).path.rstrip("/") or "/"
         route = self.GET_ROUTES.get(path)
+        if "Transfer-Encoding" in self.headers or \
+                self.headers.get("Content-Length", "0").strip() != "0":
+            self.close_connection = True  # a body is never read here: it must not be next
         if (refusal := self._foreign()) is not None:  # the page too: under a rebound name, nothing
             self._json(refusal.status, refusal.body())
         elif page.is_page(self.path):  # the chat page holds nothing; its API calls carry the key
             page.send(self)
-        elif not self._authorized():
+        elif self._key() is None:
             self._json(401, RequestError(401, "invalid API key", kind="authentication_error").body())
         elif route is None:
             self._json(404, RequestError(404, f"no route {self.path}", kind="not_found").body())
@@ -332,11 +439,13 @@ class Handler(BaseHTTPRequestHandler):
         self.api = "anthropic" if route == "_anthropic" else "openai"
         name = API_NAMES.get(path, "unknown")
         outcome = "error"
+        self.answering, self.asked = False, -PROBE_S
         try:
             raw = self._body()
             if (refusal := self._foreign()) is not None:
                 raise refusal
-            if not self._authorized():
+            self.tenant = self._key()
+            if self.tenant is None:
                 raise RequestError(401, "invalid API key", kind="authentication_error")
             if route is None:
                 raise RequestError(404, f"no route {self.path}", kind="not_found")
@@ -413,10 +522,13 @@ class Server(ThreadingHTTPServer):
     daemon_threads = True
     CLOSE_WAIT_S = 5.0
 
-    def __init__(self, service: Service, host: str, port: int, api_key: str | None,
-                 verbose: bool = False) -> None:
-        check_bind(host, api_key)
-        self.service, self.api_key, self.verbose = service, api_key, verbose
+    def __init__(self, service: Service, host: str, port: int,
+                 api_keys: Sequence[str] | str | None, verbose: bool = False) -> None:
+        """api_keys: every key a client may send (api_keys_from), each its own partition of
+        the prefix cache; one key may be given as a string; None or none: no key."""
+        keys = [api_keys] if isinstance(api_keys, str) else list(api_keys or ())
+        check_bind(host, keys)
+        self.service, self.api_keys, self.verbose = service, keys, verbose
         self.worker = service.queue  # its line, and the worker that serves it
         self._served = threading.Event()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from mtpkit.decoder.batch import Batch
@@ -22,7 +22,7 @@ from mtpkit.loaders.findings import UserError
 from mtpkit.loaders.templates import RENDER_ERRORS, describe_failure
 from mtpkit.serve.channels import OPEN, ChannelSplitter, StopScanner
 from mtpkit.serve.metrics import Metrics
-from mtpkit.serve.protocol import Request, RequestError, refused
+from mtpkit.serve.protocol import Request, RequestError, load_json, refused
 from mtpkit.serve.worker import Ticket, Worker
 
 MAX_QUEUE = 16  # requests that may wait behind the running one by default
@@ -45,18 +45,22 @@ class Delta:
 
 def tool_calls(content: str) -> tuple[str, list[dict[str, Any]]]:
     """Hermes/Qwen-style <tool_call>{"name", "arguments"}</tool_call> blocks -> OpenAI calls;
-    malformed blocks stay in the content."""
+    malformed blocks stay in the content. A model writes what it likes, so a block is parsed
+    as strictly as a request body (serve/protocol.py's load_json: no NaN or Infinity, bounded
+    nesting and integers, checked before the parser can recurse or convert), and the calls go
+    out as strict JSON."""
     calls = []
 
     def take(match: re.Match[str]) -> str:
         try:
-            call = json.loads(match[1])
-        except json.JSONDecodeError:
+            call = load_json(match[1].encode("utf-8", "surrogatepass"))
+        except RequestError:
             return match[0]
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             return match[0]
         calls.append({"id": f"call_{len(calls)}", "type": "function", "function": {
-            "name": call["name"], "arguments": json.dumps(call.get("arguments", {}))}})
+            "name": call["name"],
+            "arguments": json.dumps(call.get("arguments", {}), allow_nan=False)}})
         return ""
 
     return TOOL_CALL.sub(take, content).strip() if "<tool_call>" in content else content, calls
@@ -152,11 +156,13 @@ class Service:
         except RENDER_ERRORS:
             return []
 
-    def deltas(self, req: Request, gone: Callable[[], bool] | None = None) -> Ticket:
+    def deltas(self, req: Request, gone: Callable[[], bool] | None = None,
+               tenant: str = "") -> Ticket:
         """The prompt is prepared and the request admitted to the queue here, before the first
         delta is asked for, so that a request error or a full queue (QueueFull) is raised
         while the HTTP layer can still answer it with a status. gone(): the client went away
-        (asked while waiting and after each round)."""
+        (asked while waiting and after each round). tenant: the client's partition of the
+        prefix cache (serve: its API key), split further by the request's cache_salt."""
         draft = req.draft or self.draft
         try:  # as every entry checks them (decoder/options.py)
             DecodeOptions.of(self.depth if req.depth is None else req.depth, draft,
@@ -171,18 +177,20 @@ class Service:
                                code=err.code) from None
         depth = self.depth if req.depth is None else req.depth
         marks = self._turn_end(req, ids)
+        scope = (tenant, req.cache_salt)
         ticket = self.queue.enter(gone)
-        ticket.deltas = self._generate(req, ids, opened, depth, draft, marks, ticket.gone)
+        ticket.deltas = self._generate(req, ids, opened, depth, draft, marks, scope, ticket.gone)
         if self.queue.max_batch > 1:
-            ticket.join = lambda: self._join(req, ids, opened, depth, draft, marks, ticket.gone)
+            ticket.join = lambda: self._join(req, ids, opened, depth, draft, marks, scope,
+                                             ticket.gone)
         return ticket
 
     def _join(self, req: Request, ids: list[int], opened: bool, depth: Depth,
-              draft: str | None, marks: list[int], gone: Callable[[], bool]
-              ) -> tuple[Batched, Callable[[Event], list[Delta]]]:
+              draft: str | None, marks: list[int], scope: tuple[str, str | None],
+              gone: Callable[[], bool]) -> tuple[Batched, Callable[[Event], list[Delta]]]:
         """A generation for the batch (serve/worker.py): its prepared request, and how its
         events become deltas (as _generate makes them from a lone stream)."""
-        shaper = Shaper(self, req, opened, depth, draft)
+        shaper = Shaper(self, req, opened, depth, draft, scope)
         request = self.runner.prepare(ids, req.max_tokens, depth=depth, prefix=shaper.prefix,
                                       stop=lambda: shaper.stopped() or gone(),
                                       checkpoints=marks, **shaper.options)
@@ -194,11 +202,11 @@ class Service:
         return request, shape
 
     def _generate(self, req: Request, ids: list[int], opened: bool, depth: Depth,
-                  draft: str | None, marks: list[int],
+                  draft: str | None, marks: list[int], scope: tuple[str, str | None],
                   gone: Callable[[], bool]) -> Iterator[Delta]:
         """The deltas of one generation (the ticket has its turn before the first is asked
         for, and the worker gives its place back after the last: serve/worker.py)."""
-        shaper = Shaper(self, req, opened, depth, draft)
+        shaper = Shaper(self, req, opened, depth, draft, scope)
         try:
             for piece in self.runner.stream(ids, req.max_tokens, depth=depth,
                                             prefix=shaper.prefix,
@@ -213,16 +221,20 @@ class Service:
 
 class Shaper:
     """One generation's pieces as deltas: the reasoning channel split off, stop sequences
-    cut, the draft source and prefix cache noted, and its metrics counted."""
+    cut (and the tokens past them not billed), the draft source and prefix cache noted, and
+    its metrics counted. scope: its partition of the prefix cache."""
 
     def __init__(self, service: Service, req: Request, opened: bool, depth: Depth,
-                 draft: str | None) -> None:
+                 draft: str | None, scope: tuple[str, str | None] = ("", None)) -> None:
         self.metrics = service.metrics
+        self.tokenizer = service.runner.tokenizer
+        self.opened = opened
         self.splitter = ChannelSplitter(opened) if req.chat else None
         self.stops = StopScanner(req.stop) if req.stop else None
         self.used = service.runner.draft_source(depth, draft) if depth != 0 else None
         self.options = req.sampling | ({"draft": draft} if draft else {})
-        self.prefix = service.prefix if req.prefix_cache else None
+        prefix = service.prefix if req.prefix_cache else None
+        self.prefix = prefix.partition(scope) if prefix is not None else None
         self.sent = 0  # tokens sent and not yet counted
 
     def stopped(self) -> bool:
@@ -236,21 +248,50 @@ class Shaper:
         if piece.result is not None and splitter is not None:
             reasoning, content = splitter.flush()
             delta = Delta(delta.reasoning + reasoning, delta.content + content)
+        result = piece.result
         if stops is not None:
             delta.content = stops.feed(delta.content)
-            if piece.result is not None:
+            if result is not None:
                 delta.content += stops.flush()
                 delta.stop_sequence = stops.hit
-        delta.result, delta.tokens = piece.result, len(piece.tokens)
-        delta.draft = self.used if piece.result is not None else None
-        delta.cached = piece.result is not None and self.prefix is not None
+                if stops.hit is not None:
+                    result = self._billed(result)
+        delta.result, delta.tokens = result, len(piece.tokens)
+        delta.draft = self.used if result is not None else None
+        delta.cached = result is not None and self.prefix is not None
         self.sent += delta.tokens
-        if piece.result is not None:
-            self.metrics.generation(piece.result, self.prefix is not None)
+        if result is not None:
+            self.metrics.generation(result, self.prefix is not None)
             self.sent = 0
         if delta.reasoning or delta.content or delta.tokens or delta.result is not None:
             return delta
         return None
+
+    def _hit(self, tokens: list[int]) -> bool:
+        """Whether the content of `tokens` holds a stop sequence, read as feed reads it."""
+        assert self.tokenizer is not None and self.stops is not None
+        text = self.tokenizer.decode(tokens)
+        content = ChannelSplitter(self.opened).feed(text)[1] if self.splitter else text
+        scanner = StopScanner(self.stops.stops)
+        scanner.feed(content)
+        return scanner.hit is not None
+
+    def _billed(self, result: Result) -> Result:
+        """A result a stop sequence ended, as billed: its tokens up to the one that completed
+        the stop sequence, at any depth. The round that completed it committed the drafts
+        kept past it too (and a detokenizer may show a token's text a token late), so the
+        decoder's count depends on the depth; this one does not. The shortest such prefix
+        (bisected: a hit stays a hit as tokens are added); usage.mtp still describes every
+        round the decoder ran. Where decoding the tokens does not find the stop the streamed
+        text found, the result is left as it is."""
+        tokens = result.tokens
+        if self.tokenizer is None or not self._hit(tokens):
+            return result
+        miss, hit = 0, len(tokens)
+        while hit - miss > 1:
+            mid = (miss + hit) // 2
+            miss, hit = (miss, mid) if self._hit(tokens[:mid]) else (mid, hit)
+        return replace(result, tokens=tokens[:hit], finish_reason="stop")
 
     def close(self) -> None:
         """A generation given up: count what it made."""

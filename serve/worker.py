@@ -42,7 +42,8 @@ class QueueFull(Exception):
 
 
 class Gone(Exception):
-    """The client went away while its request waited."""
+    """The client went away: while its request waited, or during its generation (whose last
+    delta would pass a cut answer for a finished one)."""
 
 
 def stopping() -> RequestError:
@@ -54,7 +55,8 @@ class Ticket:
     worker admitted) and its generation, `deltas`, which the service attaches. Iterate it for the
     deltas: once submitted, the serving thread makes them; otherwise the iterating thread waits
     for its turn and makes them itself (the Python API, verify-run). `cancelled`: its client went
-    away (seen while it waited or between rounds), or the server is stopping."""
+    away (seen while it waited or between rounds), or the server is stopping; `left`: its
+    client went away, so its generation may have been cut: its end is Gone, never a finish."""
 
     def __init__(self, worker: Worker, number: int, gone: Callable[[], bool] | None) -> None:
         self.worker, self.number, self._gone = worker, number, gone
@@ -65,12 +67,19 @@ class Ticket:
         self.channel: queue.SimpleQueue[object] = queue.SimpleQueue()  # serving thread -> request
         self.started: float | None = None  # when its turn came
         self.cancelled = False
+        self.left = False
         self.finished = False  # its request read the end of the channel
 
     def gone(self) -> bool:
         if not self.cancelled and self._gone is not None:
-            self.cancelled = self._gone()
+            self.cancelled = self.left = self._gone()
         return self.cancelled
+
+    def _last(self, delta: Delta) -> Delta:
+        """A delta for its request; the generation's last one only if its client is there."""
+        if delta.result is not None and self.left:
+            raise Gone()
+        return delta
 
     def wait(self, gone: Callable[[], bool] | None = None) -> None:
         """Until its turn (at once if it has it); Gone, out of the line, if gone() says first."""
@@ -97,7 +106,7 @@ class Ticket:
             if self.started is None:
                 self.wait(self.gone)
             try:
-                return next(self.deltas)
+                return self._last(next(self.deltas))
             except BaseException:
                 self._end()
                 raise
@@ -114,7 +123,7 @@ class Ticket:
             if isinstance(item, BaseException):
                 self.finished = True
                 raise item
-            return cast("Delta", item)
+            return self._last(cast("Delta", item))
 
     def _end(self) -> None:
         getattr(self.deltas, "close", lambda: None)()

@@ -27,7 +27,7 @@ from mtpkit.cli import main
 from mtpkit.decoder.context import check_prompt, context_of
 from mtpkit.decoder.runner import Runner
 from mtpkit.loaders.findings import UserError
-from mtpkit.serve.server import KEY_ENV, Server, api_key_from
+from mtpkit.serve.server import KEY_ENV, KEYS_ENV, Server, api_keys_from
 from mtpkit.serve.service import Service
 
 LONG = "ab " * 300000  # 900,000 bytes (under the 1 MiB body bound), 600,001 tokens here
@@ -257,18 +257,24 @@ def test_cross_origin_requests_are_refused_the_page_still_works(runner: Runner) 
 # -- the API key off the command line ----------------------------------------------------------------
 
 
-def test_the_key_comes_from_the_environment_or_a_file(tmp_path: Path) -> None:
-    keyfile = tmp_path / "key"
-    keyfile.write_text("from-file\nignored\n")
-    assert api_key_from(None, keyfile, {KEY_ENV: "from-env"}) == "from-file"
-    assert api_key_from("given", None, {KEY_ENV: "from-env"}) == "given"
-    assert api_key_from(None, None, {KEY_ENV: "from-env"}) == "from-env"
-    assert api_key_from(None, None, {}) is None
-    cases = [("given", keyfile, {}, "usage"), (None, tmp_path / "missing", {}, "serve.api_key"),
-             (None, None, {KEY_ENV: ""}, "serve.api_key"), ("  ", None, {}, "serve.api_key")]
+def test_the_keys_come_from_the_options_a_file_or_the_environment(tmp_path: Path) -> None:
+    keyfile = tmp_path / "keys"
+    keyfile.write_text("# the tenants\nfrom-file\n\n  second  \nfrom-file\n")
+    env = {KEY_ENV: "from-env", KEYS_ENV: "a, b\nc,"}
+    assert api_keys_from([], keyfile, env) == ["from-file", "second"]
+    assert api_keys_from(["given", "again"], None, env) == ["given", "again"]
+    assert api_keys_from([], None, env) == ["a", "b", "c", "from-env"]
+    assert api_keys_from([], None, {KEY_ENV: "from-env"}) == ["from-env"]
+    assert api_keys_from([], None, {}) == []
+    (tmp_path / "blank").write_text("# nothing\n\n")
+    cases = [(["given"], keyfile, {}, "usage"), ([], tmp_path / "missing", {}, "serve.api_key"),
+             ([], tmp_path / "blank", {}, "serve.api_key"),
+             ([], None, {KEY_ENV: ""}, "serve.api_key"), ([], None, {KEYS_ENV: " ,\n"},
+                                                          "serve.api_key"),
+             (["ok", "  "], None, {}, "serve.api_key")]
     for given, path, env, code in cases:
         with pytest.raises(UserError) as err:
-            api_key_from(given, path, env)
+            api_keys_from(given, path, env)
         assert err.value.code == code
 
 
