@@ -117,13 +117,16 @@ def _parse_entries(raw: bytes, result: SafetensorsHeader, data_start: int) -> No
     if not isinstance(header, dict):
         bad(finding("safetensors.bad_header", "header is not a JSON object", label))
         return
-    metadata = header.pop("__metadata__", {})
+    # null is what mx.save_safetensors writes without metadata; the reference reader takes it
+    # as "none", as it does an absent key. Anything but null or a string map it refuses.
+    metadata = header.pop("__metadata__", None)
     if isinstance(metadata, dict) and all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
         result.metadata = metadata
-    else:
-        bad(finding("safetensors.bad_header", "__metadata__ must map strings to strings", label))
+    elif metadata is not None:
+        bad(finding("safetensors.bad_header", "__metadata__ must be null or map strings to "
+                    "strings", label))
     data_len = result.size - data_start
     spans: list[tuple[int, int, str]] = []
     past_end: list[str] = []

@@ -8,6 +8,7 @@ import struct
 from pathlib import Path
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import save_file
@@ -121,3 +122,39 @@ def test_fuzzed_bytes(tmp_path, blob):
     path = tmp_path / "g.safetensors"
     path.write_bytes(blob)
     read_header(path)
+
+
+def test_metadata_null_as_mlx_writes_it_is_accepted(tmp_path):
+    """mx.save_safetensors without metadata writes `"__metadata__": null`, which safetensors
+    and mlx-lm read; it is no finding (issue 48 item 7)."""
+    import mlx.core as mx
+
+    path = tmp_path / "x.safetensors"
+    mx.save_safetensors(str(path), {"w": mx.ones((2, 3))})
+    header = read_header(path)
+    assert header.findings == [] and set(header.tensors) == {"w"} and header.metadata == {}
+
+
+@pytest.mark.parametrize("metadata", [{"k": 1}, {"k": None}, [], "x", 3])
+def test_metadata_the_reference_reader_refuses_is_refused(tmp_path, metadata):
+    from safetensors import safe_open
+
+    path = _raw(tmp_path / "x.safetensors", {
+        "__metadata__": metadata, "w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}},
+        b"\0" * 4)
+    with pytest.raises(Exception):  # noqa: B017 - the reference reader's own error type
+        safe_open(str(path), "np")
+    assert _codes(read_header(path)) == {"safetensors.bad_header"}
+
+
+def test_mlx_written_bundle_without_metadata_passes_doctor(bundle_copy):
+    """A whole bundle re-saved by MLX without metadata: doctor and the loaders take it."""
+    import mlx.core as mx
+
+    from mtpkit.verify.doctor import report
+
+    path = bundle_copy("llama", None)
+    mx.save_safetensors(str(path / "model.safetensors"),
+                        dict(mx.load(str(path / "model.safetensors"))))
+    doc = report(path)
+    assert doc["summary"]["exit_code"] == 0, doc["findings"]
