@@ -322,15 +322,87 @@ def convert(src: str, out: Path, quantize: bool, q_bits: int | None, q_group_siz
         click.echo(json.dumps(plan, indent=2) if dry_run else upload(result.out, upload_repo))
 
 
+PROMPT_BYTES = 16 << 20  # a prompt read from stdin or a file: past any context, short of trouble
+
+
+def _refused(flag: str, why: str, instead: str) -> Callable[[click.Context, click.Parameter,
+                                                             object], None]:
+    """An option of mlx-lm's whose meaning mtpkit does not have: a usage error that says so."""
+    def refuse(_ctx: click.Context, _param: click.Parameter, value: object) -> None:
+        if value is not None:
+            _fail("options.unsupported", f"{flag} is not an mtpkit option: {why}", instead)
+
+    return refuse
+
+
+def _bundle_and_prompt(bundle: str | None, prompt: str | None, model: str | None,
+                       prompt_opt: str | None) -> tuple[str, str]:
+    """BUNDLE and PROMPT as positionals or as mlx-lm's --model / --prompt: the options take
+    their place, the positionals fill what is left in order."""
+    given = [x for x in (bundle, prompt) if x is not None]
+    if model is None:
+        if not given:
+            _fail("usage", "missing BUNDLE", "mtpkit generate BUNDLE PROMPT (or --model BUNDLE)")
+        model = given.pop(0)
+    if prompt_opt is None:
+        if not given:
+            _fail("usage", "missing PROMPT", "mtpkit generate BUNDLE PROMPT ('-' reads stdin, "
+                  "@FILE a file; or --prompt TEXT)")
+        prompt_opt = given.pop(0)
+    if given:
+        _fail("usage", f"unexpected argument {given[0]!r}: BUNDLE and PROMPT are given already "
+              "(--model / --prompt take their places)", "drop the argument or the option")
+    return model, prompt_opt
+
+
+def _prompt_text(value: str) -> str:
+    """PROMPT as typed; '-' reads stdin (as mlx-lm does), @FILE reads FILE ('@@' keeps one
+    literal '@'), both as UTF-8 text of at most PROMPT_BYTES."""
+    if value.startswith("@@"):
+        return value[1:]
+    if value == "-":
+        if sys.stdin.isatty():
+            click.echo("reading the prompt from stdin (end it with Ctrl-D)", err=True)
+        where, data = "stdin", click.get_binary_stream("stdin").read(PROMPT_BYTES + 1)
+    elif value.startswith("@"):
+        where = value[1:]
+        try:
+            with open(where, "rb") as f:
+                data = f.read(PROMPT_BYTES + 1)
+        except OSError as exc:
+            _fail("prompt.unreadable", f"cannot read the prompt file {where}: "
+                  f"{exc.strerror or exc}", "check the path after @ (a literal leading @ is "
+                  "written @@)")
+    else:
+        return value
+    if len(data) > PROMPT_BYTES:
+        _fail("prompt.unreadable", f"the prompt from {where} is over {PROMPT_BYTES >> 20} MiB",
+              "pass a shorter text (--max-prompt-tokens bounds it in tokens)")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        _fail("prompt.unreadable", f"the prompt from {where} is not UTF-8 text (byte "
+              f"{exc.start})", "pass a text file")
+        return ""
+
+
 @main.command(epilog=EXAMPLES_GENERATE)
-@click.argument("bundle")
-@click.argument("prompt")
-@click.option("--raw", is_flag=True, help="Feed PROMPT as plain text, not as a chat message.")
-@click.option("--max-tokens", type=click.IntRange(1, 1 << 20), default=256, show_default=True)
+@click.argument("bundle", required=False)
+@click.argument("prompt", required=False)
+@click.option("--model", help="The bundle, as mlx-lm names it (then the one argument is PROMPT).")
+@click.option("-p", "--prompt", "prompt_opt", metavar="TEXT",
+              help="PROMPT as an option (mlx-lm's spelling); '-' reads stdin, @FILE a file.")
+@click.option("--raw", "--ignore-chat-template", "raw", is_flag=True,
+              help="Feed PROMPT as plain text, not as a chat message.")
+@click.option("--system-prompt", metavar="TEXT", help="A system message before PROMPT (chat "
+              "messages only; the bundle's chat template places it).")
+@click.option("-m", "--max-tokens", type=click.IntRange(1, 1 << 20), default=256,
+              show_default=True)
 @click.option("--depth", default="auto", show_default=True, callback=lambda c, p, v: _depth(v),
               help="auto: each round's depth chosen from this machine's measured costs (mtpkit "
               "tune) and the acceptance so far; N: draft depth N every round (0: plain).")
-@click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True)
+@click.option("--temperature", "--temp", "temperature", type=click.FloatRange(0), default=0.0,
+              show_default=True)
 @click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0)
 @click.option("--top-k", type=click.IntRange(0), default=0)
 @click.option("--min-p", type=click.FloatRange(0, 1), default=0.0)
@@ -346,13 +418,20 @@ def convert(src: str, out: Path, quantize: bool, q_bits: int | None, q_group_siz
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document (generation schema).")
 @click.option("--max-prompt-tokens", type=click.IntRange(1), help=PROMPT_HELP)
 @click.option("--shard", type=click.Choice(["tensor", "pipeline"]), help=SHARD_HELP)
+@click.option("--max-kv-size", hidden=True, expose_value=False, callback=_refused(
+    "--max-kv-size", "mlx-lm's rotating KV cache drops the oldest context, which exact "
+    "verification cannot do without", "mtpkit keeps the whole context: bound it with "
+    "--max-prompt-tokens N and --max-tokens N"))
 @_leads
-def generate(bundle: str, prompt: str, raw: bool, max_tokens: int, depth: str | int,
+def generate(bundle: str | None, prompt: str | None, model: str | None, prompt_opt: str | None,
+             raw: bool, system_prompt: str | None, max_tokens: int, depth: str | int,
              temperature: float, top_p: float, top_k: int, min_p: float, seed: int | None,
              dtype: str | None, keep_quantized: bool, rollback: str, compare: bool,
              draft: str | None, as_json: bool, max_prompt_tokens: int | None,
              shard: str | None) -> None:
-    """Generate from BUNDLE with the reference MTP decoder (exact: greedy output equals plain)."""
+    """Generate from BUNDLE with the reference MTP decoder (exact: greedy output equals plain).
+    PROMPT '-' reads stdin, @FILE a file; mlx-lm's --model, --prompt, --temp, --system-prompt
+    mean what they mean there."""
     from mtpkit.decoder.blas import note
     from mtpkit.decoder.compare import Comparison, baseline
     from mtpkit.decoder.distributed import lead
@@ -361,38 +440,70 @@ def generate(bundle: str, prompt: str, raw: bool, max_tokens: int, depth: str | 
     from mtpkit.verify.run import depths_text
     from mtpkit.verify.tune import progress_bar, reference_bar
 
-    with _user_errors("OUT"):
-        runner = lead(load(bundle, "auto" if not keep_quantized else False, dtype=dtype,
-                           rollback=rollback, shard=shard))
-        runner.max_prompt_tokens = max_prompt_tokens
-        source = runner.draft_source(depth, draft)
-        # without --raw a chat message, always: a bundle without a usable template is refused
-        # (template.missing, as serve's 400), never fed the prompt as raw text instead
-        message = prompt if raw else [{"role": "user", "content": prompt}]
-        ids = runner.encode(message)  # as stream would: the bound is checked before any work
-        runner.check_prompt(len(ids))
-        for advice in (note(), numerics_note(runner)):  # once the prompt is accepted
-            if advice:
-                click.echo(advice, err=True)
-        sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
-                    "seed": seed}
-        if depth == "auto":  # the cost curve (read, or measured with a bar on stderr)
-            runner.costs(progress=progress_bar())
-        # the warm-up (--compare) runs at the deepest depth
-        deepest = runner.policy(depth, source)[0]
-        plain = baseline(runner, ids, max_tokens, deepest, reference_bar(max_tokens),
-                         **sampling) if compare else None
-        result = None
-        interrupted = threading.Event()
-        with first_ctrl_c(interrupted.set):  # ends between rounds: sharded ranks stay in step
-            for piece in runner.stream(ids, max_tokens, depth=depth, draft=draft,
-                                       stop=interrupted.is_set, **sampling):
-                if not as_json:
-                    click.echo(piece.text, nl=False)
-                result = piece.result or result
+    bundle, prompt = _bundle_and_prompt(bundle, prompt, model, prompt_opt)
+    if system_prompt is not None and raw:
+        _fail("usage", "--system-prompt is a chat message, --raw feeds plain text",
+              "drop --raw, or put the system text into PROMPT")
+    text = _prompt_text(prompt)
+    if not text:
+        _fail("prompt.empty", "PROMPT is empty: there is nothing to "
+              + ("continue" if raw else "answer"), "give some text ('-' reads stdin, @FILE a "
+              "file)")
+    doing = [f"loading {bundle}: nothing generated"]  # what a Ctrl-C would interrupt
+    result = plain = None
+    interrupted = threading.Event()
+    try:
+        with _user_errors("OUT"):
+            runner = lead(load(bundle, "auto" if not keep_quantized else False, dtype=dtype,
+                               rollback=rollback, shard=shard))
+            runner.max_prompt_tokens = max_prompt_tokens
+            source = runner.draft_source(depth, draft)
+            # without --raw a chat message, always: a bundle without a usable template is
+            # refused (template.missing, as serve's 400), never fed the prompt as raw text
+            system = [] if system_prompt is None else [{"role": "system",
+                                                        "content": system_prompt}]
+            message = text if raw else [*system, {"role": "user", "content": text}]
+            ids = runner.encode(message)  # as stream would: the bound is checked before any work
+            runner.check_prompt(len(ids))
+            for advice in (note(), numerics_note(runner)):  # once the prompt is accepted
+                if advice:
+                    click.echo(advice, err=True)
+            sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k,
+                        "min_p": min_p, "seed": seed}
+            if depth == "auto":  # the cost curve (read, or measured with a bar on stderr)
+                doing[0] = ("measuring this machine's verify costs: nothing generated or cached "
+                            "(the next --depth auto run measures again; --depth N needs none)")
+                runner.costs(progress=progress_bar())
+            # the warm-up (--compare) runs at the deepest depth
+            deepest = runner.policy(depth, source)[0]
+            if compare:
+                doing[0] = "warming up for --compare: nothing generated"
+                shown = reference_bar(max_tokens)
+
+                def told(done: int, most: int) -> None:
+                    doing[0] = (f"--compare's plain reference run ({done} of up to {most} "
+                                f"tokens): no comparison, depth {depth} not run")
+                    shown(done, most)
+
+                plain = baseline(runner, ids, max_tokens, deepest, told, **sampling)
+            doing[0] = "decoding (a second Ctrl-C): the text above stands, without statistics"
+            with first_ctrl_c(interrupted.set):  # ends between rounds: sharded ranks in step
+                for piece in runner.stream(ids, max_tokens, depth=depth, draft=draft,
+                                           stop=interrupted.is_set, **sampling):
+                    if not as_json:
+                        click.echo(piece.text, nl=False)
+                    result = piece.result or result
+    except KeyboardInterrupt:
+        click.echo(f"\ninterrupted while {doing[0]}", err=True)
+        raise SystemExit(1) from None
     assert result is not None
     if interrupted.is_set():
         click.echo(f"\ninterrupted after {len(result.tokens)} tokens", err=True)
+        if plain is not None:
+            click.echo(f"--compare: the plain reference finished ({len(plain.tokens)} tokens, "
+                       f"{plain.stats.decode_tps:.1f} tok/s); depth {depth} decoded "
+                       f"{len(result.tokens)} tokens at {result.stats.decode_tps:.1f} tok/s before "
+                       "the interrupt: no speedup claimed (not the same length)", err=True)
         raise SystemExit(1)
     stats = result.stats.to_dict()
     comparison = Comparison(plain, result, temperature == 0.0) if plain is not None else None
@@ -505,6 +616,8 @@ def graft(ctx: click.Context, bundle: str, out: Path, corpus: tuple[Path, ...],
                    f"{1000 * c.round_s:.0f} ms, prefill {1000 * c.prefill_s:.1f} ms/token)",
                    err=True)
 
+    doing = ["loading the bundle and planning"]  # what a Ctrl-C would interrupt
+
     def report(p) -> None:
         eta = f", ETA {p.eta_s / 60:.1f} min" if p.eta_s is not None else ""
         of = f"/{p.total}" if p.total else ""
@@ -514,10 +627,20 @@ def graft(ctx: click.Context, bundle: str, out: Path, corpus: tuple[Path, ...],
             what = f"scoring {p.total} held-out prompts"
         else:
             what = f"graft step {p.step}{of}  loss {p.loss:.4f}"
+        doing[0] = f"{' '.join(what.split())} ({p.elapsed_s / 60:.1f} min in)"
         click.echo(f"\r{what}  {p.elapsed_s / 60:.1f} min{eta}", err=True, nl=False)
 
-    with _user_errors("--out"):
-        result = run_graft(bundle, out, options, progress=report, on_plan=on_plan)
+    existed = out.exists()
+    try:
+        with _user_errors("--out"):
+            result = run_graft(bundle, out, options, progress=report, on_plan=on_plan)
+    except KeyboardInterrupt:
+        kept = (f"{out} was written before it" if out.exists() and not existed else
+                f"nothing written to {out}" + (" (left as it was)" if existed else ""))
+        click.echo(f"\ninterrupted during {doing[0]}: {kept}. graft writes OUT whole at the end "
+                   "and keeps no checkpoint, so a new run starts over (--steps N or --minutes M "
+                   "make a shorter one)", err=True)
+        raise SystemExit(1) from None
     acc = result.graft["held_out_acceptance"]
     speed = result.graft["expected_speedup"]
     click.echo(f"\nwrote {result.out}: {result.graft['steps']} steps, final loss "
@@ -590,42 +713,55 @@ def serve(bundle: str, host: str, port: int, api_key: str | None, api_key_file: 
 
     from mtpkit.decoder.distributed import lead
     from mtpkit.decoder.runner import load, numerics_note
-    from mtpkit.serve.server import Server, api_key_from, check_bind, check_port
+    from mtpkit.serve.server import Server, api_keys_from, check_bind, check_port
     from mtpkit.serve.service import Service
     from mtpkit.verify.tune import batch_lines, batch_summary, progress_bar, summary
 
-    with _user_errors("--out"):
-        api_key = api_key_from(api_key, api_key_file, os.environ)
-        check_bind(host, api_key)  # before the (slow) load
-        check_port(host, port)
-        runner = lead(load(bundle, "auto" if not keep_quantized else False, dtype=dtype,
-                           shard=shard))
-        runner.max_prompt_tokens = max_prompt_tokens
-        source = runner.draft_source(depth_opt, draft)
-        if advice := numerics_note(runner):
-            click.echo(advice, err=True)
-        if depth_opt == "auto":  # the cost curve now, so that no request pays for it
-            click.echo(summary(runner, draft, verbose, progress_bar()), err=True)
-            if max_batch > 1 and shard is None:  # and what its batches' rounds cost (once
-                runner.batch_costs(max_batch, told=batch_lines())  # per bundle, as tune's)
-                click.echo(batch_summary(runner), err=True)
-        service = Service(runner, Path(bundle).name, depth_opt, max_tokens, draft,
-                          cache_bytes=int(cache_gb * (1 << 30)) if shard is None else 0,
-                          max_queue=max_queue, max_batch=max_batch)  # sharded: no prefix
-        # cache (followers hold none) and one generation at a time
-        server = Server(service, host, port, api_key, verbose)
+    doing = [f"loading {bundle}"]  # what a Ctrl-C would interrupt
+    try:
+        with _user_errors("--out"):
+            api_key = api_keys_from([api_key] if api_key is not None else [], api_key_file,
+                                    os.environ)
+            check_bind(host, api_key)  # before the (slow) load
+            check_port(host, port)
+            runner = lead(load(bundle, "auto" if not keep_quantized else False, dtype=dtype,
+                               shard=shard))
+            runner.max_prompt_tokens = max_prompt_tokens
+            source = runner.draft_source(depth_opt, draft)
+            if advice := numerics_note(runner):
+                click.echo(advice, err=True)
+            if depth_opt == "auto":  # the cost curve now, so that no request pays for it
+                doing[0] = "measuring this machine's verify costs (nothing cached)"
+                click.echo(summary(runner, draft, verbose, progress_bar()), err=True)
+                if max_batch > 1 and shard is None:  # and what its batches' rounds cost
+                    doing[0] = ("timing batched rounds (the verify costs are cached, the "
+                                "batch prices not)")
+                    runner.batch_costs(max_batch, told=batch_lines(max_batch))
+                    click.echo(batch_summary(runner), err=True)  # (once per bundle, as tune's)
+            service = Service(runner, Path(bundle).name, depth_opt, max_tokens, draft,
+                              cache_bytes=int(cache_gb * (1 << 30)) if shard is None else 0,
+                              max_queue=max_queue, max_batch=max_batch)  # sharded: no prefix
+            # cache (followers hold none) and one generation at a time
+            server = Server(service, host, port, api_key, verbose)
+    except KeyboardInterrupt:
+        click.echo(f"\nserve: interrupted while {doing[0]}: not serving", err=True)
+        raise SystemExit(1) from None
     drafts = f", drafts {source}" if depth_opt != 0 else ""
     together = (f"up to {service.max_batch} requests at once" if service.max_batch > 1 else
                 "one request at a time" + (" (--shard serves one at a time)"
                                            if shard is not None and max_batch > 1 else ""))
-    click.echo(f"serving {bundle} on http://{host}:{server.server_address[1]}/v1 "
-               f"(MTP depth {depth_opt}){drafts}, {together}; chat page at /", err=True)
+    how = ""
     try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
+        click.echo(f"serving {bundle} on http://{host}:{server.server_address[1]}/v1 "
+                   f"(MTP depth {depth_opt}){drafts}, {together}; chat page at /", err=True)
+        server.serve_forever()  # the first Ctrl-C stops it after the round in flight
+    except KeyboardInterrupt:  # a second one, or one before serving began
+        how = " at once"
     finally:
         server.server_close()
+    cut = int(server.worker.cut is not None) + len(server.worker.cuts)
+    click.echo(f"serve: stopped{how}; {cut} request{'s' * (cut != 1)} in flight cancelled "
+               "(their clients, and any still waiting, were answered 503)", err=True)
 
 
 EXAMPLES_VERIFY = """

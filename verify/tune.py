@@ -15,7 +15,14 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from mtpkit.decoder.batch_costs import Told
-from mtpkit.decoder.costs import Progress, Tick, cache_dir, cache_file, cache_key, cached
+from mtpkit.decoder.costs import (
+    RETRY_SHARE,
+    Progress,
+    Tick,
+    cache_dir,
+    cache_file,
+    noisy,
+)
 from mtpkit.decoder.curve import CostCurve
 from mtpkit.decoder.policy import DepthPolicy
 
@@ -52,9 +59,9 @@ def report(runner: Runner, bundle: str, refresh: bool = False,
     progress: told how a measurement goes (`progress_bar()` draws it on stderr). `batch`: also
     the round costs of batches of up to that many rows (decoder/batch_costs.py; `told` hears
     how their timing goes: `batch_lines()`)."""
-    key = cache_key(runner.root, runner.load_options) if runner.root is not None else None
-    measured = refresh or key is None or cached(key) is None
+    began = time.time()
     curve = runner.costs(refresh, progress)
+    measured = not curve.key or curve.measured_at >= began  # (read once: store.py's one line)
     path = _cache_file(curve.key)
     max_depth = runner.policy("auto")[0]
     lookup_depth = runner.policy("auto", "lookup")[0]
@@ -73,24 +80,47 @@ def report(runner: Runner, bundle: str, refresh: bool = False,
     return doc
 
 
-def batch_lines(file: Any = None) -> Told:
-    """How timing a batch's rounds goes, one line per shape on stderr, with the seconds left
-    at the rate so far."""
+def batch_lines(most: int | None = None, file: Any = None) -> Told:
+    """How timing a batch's rounds goes, one line per shape on stderr, with the seconds left as
+    a range once a shape has been timed: from the mean shape so far (low) to every shape left
+    costing the dearest one seen, scaled to `most` rows (high: later shapes run more rows)."""
     out = sys.stderr if file is None else file
     start = time.perf_counter()
+    last = [start, 0]  # when the shape in flight began, and its rows
+    dearest: dict[int, float] = {}  # rows -> the longest shape timed at that many rows
 
     def show(what: str, done: int, total: int) -> None:
-        spent = time.perf_counter() - start
+        now = time.perf_counter()
+        spent = now - start
         if what == "start":
             click.echo(f"timing batched rounds for --depth auto: {total} shapes (tune keeps "
                        "them per bundle, dtype and versions)", file=out)
-        elif what == "done":
+            return
+        if what == "done":
             click.echo(f"  batch rounds: timed in {spent:.0f} s", file=out)
-        else:
-            left = f", about {spent / done * (total - done):.0f} s left" if done else ""
-            click.echo(f"  batch rounds: {what} ({done}/{total}, {spent:.0f} s{left})", file=out)
+            return
+        if last[1]:
+            dearest[last[1]] = max(dearest.get(last[1], 0.0), now - last[0])
+        last[:] = [now, int(what.split(" ", 1)[0]) if what[:1].isdigit() else 0]
+        left = ""
+        if done and dearest:
+            rows = max(dearest)
+            low = spent / done * (total - done)
+            high = dearest[rows] * max(most or rows, rows) / rows * (total - done)
+            left = ", about " + _left(low, high)
+        click.echo(f"  batch rounds: {what} ({done}/{total}, {spent:.0f} s{left})", file=out)
 
     return show
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.0f} s" if value < 120 else f"{value / 60:.0f} min"
+
+
+def _left(low: float, high: float) -> str:
+    """Seconds left as a range, "40 s left, up to 70 s" (one figure where both read the same)."""
+    low, high = _seconds(low), _seconds(max(low, high))
+    return f"{low} left" + (f", up to {high}" if high != low else "")
 
 
 def _spans(rows: list[int]) -> str:
@@ -126,8 +156,10 @@ def how_measured(curve: CostCurve | dict[str, Any]) -> str:
 
 def progress_bar(file: Any = None) -> Progress:
     """A measurement shown on stderr: what is measured and why, at most how long (the budget)
-    before anything runs, then a bar with the plan's seconds left (on a terminal; elsewhere,
-    in a log, one line with the plan), then how it went."""
+    before anything runs, then a bar (on a terminal; elsewhere, in a log, one line with the
+    plan), then how it went. The seconds left are shown once the probes have made a plan: the
+    plan's figure, stretched by the wall-clock time the timings did not count, up to that
+    plus the share a re-measurement may take (RETRY_SHARE of the plan, at most of the budget)."""
     out = sys.stderr if file is None else file
     terminal = hasattr(out, "isatty") and out.isatty()
     state: dict[str, Any] = {}
@@ -135,6 +167,7 @@ def progress_bar(file: Any = None) -> Progress:
     def show(tick: Tick) -> None:
         bar = state.get("bar")
         if tick.phase == "start":
+            state["start"] = time.perf_counter()
             click.echo("measuring this machine's verify costs for --depth auto (once per "
                        "bundle, dtype and versions; cached): at most about "
                        f"{tick.budget_s:.0f} s", file=out)
@@ -152,10 +185,16 @@ def progress_bar(file: Any = None) -> Progress:
                 bar.render_finish()
             assert tick.curve is not None
             click.echo(f"  {how_measured(tick.curve)}", file=out)
+            if note := noisy(tick.curve):
+                click.echo(f"  {note}", file=out)
         elif bar is not None:  # "plan" or "step"
             state["planned"] = state.get("planned") or tick.phase == "plan"
-            left = (f"{tick.eta_s:.0f} s left" if state["planned"]
-                    else f"at most {tick.eta_s:.0f} s left")
+            left = "probing"
+            if state["planned"]:
+                wall = time.perf_counter() - state.get("start", time.perf_counter())
+                stretch = max(1.0, wall / tick.done_s) if tick.done_s > 0 else 1.0
+                retry = RETRY_SHARE * min(tick.budget_s, tick.total_s)
+                left = _left(tick.eta_s * stretch, (tick.eta_s + retry) * stretch)
             bar.current_item = f"{tick.what}: {left}"
             moved = max(min(int(1000 * tick.done_s / max(tick.total_s, 1e-9)), 1000) - bar.pos, 0)
             if moved:
@@ -166,20 +205,38 @@ def progress_bar(file: Any = None) -> Progress:
     return show
 
 
+REFERENCE_WINDOW_S = 2.0  # the recent rate the reference bar compares with the whole run's
+
+
 def reference_bar(total: int, file: Any = None) -> Callable[[int, int], None]:
     """generate --compare's plain reference run on stderr: said before it starts, then a bar
-    with an ETA on a terminal (elsewhere the one line), as its tokens come."""
+    on a terminal (elsewhere the one line), as its tokens come. Its ETA counts from the first
+    token (the warm-ups and the prefill before it say nothing of the decode rate), is shown
+    once a second of decoding has been seen, and spans the whole run's rate and the last
+    seconds' rate."""
     out = sys.stderr if file is None else file
     click.echo(f"warming up, then plain decoding first (the reference for --compare): up to "
                f"{total} tokens", file=out)
     if not (hasattr(out, "isatty") and out.isatty()):
         return lambda done, most: None
-    bar = click.progressbar(length=total, label="  plain reference", file=out, show_eta=True,
-                            width=30)
+    bar = click.progressbar(length=total, label="  plain reference", file=out, show_eta=False,
+                            width=30, item_show_func=lambda item: item)
     bar.__enter__()
+    seen: list[tuple[float, int]] = []  # (when, tokens) of every report
 
     def show(done: int, most: int) -> None:
-        bar.update(done - bar.pos)
+        now = time.perf_counter()
+        seen.append((now, done))
+        first_t, first_n = seen[0]
+        item = "measuring the rate"
+        if now - first_t >= 1.0 and done > first_n:
+            recent_t, recent_n = next((t, n) for t, n in seen if now - t <= REFERENCE_WINDOW_S)
+            rates = [(done - first_n) / (now - first_t)]
+            if now - recent_t > 0.25 and done > recent_n:
+                rates.append((done - recent_n) / (now - recent_t))
+            left = most - done
+            item = _left(left / max(rates), left / min(rates) * 1.1)
+        bar.update(done - bar.pos, item)
         if done >= most:
             bar.render_finish()
 
@@ -264,9 +321,9 @@ def summary(runner: Runner, draft: str | None = None, verbose: bool = False,
             progress: Progress | None = None) -> str:
     """What `serve --depth auto` says at start-up (measures the curve once, telling `progress`,
     or reads it): one short line; with `verbose`, the curve's ratios and the first picks."""
-    key = cache_key(runner.root, runner.load_options) if runner.root is not None else None
-    fresh = key is None or cached(key) is None
+    began = time.time()
     curve = runner.costs(progress=progress)
+    fresh = not curve.key or curve.measured_at >= began
     if not verbose:
         path = _cache_file(curve.key)
         where = (f"measured now, cached in {path}" if fresh and path is not None else
