@@ -24,6 +24,8 @@ from mtpkit.schemas import validate
 from mtpkit.verify.loads import real_loads
 
 QUICK = ["--loads", "code", "--runs", "1", "--max-tokens", "40", "--json"]
+DURATION = r"\d+ (s|min \d\d s)"
+SPAN = rf"(about {DURATION}|{DURATION} to {DURATION})"  # a range, or one figure when both agree
 
 
 def _verify(url: str, *extra: str) -> tuple[int, dict]:
@@ -81,7 +83,9 @@ def test_each_lie_fails_its_check(mode: str, check: str, words: str) -> None:
     verdict = _check(doc, check)
     assert verdict["status"] == "fail" and words in verdict["summary"], verdict
     failed = {c["name"] for c in doc["checks"] if c["status"] == "fail"}
-    assert failed <= {check, "answer_thinking"}, failed
+    # a stream that lost most of its text no longer carries the tokens its usage reports
+    also = {"counting"} if mode == "drop_short" else set()
+    assert failed <= {check, "answer_thinking", *also}, failed
     if mode == "drop_short":
         assert verdict["evidence"]["stream_chars"] < verdict["evidence"]["whole_chars"]
 
@@ -143,8 +147,9 @@ def _ctrl_c_after(proc: subprocess.Popen, said: str) -> str:
 
 def test_plan_eta_and_cpu_defaults_are_said_before_the_runs(built, tmp_path: Path) -> None:
     """Issue 34: a default run on a CPU said nothing for half an hour. Now the curve comes
-    first (no run's TTFT pays for it), then the plan with an estimate, then a line per step
-    with the time spent and left; on a CPU backend the defaults are fewer, shorter runs."""
+    first (no run's TTFT pays for it), then the plan with an estimate (a range), then a line
+    per step with the time spent and the range left; on a CPU backend the defaults are fewer,
+    shorter runs."""
     from mtpkit.verify.local import cpu_backend
 
     proc = _verify_process(built("mimo"), tmp_path / "cache", "--loads", "code,memo", "--json")
@@ -162,13 +167,13 @@ def test_plan_eta_and_cpu_defaults_are_said_before_the_runs(built, tmp_path: Pat
     said = lines[plan]
     assert f"2 loads (code, memo) x {runs} run{'s' if runs > 1 else ''} x 2 modes" in said
     assert f"x {tokens} tokens" in said
-    assert re.search(r"; about \d+ (s|min \d\d s) by this machine's cost curve \(plain step "
-                     r"[\d.]+ ms, prefill [\d.]+ ms a token\)$", said), said
+    assert re.search(rf"; {SPAN} by this machine's cost curve \(plain step [\d.]+ ms, prefill "
+                     r"[\d.]+ ms a token; re-estimated as answers come\)$", said), said
     assert ("defaults for a CPU backend" in said) == cpu_backend()
     steps = [s for s in lines if re.match(r"verify-run: (code|memo) run \d", s)]
     assert len(steps) == 2 * runs
     for step in steps:
-        assert re.search(r"\[\d of \d\] \(\d+ s in, about \d+ (s|min \d\d s) left\)$", step), step
+        assert re.search(rf"\[\d of \d\] \(\d+ s in, {SPAN} left\)$", step), step
     assert doc["speed"]["costs"]["measured"], "measured up front, above, and recorded"
 
 

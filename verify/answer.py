@@ -27,6 +27,7 @@ class Answer:
     mtp: dict[str, Any] | None = None  # acceptance etc., when the server reports it
     peak_memory_bytes: int | None = None
     ids: list[int] | None = None  # local bundles only
+    cached_tokens: int | None = None  # prompt tokens read from a prefix cache, where reported
 
     @property
     def text_chunks(self) -> list[Chunk]:

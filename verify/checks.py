@@ -70,18 +70,45 @@ def streaming_check(whole: Answer, streamed: Answer) -> Check:
                  f"({len(streamed.text_chunks)} chunks)", evidence)
 
 
-def counting_check(whole: Answer, streamed: Answer, source: str) -> Check:
+SPECIAL_TOKENS = 16  # tokens an answer may spend without text (think tags, end of turn)
+
+
+def usage_doubt(answer: Answer, max_tokens: int) -> str | None:
+    """Why an answer's reported token count cannot be true (None: it can): above the
+    max_tokens asked, fewer tokens than text chunks (each chunk carries at least one), or more
+    tokens than bytes of text streamed (each token's text is at least a byte, but for a few
+    special tokens)."""
+    tokens = answer.tokens
+    if tokens is None:
+        return None
+    if tokens > max_tokens:
+        return f"usage reports {tokens} tokens, above the max_tokens {max_tokens} asked"
+    chunks = len(answer.text_chunks)
+    if chunks > tokens:
+        return f"{chunks} text chunks for {tokens} reported tokens"
+    text = len((answer.content + answer.reasoning).encode())
+    if tokens > text + SPECIAL_TOKENS:
+        return f"usage reports {tokens} tokens for {text} bytes of text"
+    return None
+
+
+def counting_check(whole: Answer, streamed: Answer, source: str, max_tokens: int) -> Check:
     """Tokens come from usage or ids; chunks are not tokens. A count that cannot be trusted
-    fails."""
+    (missing, more chunks than tokens, or usage that disagrees with what was streamed or
+    asked: `usage_doubt`) fails."""
     chunks = len(streamed.text_chunks)
     evidence = {"tokens": streamed.tokens, "source": source, "chunks": chunks,
-                "tokens_non_streaming": whole.tokens}
+                "tokens_non_streaming": whole.tokens, "max_tokens": max_tokens}
     if streamed.tokens is None:
         return Check("counting", FAIL, "the stream reports no usage: its tokens cannot be "
                      f"counted (only {chunks} chunks, which are not tokens)", evidence)
     if chunks > streamed.tokens:
         return Check("counting", FAIL, f"{chunks} text chunks for {streamed.tokens} reported "
                      "tokens: the token count is wrong", evidence)
+    for what, answer in (("streamed", streamed), ("non-streaming", whole)):
+        if source == "usage" and (doubt := usage_doubt(answer, max_tokens)) is not None:
+            return Check("counting", FAIL, f"{what} answer: {doubt}: the token count is wrong",
+                         evidence)
     if whole.tokens is not None and whole.tokens != streamed.tokens:
         return Check("counting", FAIL, f"usage differs: {whole.tokens} tokens non-streaming, "
                      f"{streamed.tokens} streaming", evidence)

@@ -6,12 +6,15 @@ local bundle) chooses each round's depth itself and reports its choices and pred
 for a target that takes only numbers, a depth sweep picks this machine's best depth. A draft
 source ("head", "lookup", "both") goes with every speculative request; each load's row records
 the source the target used and its telemetry per source. Before anything runs it says what it
-will do and about how long that takes; each step's line gives the time spent and left; `stop`
-(the first Ctrl-C) ends it after the request in flight, with what was measured so far marked
-incomplete."""
+will do and about how long that takes, as a range; each step's line gives the time spent and
+the range left, re-estimated from the seconds per token the finished requests took; `stop` (the
+first Ctrl-C) ends it after the request in flight, with what was measured so far marked
+incomplete. TTFT is measured like for like: every figure from a prompt behind a fresh nonce
+(cold), and `speed.ttft` says so."""
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -29,8 +32,9 @@ from mtpkit.verify.checks import (
     counting_check,
     percentiles,
     streaming_check,
+    usage_doubt,
 )
-from mtpkit.verify.endpoint import EndpointError
+from mtpkit.verify.endpoint import TURN_TOKENS, EndpointError
 from mtpkit.verify.loads import DEFAULT_LOADS, Load, real_loads
 
 QUESTION = ("In two or three sentences, explain what a hash table is and why looking up a key "
@@ -42,6 +46,13 @@ RUNS, MAX_TOKENS = 3, 256  # the defaults
 CPU_RUNS, CPU_MAX_TOKENS = 1, 128  # on a CPU backend: minutes, not half an hour (64 steady tokens)
 TEMPLATE_TOKENS = 16  # a chat template's own tokens around a message, roughly
 CONTROL_TOKENS = 8  # the two 4-token probes: does the target take a depth, and "auto"?
+TTFT_TOKENS = 4  # an endpoint's cold MTP TTFT, from a short request of its own per run
+# Before any answer, the cost curve's figure as a range: it prices prefill and plain steps
+# only (no HTTP, rendering or MTP rounds). After answers: the measured seconds per priced
+# second, a factor of 1 + their spread either way, and at least 1 + SPREAD / sqrt(answers).
+CURVE_RANGE = (0.75, 1.5)
+SPREAD = 0.5
+SERVING_REQUESTS = 6  # serving_checks' turns: 3 over the prefix cache, 3 on the Messages API
 
 
 class Target(Protocol):
@@ -158,19 +169,31 @@ class Rates:
         return sum(prompt * self.prompt_s + tokens * self.step_s for prompt, tokens in requests)
 
 
+def per_load(options: VerifyOptions, facts: Facts, load: Load,
+             modes: int) -> list[tuple[int, int]]:
+    """(prompt tokens, max tokens) of one load's requests: a warm-up and the runs per mode,
+    and an endpoint's cold TTFT request per run when both modes share the run's prompt."""
+    prompt = facts.tokens(load.text)
+    out = [(prompt, WARMUP_TOKENS)] * modes + [(prompt, options.max_tokens)] * (options.runs * modes)
+    if modes == 2 and facts.kind == "endpoint":
+        out += [(prompt, TTFT_TOKENS)] * options.runs
+    return out
+
+
 def planned_requests(options: VerifyOptions, facts: Facts, loads: Mapping[str, Load],
                      modes: int = 2) -> list[tuple[int, int]]:
     """(prompt tokens, max tokens) of every request the run makes: the answer checks
-    (thinking on asks 4x), the two probes, and per load and mode a warm-up and the runs."""
+    (thinking on asks 4x), the two probes, each load's requests, and an endpoint's serving
+    checks after them."""
     answer = min(ANSWER_TOKENS, options.max_tokens)
     question, hi = facts.tokens(QUESTION), facts.tokens("Hi")
     out = [(question, answer), (question, answer), (hi, 4), (hi, 4)]
     if facts.thinking is not False:
         out.append((question, 4 * answer))
     for load in loads.values():
-        prompt = facts.tokens(load.text)
-        out += [(prompt, WARMUP_TOKENS)] * modes
-        out += [(prompt, options.max_tokens)] * (options.runs * modes)
+        out += per_load(options, facts, load, modes)
+    if facts.kind == "endpoint":
+        out += [(facts.tokens(real_loads(["memo"])["memo"].text), TURN_TOKENS)] * SERVING_REQUESTS
     return out
 
 
@@ -181,19 +204,31 @@ def _text(args: tuple[Any, ...], kw: dict[str, Any]) -> str:
     return str(kw.get("prompt") or "")
 
 
+def span(low: float, high: float) -> str:
+    """A range of seconds in words ("2 min 10 s to 3 min 40 s"; one figure when both read
+    the same)."""
+    lo, hi = duration(low), duration(high)
+    return f"about {lo}" if lo == hi else f"{lo} to {hi}"
+
+
 class Clock:
     """The target, metered: the plan's requests, what each should cost (Rates) and the seconds
-    spent, so every progress line says the time spent and about how long is left. Before the
-    first answer the estimate is the cost curve's (when known); after it, the plan scaled by
-    the seconds seen over what the plan said they would take. `stop` is asked before each
-    request (the first Ctrl-C: raise Stopped)."""
+    each took, so every progress line says the time spent and the range left. Before the
+    first answer the range is the cost curve's (when known: CURVE_RANGE); after it, the plan's
+    rest at the seconds per priced second the answers took (priced at the tokens they
+    generated), as wide as those ratios spread and narrowing as answers come; the low end also
+    assumes answers keep stopping as early as they have. `stop` is asked before each
+    request (the first Ctrl-C: raise Stopped). Every answer's reported usage is audited
+    (`usage_doubt`): the first lie is kept for the counting check."""
 
     def __init__(self, target: Target, facts: Facts, planned: list[tuple[int, int]],
                  rates: Rates, stop: Callable[[], bool]) -> None:
         self.target, self.facts, self.rates, self.stop = target, facts, rates, stop
         self.planned_s = rates.seconds(planned)
         self.done_s = 0.0  # the plan's seconds for the requests made
-        self.busy_s = 0.0  # the seconds they took
+        self.samples: list[tuple[float, float, float]] = []  # priced as generated, as asked, taken
+        self.requests = 0
+        self.doubt: tuple[int, str] | None = None  # (request number, why its usage is wrong)
         self.start = time.perf_counter()
 
     def plan(self, requests: list[tuple[int, int]], sign: int = 1) -> None:
@@ -203,25 +238,44 @@ class Clock:
     def ask(self, *args: Any, max_tokens: int, **kw: Any) -> Answer:
         if self.stop():
             raise Stopped
+        self.requests += 1
+        prompt = self.facts.tokens(_text(args, kw))
+        asked = self.rates.seconds([(prompt, max_tokens)])
         start = time.perf_counter()
         try:
-            return self.target.ask(*args, max_tokens=max_tokens, **kw)
+            answer = self.target.ask(*args, max_tokens=max_tokens, **kw)
         finally:
-            self.busy_s += time.perf_counter() - start
-            self.done_s += self.rates.seconds([(self.facts.tokens(_text(args, kw)),
-                                                max_tokens)])
+            self.done_s += asked
+        taken = time.perf_counter() - start
+        tokens = answer.tokens if answer.tokens is not None and answer.tokens <= max_tokens \
+            else max_tokens
+        self.samples.append((self.rates.seconds([(prompt, tokens)]), asked, taken))
+        if not self.facts.exact_ids and self.doubt is None:
+            doubt = usage_doubt(answer, max_tokens)
+            self.doubt = (self.requests, doubt) if doubt else None
+        return answer
 
-    def left_s(self) -> float | None:
-        """Seconds the rest of the plan should take (None: nothing to go by yet)."""
+    def left_s(self) -> tuple[float, float] | None:
+        """The range of seconds the rest of the plan should take (None: nothing to go by)."""
         rest = max(self.planned_s - self.done_s, 0.0)
-        if self.done_s and self.busy_s:
-            return rest * self.busy_s / self.done_s
-        return rest if self.rates.measured else None
+        priced = sum(p for p, _, _ in self.samples)
+        if not priced:
+            return (rest * CURVE_RANGE[0], rest * CURVE_RANGE[1]) if self.rates.measured else None
+        point = sum(t for _, _, t in self.samples) / priced
+        if not point:
+            return 0.0, 0.0
+        # the answers' own spread (their ratios, each weighted by its priced seconds), and no
+        # narrower than SPREAD / sqrt(answers); a ratio's range: a factor either way
+        spread = math.sqrt(sum(p * (t / p - point) ** 2 for p, _, t in self.samples if p)
+                           / priced) / point
+        factor = 1 + max(spread, SPREAD / math.sqrt(len(self.samples)))
+        early = priced / sum(a for _, a, _ in self.samples)  # share of the asked tokens made
+        return rest * point / factor * early, rest * point * factor
 
     def note(self, what: str) -> str:
         left = self.left_s()
         return (f"{what} ({duration(time.perf_counter() - self.start)} in"
-                + (f", about {duration(left)} left)" if left is not None else ")"))
+                + (f", {span(*left)} left)" if left is not None else ")"))
 
 
 def plan_text(options: VerifyOptions, facts: Facts, rates: Rates) -> str:
@@ -229,16 +283,18 @@ def plan_text(options: VerifyOptions, facts: Facts, rates: Rates) -> str:
     loads = real_loads(options.loads)
     modes = "1 mode (as served)" if options.depth == 0 else "2 modes (plain, then MTP)"
     requests = planned_requests(options, facts, loads, 1 if options.depth == 0 else 2)
+    serving = ", the serving checks after them" if facts.kind == "endpoint" else ""
     what = (f"plan: {plural(len(loads), 'load')} ({', '.join(loads)}) x "
             f"{plural(options.runs, 'run')} x {modes} x {options.max_tokens} tokens, after the "
-            f"answer checks and a warm-up per load and mode: {len(requests)} requests")
+            f"answer checks and a warm-up per load and mode{serving}: {len(requests)} requests")
     if options.cpu_defaults:
         what += (f"; defaults for a CPU backend ({plural(CPU_RUNS, 'run')} of {CPU_MAX_TOKENS} "
                  f"tokens, not {RUNS} of {MAX_TOKENS}: --runs and --max-tokens change them)")
     if rates.measured:
-        return (what + f"; about {duration(rates.seconds(requests))} by this machine's cost "
-                f"curve (plain step {1000 * rates.step_s:.1f} ms, prefill "
-                f"{1000 * rates.prompt_s:.2f} ms a token)")
+        total = rates.seconds(requests)
+        return (what + f"; {span(total * CURVE_RANGE[0], total * CURVE_RANGE[1])} by this "
+                f"machine's cost curve (plain step {1000 * rates.step_s:.1f} ms, prefill "
+                f"{1000 * rates.prompt_s:.2f} ms a token; re-estimated as answers come)")
     return what + "; the time left follows the first answer"
 
 
@@ -260,7 +316,9 @@ def _auto_control(target: Target, options: VerifyOptions) -> bool:
     try:
         answer = target.ask([{"role": "user", "content": "Hi"}], max_tokens=4, stream=False,
                             depth="auto", **options.drafting("auto"))
-    except EndpointError:
+    except EndpointError as exc:
+        if exc.status is None:  # not a refusal: the endpoint misbehaved, which is reported
+            raise
         return False
     return isinstance(answer.mtp, dict) and isinstance(answer.mtp.get("depths"), dict)
 
@@ -301,17 +359,24 @@ def _sources(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
         t["accepted"], t["proposed"], strict=True)]} for name, t in total.items()} or None
 
 
-def _speed_row(answers: dict[str, list[Answer]], drop: int) -> dict[str, Any]:
+def _speed_row(answers: dict[str, list[Answer]], drop: int,
+               first: dict[str, list[Answer]] | None = None) -> dict[str, Any]:
+    """One load's figures per mode; first: where a mode's TTFT comes from answers of its own
+    (an endpoint's cold requests), not its runs."""
     row: dict[str, Any] = {}
     for mode, runs in answers.items():
         tps = [t for a in runs if (t := a.decode_tps(drop)) is not None]
         accept = [a.mtp["acceptance_by_depth"] for a in runs
                   if a.mtp and a.mtp.get("acceptance_by_depth")]
         predicted = [p for a in runs if a.mtp and (p := a.mtp.get("predicted_speedup"))]
+        timed = (first or {}).get(mode) or runs
         row[mode] = {
             "decode_tps": percentiles(tps),
-            "ttft_s": percentiles([a.ttft_s for a in runs if a.ttft_s is not None]),
-            "prefill_tps": percentiles([a.prefill_tps for a in runs if a.prefill_tps]),
+            "ttft_s": percentiles([a.ttft_s for a in timed if a.ttft_s is not None]),
+            "prefill_tps": percentiles([a.prefill_tps for a in timed if a.prefill_tps]),
+            "ttft_cached": max((a.cached_tokens / a.prompt_tokens for a in timed
+                                if a.cached_tokens is not None and a.prompt_tokens),
+                               default=None),
             "tokens": [a.tokens for a in runs],
             "acceptance_by_depth": mean_by_position(accept) if accept else None,
             "peak_memory_bytes": max((a.peak_memory_bytes or 0 for a in runs), default=0) or None,
@@ -382,14 +447,31 @@ def run(target: Target, facts: Facts, options: VerifyOptions,
         _functional(clock, facts, options, checks, progress)
         _speed(clock, facts, options, report, progress, done)
     except EndpointError as exc:
-        checks.append(Check("endpoint", FAIL, str(exc)))
+        checks.append(Check("endpoint", FAIL, str(exc), exc.evidence))
     except Stopped:
         planned = options.runs * len(real_loads(options.loads))
         report.interrupted = {"runs_measured": done[0], "runs_planned": planned}
         checks.append(Check("incomplete", FAIL, f"interrupted after {done[0]} of "
                             f"{plural(planned, 'run')}: the checks after it did not run",
                             dict(report.interrupted)))
+    _audit_usage(checks, clock)
     return report
+
+
+def _audit_usage(checks: list[Check], clock: Clock) -> None:
+    """Usage that lied on any request (not only the counting check's pair) fails counting:
+    inflated counts would inflate every tok/s figure."""
+    if clock.doubt is None:
+        return
+    number, doubt = clock.doubt
+    failed = Check("counting", FAIL, f"request {number} of the run: {doubt}: the token count "
+                   "is wrong", {"request": number, "source": "usage"})
+    at = next((i for i, c in enumerate(checks) if c.name == "counting"), None)
+    if at is None:
+        checks.append(failed)
+    elif checks[at].status != FAIL:
+        failed.evidence |= checks[at].evidence
+        checks[at] = failed
 
 
 def _functional(target: Clock, facts: Facts, options: VerifyOptions, checks: list[Check],
@@ -403,6 +485,8 @@ def _functional(target: Clock, facts: Facts, options: VerifyOptions, checks: lis
     try:
         whole = _ask(target, QUESTION, True, max_tokens=tokens, stream=False)
     except EndpointError as exc:
+        if exc.status is None:  # not refused: the endpoint misbehaved (the endpoint check)
+            raise
         checks.append(Check("template", FAIL, f"a chat request failed: {exc}"))
         return
     if facts.template is None:
@@ -418,7 +502,8 @@ def _functional(target: Clock, facts: Facts, options: VerifyOptions, checks: lis
     progress(target.note("streaming"))
     streamed = _ask(target, QUESTION, True, max_tokens=tokens, stream=True)
     checks.append(streaming_check(whole, streamed))
-    checks.append(counting_check(whole, streamed, "ids" if facts.exact_ids else "usage"))
+    checks.append(counting_check(whole, streamed, "ids" if facts.exact_ids else "usage",
+                                 tokens))
 
 
 def _speed(target: Clock, facts: Facts, options: VerifyOptions, report: Report,
@@ -439,8 +524,13 @@ def _speed(target: Clock, facts: Facts, options: VerifyOptions, report: Report,
         progress("the target has no MTP switch: measuring it as served")
     modes = {"plain": 0, "mtp": depth} if control and depth else {"as served": None}
     if options.depth != 0 and len(modes) == 1:  # the plan counted two modes
-        target.plan([(facts.tokens(load.text), n) for load in loads.values()
-                     for n in (WARMUP_TOKENS, *[options.max_tokens] * options.runs)], -1)
+        for load in loads.values():
+            target.plan(per_load(options, facts, load, 2), -1)
+            target.plan(per_load(options, facts, load, 1))
+    # a caching endpoint answers the MTP run warm (it repeats the plain run's prompt, for the
+    # exactness check): its TTFT comes from a short request behind a nonce of its own
+    # (verify-run's in-process service keeps no prefix cache)
+    cold_probe = len(modes) == 2 and facts.kind == "endpoint"
     rows, exact = {}, []
     planned = options.runs * len(loads)
 
@@ -448,6 +538,7 @@ def _speed(target: Clock, facts: Facts, options: VerifyOptions, report: Report,
         report.speed = {"depth": depth, "draft": options.draft, "mtp_control": control,
                         "sweep": sweep, "loads": rows, "runs": options.runs,
                         "max_tokens": options.max_tokens, "drop": options.drop,
+                        "ttft": _ttft_basis(rows, cold_probe),
                         **({"defaults": "cpu"} if options.cpu_defaults else {})}
         if rows:
             checks.append(_exactness(exact, facts, depth))
@@ -460,6 +551,7 @@ def _speed(target: Clock, facts: Facts, options: VerifyOptions, report: Report,
                 _ask(target, load.fresh(), load.chat, max_tokens=WARMUP_TOKENS, stream=True,
                      depth=d, **options.drafting(d))
             answers: dict[str, list[Answer]] = {m: [] for m in modes}
+            first: dict[str, list[Answer]] = {"mtp": []} if cold_probe else {}
             try:
                 for run in range(options.runs):
                     progress(target.note(f"{name} run {run + 1}/{options.runs} "
@@ -470,16 +562,36 @@ def _speed(target: Clock, facts: Facts, options: VerifyOptions, report: Report,
                             for mode, d in modes.items()}  # baseline first, same prompt
                     for mode, answer in pair.items():
                         answers[mode].append(answer)
+                    if cold_probe:
+                        d = modes["mtp"]
+                        first["mtp"].append(_ask(target, load.fresh(), load.chat,
+                                                 max_tokens=TTFT_TOKENS, stream=True, depth=d,
+                                                 **options.drafting(d)))
                     done[0] += 1
                     if len(modes) == 2:
                         exact.append(_same(pair["plain"], pair["mtp"]))
             finally:
                 if any(answers.values()):
-                    rows[name] = _speed_row(answers, options.drop)
+                    rows[name] = _speed_row(answers, options.drop, first)
     except Stopped:
         record()  # what was measured so far, and the checks over it
         raise
     record()
+
+
+def _ttft_basis(rows: dict[str, dict], cold_probe: bool) -> dict[str, Any]:
+    """How TTFT was measured, for the report: cold in every mode (each figure from a prompt
+    behind a fresh nonce), unless the endpoint says a TTFT request read most of its prompt from
+    a cache anyway."""
+    how = ("each mode's TTFT from prompts behind nonces of their own (the MTP runs repeat the "
+           "plain runs' prompts, so MTP's TTFT comes from a short request per run)"
+           if cold_probe else "every prompt behind a fresh nonce")
+    warm = [f"{name} {mode}" for name, row in rows.items() for mode, m in row.items()
+            if isinstance(m, dict) and (m.get("ttft_cached") or 0) >= 0.5]
+    if warm:
+        return {"state": "mixed", "how": how + "; yet the endpoint reports most of a prompt "
+                "read from its cache for " + ", ".join(warm)}
+    return {"state": "cold", "how": how}
 
 
 def _exactness(exact: list[bool], facts: Facts, depth: int | str | None) -> Check:
