@@ -29,6 +29,7 @@ from mtpkit.convert.writer import (
 from mtpkit.loaders.bundle import BundleView, open_bundle
 from mtpkit.loaders.digest import sha256_file
 from mtpkit.loaders.findings import Finding, UserError
+from mtpkit.loaders.model_check import check_model
 from mtpkit.loaders.paths import bundle_file
 from mtpkit.loaders.weights import SIDECAR_FILE
 
@@ -38,7 +39,8 @@ CARRIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.
                  "chat_template.jinja", "chat_template.json", "generation_config.json")
 # Source problems convert cannot work around (the rest are repaired by converting).
 BLOCKING = ("files.", "config.", "index.path_escape", "index.missing_shard", "safetensors.",
-            "quant.incomplete", "quant.unsupported", "mtp.incomplete", "mtp.norm_encoding")
+            "tokenizer.invalid", "quant.incomplete", "quant.unsupported", "weights.",
+            "mtp.incomplete", "mtp.norm_encoding")
 # Findings a fresh bundle may inherit from its source without the conversion being wrong.
 INHERITED = ("template.", "tokenizer.", "mtp.absent")
 
@@ -125,7 +127,8 @@ def finish_bundle(stage: Path, name: str, source: dict[str, Any], base_model: st
     """Check the staged bundle with doctor, then write its model card and manifest (plus
     `extra` manifest sections). Raises ConvertError when the bundle fails its own check."""
     written = open_bundle(stage)
-    bad = [f for f in written.errors if not f.code.startswith(INHERITED)]
+    bad = [f for f in [*written.errors, *check_model(written)]
+           if f.severity == "error" and not f.code.startswith(INHERITED)]
     if bad:
         raise ConvertError(bad[0].code, "the written bundle fails its own check: "
                            f"{bad[0].message} [{bad[0].location}]",
@@ -141,51 +144,64 @@ def finish_bundle(stage: Path, name: str, source: dict[str, Any], base_model: st
 
 def check_source(view: BundleView) -> None:
     """Refuse sources convert cannot work around, naming the most fundamental problem first
-    (a truncated shard before the quantized module it cut in half)."""
+    (a truncated shard before the quantized module it cut in half): what doctor reports,
+    tensors against mlx-lm's model class included, and a tokenizer the bundle could not
+    use (it would be published as it is)."""
+    errors = [*view.errors, *(f for f in check_model(view) if f.severity == "error")]
     for prefix in BLOCKING:
-        for f in view.errors:
+        for f in errors:
             if f.code.startswith(prefix) and not f.fixable:
                 raise ConvertError(f.code, f"source: {f.message} [{f.location}]", f.hint)
 
 
 def convert(src: str, out: Path, options: ConvertOptions,
             progress: Callable[[int], None] = lambda n: None,
-            on_plan: Callable[[int], None] = lambda total: None) -> ConvertResult:
-    """Convert `src` into the bundle folder `out`; raises ConvertError for bad input."""
+            on_plan: Callable[[int], None] = lambda total: None,
+            status: Callable[[str], None] = lambda text: None) -> ConvertResult:
+    """Convert `src` into the bundle folder `out`; raises ConvertError for bad input.
+    progress: bytes written; on_plan: the total to write, once known; status: what it is doing
+    now, a few words per step (the work before the first byte is written takes seconds)."""
     if str(src).endswith(".gguf") and Path(src).is_file():
-        return _convert_gguf(Path(src), out, options, progress, on_plan)
-    return _convert(src, out, options, progress, on_plan)
+        return _convert_gguf(Path(src), out, options, progress, on_plan, status)
+    return _convert(src, out, options, progress, on_plan, status)
 
 
 def _convert_gguf(src: Path, out: Path, options: ConvertOptions,
-                  progress: Callable[[int], None], on_plan: Callable[[int], None]) -> ConvertResult:
+                  progress: Callable[[int], None], on_plan: Callable[[int], None],
+                  status: Callable[[str], None]) -> ConvertResult:
     """Dequantize the GGUF into a temporary Hugging Face folder beside OUT, then convert that."""
     from mtpkit.convert.gguf_import import GGUFError, gguf_to_hf
 
     claim_output(out, src, options.force)
     with scratch(out) as tmp:
+        status(f"reading {src.name} (GGUF) into a temporary checkpoint")
         try:
             hf = gguf_to_hf(src, tmp / "hf", dtype=options.quant.dtype or "bfloat16")
         except GGUFError as exc:
             raise ConvertError("gguf.unsupported", str(exc),
                                "convert the original Hugging Face checkpoint instead") from None
         source = {"kind": "gguf", "path": str(src.resolve()), "fingerprint": sha256_file(src)}
-        return _convert(str(hf), out, options, progress, on_plan, source=source)
+        return _convert(str(hf), out, options, progress, on_plan, status, source=source)
 
 
 def _convert(src: str, out: Path, options: ConvertOptions, progress: Callable[[int], None],
-             on_plan: Callable[[int], None], source: dict[str, Any] | None = None
-             ) -> ConvertResult:
+             on_plan: Callable[[int], None], status: Callable[[str], None],
+             source: dict[str, Any] | None = None) -> ConvertResult:
+    status("reading the source's headers, config, tokenizer and chat template")
     view = open_bundle(src)
+    status(f"checking {len(view.tensors)} tensors against mlx-lm's {view.config.model_type} "
+           "model class")
     check_source(view)
     source = source or _source_record(view, src)
     quant = options.quant
     sidecar_opts = options.sidecar or SidecarOptions(policy="layers" if quant.quantize else "keep")
     with staged_output(out, view.root, force=options.force) as stage:
+        status("building the trunk with mlx-lm's model class (lazily: nothing is read yet)")
         model, trunk, config = build_trunk(view, quant)
         mtp_record = None
         sidecar: dict[str, Tensor] = {}
         if view.mtp.tensors:
+            status("planning the MTP sidecar")
             hidden = view.config.dim("hidden_size") or 0
             sidecar, mtp_record = build_sidecar(view, sidecar_opts, model, hidden)
         on_plan(sum(t.nbytes for t in trunk.values()) + sum(t.nbytes for t in sidecar.values()))
@@ -197,6 +213,7 @@ def _convert(src: str, out: Path, options: ConvertOptions, progress: Callable[[i
                                                      sorted(sidecar), progress=progress)
         write_config(stage, config, mtp_record, max(view.mtp.declared_layers, view.mtp.blocks))
         _carry_files(view, stage)
+        status("checking the written bundle (doctor) and writing its manifest")
         provenance = view.template.source and f"source {view.template.source}"
         manifest = finish_bundle(stage, out.name, source, _base_model(view, source),
                                  options.command, provenance, hashes)

@@ -35,7 +35,7 @@ from mtpkit.loaders.paths import bundle_file
 from mtpkit.loaders.template_sources import fallback_gaps, find_template
 from mtpkit.loaders.weights import INDEX_FILE, SIDECAR_FILE
 
-TEMPLATE_ERRORS = {"template.missing", "template.invalid", "template.unsafe",
+TEMPLATE_ERRORS = {"template.missing", "template.invalid", "template.unsafe", "template.empty",
                    "template.render_failed", "template.legacy_location", "template.fallback"}
 CONFIG_FILE = "config.json"
 

@@ -36,6 +36,7 @@ from mtpkit.decoder.trunk import Trunk
 from mtpkit.loaders.arrays import mtp_arrays
 from mtpkit.loaders.bundle import BundleView, open_bundle
 from mtpkit.loaders.findings import UserError, root_rank
+from mtpkit.loaders.model_check import check_model
 from mtpkit.loaders.mtp import DELTA_ENCODINGS
 from mtpkit.loaders.norms import ABSOLUTE, absolute_from_delta, reencode
 from mtpkit.loaders.templates import render, unsafe_reach
@@ -395,8 +396,10 @@ def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None
                         f"{dtype} contradict each other", "drop --keep-quantized or --dtype")
     view = open_bundle(path)
     # Refused before mlx-lm opens or builds anything, root cause first (a file no loader may
-    # open leaves shards missing, the shards that would have said "MLX bundle" included).
-    blocking = sorted((f for f in view.errors if not f.code.startswith(NON_BLOCKING)),
+    # open leaves shards missing, the shards that would have said "MLX bundle" included); a
+    # tensor the model class or the head would refuse or misread, as doctor reports it.
+    errors = [*view.errors, *(f for f in check_model(view) if f.severity == "error")]
+    blocking = sorted((f for f in errors if not f.code.startswith(NON_BLOCKING)),
                       key=root_rank)
     if view.kind != "mlx" and not (blocking and blocking[0].code in (
             "files.not_regular", "index.path_escape")):
@@ -404,7 +407,8 @@ def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None
                         "bundle", "mtpkit convert it first")
     if blocking:
         first = blocking[0]
-        raise UserError(first.code, f"{path}: {first.message}", first.hint or
+        where = f" [{first.location}]" if first.location else ""
+        raise UserError(first.code, f"{path}: {first.message}{where}", first.hint or
                         "mtpkit doctor BUNDLE shows every finding")
     # never runs bundle code (auto_map); a file transformers chokes on is one UserError, before
     # the weights load

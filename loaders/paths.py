@@ -40,6 +40,21 @@ def plain(relative: str) -> bool:
         "\x00" not in relative) and ".." not in relative.split("/")
 
 
+def utf8(name: str) -> bool:
+    """Whether a name (from os.listdir, or a bundle's JSON) is valid UTF-8: bytes that are not
+    come back from the OS as lone surrogates, which MLX's C++ and str.encode() refuse."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def shown(name: str) -> str:
+    """A name printable whatever it holds (a byte that is not UTF-8 shown as \\udcNN)."""
+    return name.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def inside(root: Path, relative: str) -> Path | None:
     """`root/relative` if it names a place inside root (no absolute paths, no `..`) and, links
     resolved, still lands inside the bundle's trusted base; else None."""
@@ -61,13 +76,18 @@ def vet(root: Path, relative: str) -> tuple[Path | None, Finding | None]:
     """Whether a loader may open `root/relative`, decided by stat alone (a FIFO is never
     opened): (path, None) for a regular file inside the bundle; (None, None) when nothing is
     there; (None, finding) for a link leading outside (index.path_escape) or anything else
-    that is not a regular file (files.not_regular)."""
+    that is not a regular file (files.not_regular), or a name that is not UTF-8
+    (files.bad_name)."""
     path = root / relative
     if not plain(relative):
         return None, finding("index.path_escape", f"{relative!r} is not a path inside the "
                              "bundle; not read", relative)
     if not os.path.lexists(path):
         return None, None
+    if not utf8(relative):
+        return None, finding("files.bad_name", "not a UTF-8 file name; "
+                             "MLX cannot open it (a loader given it aborts); not read",
+                             shown(relative))
     try:
         resolved = path.resolve()
     except (OSError, RuntimeError):  # RuntimeError: a link loop (Python < 3.13)

@@ -469,6 +469,11 @@ def _try_render(report: TemplateReport, source: str, special: dict[str, str], wh
                                        f"standard conversation fails: {type(exc).__name__}: "
                                        f"{str(exc)[:200]}", where))
         return
+    if not report.rendered.strip():  # serve would send the model nothing ("empty prompt")
+        report.renders = False
+        report.findings.append(finding("template.empty", "renders nothing for a standard "
+                                       "conversation: every chat prompt would be empty", where))
+        return
     report.renders = True
     if needed:
         report.findings.append(finding(

@@ -9,6 +9,7 @@ from typing import Any
 from mtpkit import __version__
 from mtpkit.loaders.bundle import BundleView, open_bundle
 from mtpkit.loaders.findings import SEVERITY_ORDER, Finding, finding
+from mtpkit.loaders.model_check import check_model
 from mtpkit.loaders.source import NotABundle
 from mtpkit.loaders.template_sources import fallback_gaps
 from mtpkit.verify.deep import Progress, deep_scan
@@ -31,11 +32,11 @@ def report(target: str | Path, deep: bool = False,
     except NotABundle as exc:
         findings = [finding("files.missing_config", str(exc), str(target), hint=exc.hint)]
         return _document(str(target), deep, None, findings)
-    findings = list(view.findings)
-    gaps = fallback_gaps(view)  # a restored plain template that lacks what the model uses
-    if gaps:
-        findings = sorted([*findings, *gaps],
-                          key=lambda f: (SEVERITY_ORDER[f.severity], f.code, f.location))
+    # what the loaders will do with the tensors (mlx-lm's model class, the decoder's head), and
+    # a restored plain template that lacks what the model uses
+    more = [*check_model(view), *fallback_gaps(view)]
+    findings = sorted([*view.findings, *more],
+                      key=lambda f: (SEVERITY_ORDER[f.severity], f.code, f.location))
     if deep:
         if on_open:
             on_open(view)
