@@ -19,7 +19,6 @@ choice per (rows, width), and runners pass each shape the faster way.
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import time
@@ -29,10 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mtpkit.decoder import store as disk
 from mtpkit.decoder.batch import Batch
 from mtpkit.decoder.batch_policy import EXPLORE, PIPED, BatchPolicy, piped
 from mtpkit.decoder.caches import is_recurrent
-from mtpkit.decoder.costs import cache_file, write_json
+from mtpkit.decoder.costs import cache_file
 from mtpkit.decoder.policy import MIN_OBSERVED, WINDOW
 from mtpkit.decoder.scheduler import Request, Scheduler
 
@@ -195,30 +195,22 @@ def _path(key: dict[str, Any]) -> Path:
 
 def store(key: dict[str, Any], paid: Paid, stock: Stock | None = None) -> Path:
     """Atomically, beside the cost curve of the same key."""
-    return write_json(_path(key), {
+    return disk.write(_path(key), {
         "key": key, "measured": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "paid": {f"{rows},{shape}": list(times) for (rows, shape), times in paid.items()},
-        "stock": {f"{rows},{w}": bool(faster) for (rows, w), faster in (stock or {}).items()}})
+        "stock": {f"{rows},{w}": bool(faster) for (rows, w), faster in (stock or {}).items()}},
+        "batch")
 
 
 def _doc(key: dict[str, Any]) -> dict[str, Any]:
-    """The store for `key`; {} for none, unreadable or another key's."""
-    try:
-        doc = json.loads(_path(key).read_text())
-        return doc if isinstance(doc, dict) and doc.get("key") == key else {}
-    except (OSError, ValueError):
-        return {}
+    """The store for `key`; {} for none, invalid (decoder/store.py says why) or another key's."""
+    doc = disk.read(_path(key), "batch")
+    return doc if doc is not None and doc["key"] == key else {}
 
 
-def _pairs(table: Any, value: Callable[[Any], Any]) -> dict[tuple[int, int], Any]:
-    """{"a,b": v} as {(a, b): value(v)}, a >= 1; raises on anything else."""
-    out = {}
-    for name, v in table.items():
-        a, b = (int(part) for part in name.split(","))
-        if a < 1:
-            raise ValueError(name)
-        out[(a, b)] = value(v)
-    return out
+def _pairs(table: dict[str, Any]) -> dict[tuple[int, int], Any]:
+    """{"rows,shape": v} (the schema's names) as {(rows, shape): v}."""
+    return {(int(a), int(b)): v for a, b, v in ((*name.split(","), v) for name, v in table.items())}
 
 
 def read(key: dict[str, Any]) -> tuple[Paid, Stock]:
@@ -231,25 +223,11 @@ def read(key: dict[str, Any]) -> tuple[Paid, Stock]:
 
 
 def _times(doc: dict[str, Any]) -> Paid:
-    """The round times stored; {} for none, unreadable or another key's."""
-    def times(values: Any) -> deque:
-        out = [float(t) for t in values]
-        if not all(0 < t < 3600 for t in out):
-            raise ValueError(values)
-        return deque(out, maxlen=WINDOW)
-    try:
-        return _pairs(doc.get("paid", {}), times)
-    except (ValueError, TypeError, AttributeError):
-        return {}
+    """The round times stored; {} for none."""
+    return {shape: deque(map(float, times), maxlen=WINDOW)
+            for shape, times in _pairs(doc.get("paid", {})).items()}
 
 
 def _stock(doc: dict[str, Any]) -> Stock:
     """Which shapes were timed faster untraced; {} for none."""
-    def flag(v: Any) -> bool:
-        if not isinstance(v, bool):
-            raise TypeError(v)
-        return v
-    try:
-        return _pairs(doc.get("stock", {}), flag)
-    except (ValueError, TypeError, AttributeError):
-        return {}
+    return _pairs(doc.get("stock", {}))

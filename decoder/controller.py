@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from mtpkit.decoder.caches import extent
+from mtpkit.decoder.costs import check_plain
 from mtpkit.decoder.drafts import Draft, chain
 from mtpkit.decoder.options import Source
 from mtpkit.decoder.policy import DepthPolicy
@@ -125,6 +126,8 @@ class Controller:
             session.stats.predicted_s += policy.curve.plain
             yield [token]
         policy.observe_plain(*session.plain_paid)
+        if policy.paid.timed("plain"):  # the stored curve judged by what steps pay (costs.py)
+            check_plain(policy.curve, policy.curve.plain * policy.paid.scale("plain"))
         self.switched = True
 
     def report(self, stats: Stats) -> None:

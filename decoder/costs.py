@@ -13,6 +13,17 @@ reports progress only to a callback the caller passes (the CLI draws a bar on st
 user sees nothing). Load only slows a pass down, so a wider pass timed more than PAD_GAIN cheaper
 than a narrower one is suspect: that region is timed again and the lower median kept, and a break
 that survives is smoothed (the narrower row priced and verified at the wider width) and flagged.
+
+A stored curve decides every later run, so it is judged, by one rule: load only slows a timing
+down, so two timings of the same thing that differ by more than DRIFT mean the slower one ran on
+a busy machine. Within a measurement, a shape whose median repeat is DRIFT slower than its
+fastest makes the curve noisy (`noisy`; the progress display says so on stderr), and its spread,
+time and load are kept with it. After
+it, a process whose plain steps really run DRIFT faster than the stored curve's marks it stale
+(one line on stderr; that process prices by what it pays meanwhile) and the next load measures
+again: a curve timed while the CPU was busy (a plain step at 163 ms that ran at 79) once halved
+the speedup `--depth auto` found. The other way proves nothing: a longer context or load now
+makes real steps dearer than a true curve.
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from mtpkit.decoder import store as disk
 from mtpkit.decoder.caches import snapshot, trim
 from mtpkit.decoder.curve import (
     CONTEXT,
@@ -64,7 +76,9 @@ RETRY_SHARE = 0.25  # of the budget, the least a re-measurement may take beyond 
 PREFILL_SHARE = 0.3  # of the budget, the most the context's prefill may take
 COMPILED = 1.5  # a first pass this much dearer than the next one built something: warm up
 # each width first (a GPU); else a width's first pass is one of its timings (a CPU)
-VERSION = 2  # bump when what is measured changes (2: bounded, checked, smoothed curves)
+VERSION = 3  # bump when what is measured changes (2: bounded, checked, smoothed curves;
+# 3: with what judges them)
+DRIFT = 1.5  # two timings of one thing this far apart: the slower ran on a busy machine
 
 
 def versions() -> dict[str, str | None]:
@@ -100,9 +114,7 @@ def cache_key(root: Path, options: dict[str, Any]) -> dict[str, Any]:
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("MTPKIT_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mtpkit")
-    return Path(base) / "costs"
+    return disk.root() / "costs"
 
 
 def key_name(key: dict[str, Any]) -> str:
@@ -115,37 +127,61 @@ def cache_file(key: dict[str, Any], suffix: str = ".json") -> Path:
     return cache_dir() / f"{key_name(key)}{suffix}"
 
 
-def write_json(path: Path, doc: Any) -> Path:
-    """Write atomically (a temp file renamed over): concurrent processes never read half."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(doc, indent=1))
-    os.replace(tmp, path)
-    return path
-
-
 def cached(key: dict[str, Any]) -> CostCurve | None:
-    """The stored curve of `key`, or None: none, unreadable, another key, or a curve that fails
-    the sanity check (one an older version stored unchecked is measured again, not trusted)."""
+    """The stored curve of `key`, or None: none, invalid (decoder/store.py says why), another
+    key, marked stale, or failing the sanity check (said on stderr: measured again)."""
     path = cache_file(key)
-    try:
-        data = json.loads(path.read_text())
-        curve = CostCurve(list(map(float, data["verify"])), float(data["plain"]),
-                          float(data["draft"]), data["key"], estimate=True,
-                          timed=[int(t) for t in data.get("timed", [])],
-                          remeasured=[int(t) for t in data.get("remeasured", [])],
-                          smoothed=[int(t) for t in data.get("smoothed", [])],
-                          seconds=float(data.get("seconds", 0.0)),
-                          context=int(data.get("context", CONTEXT)))
-    except (OSError, ValueError, KeyError, TypeError):
+    doc = disk.read(path, "curve")
+    if doc is None or doc["key"] != key:
         return None
-    if curve.key != key or len(curve.verify) != MAX_ROWS or breaks(curve.verify):
+    if "stale" in doc:
+        disk.say(f"measuring again: {path} priced a plain step at {1000 * doc['plain']:.1f} ms "
+                 f"and a later run's ran at {1000 * doc['stale']['plain_paid']:.1f} ms")
+        return None
+    curve = CostCurve(doc["verify"], doc["plain"], doc["draft"], key, estimate=True,
+                      **{k: doc[k] for k in ("context", "timed", "remeasured", "smoothed",
+                                             "seconds", "spread", "measured_at", "load")})
+    if breaks(curve.verify):
+        disk.say(f"measuring again: {path} prices a wider verify pass under a narrower one")
         return None
     return curve
 
 
 def store(curve: CostCurve) -> Path:
-    return write_json(cache_file(curve.key), curve.to_dict())
+    return disk.write(cache_file(curve.key), curve.stored(), "curve")
+
+
+_STALE: set[Path] = set()  # stored curves this process judged stale already
+
+
+def noisy(curve: CostCurve) -> str:
+    """Why `curve` is not to be trusted as measured, in one line ("" when its repeats agree)."""
+    if curve.spread <= DRIFT:
+        return ""
+    load = "" if curve.load is None else f", load {curve.load:.1f} per core as it began"
+    return (f"measured on a busy machine (a shape's median timing {curve.spread:.1f}x its "
+            f"fastest{load}): checked against the plain steps decoding takes; `mtpkit tune "
+            "--refresh` on an idle machine measures it again")
+
+
+def check_plain(curve: CostCurve, paid: float) -> bool:
+    """Whether the stored curve `curve` was read from is stale by the module's rule: its plain
+    step over DRIFT dearer than `paid`, the seconds plain steps really take in this process.
+    Marks it so on disk (once, with one line on stderr): the next load measures again."""
+    if not curve.key or not curve.estimate or curve.plain <= DRIFT * paid:
+        return False  # (asked after every plain stretch: the file is read only when it fails)
+    path = cache_file(curve.key)
+    if path in _STALE:
+        return False
+    _STALE.add(path)
+    doc = disk.read(path, "curve")
+    if doc is None or doc["key"] != curve.key or "stale" in doc or doc["plain"] <= DRIFT * paid:
+        return False
+    disk.write(path, {**doc, "stale": {"plain_paid": paid, "at": time.time()}}, "curve")
+    disk.say(f"the stored cost curve prices a plain step at {1000 * doc['plain']:.1f} ms; here "
+             f"they take {1000 * paid:.1f} ms (it was measured on a busy machine): priced by "
+             f"what rounds pay for now, measured again at the next load ({path})")
+    return True
 
 
 @dataclass
@@ -271,6 +307,7 @@ def measure(runner: Runner, context: int = CONTEXT, repeats: int = REPEATS,
     (default: as decoding runs on this backend). progress: told what is measured and how long
     is left (nothing is printed). timer: how a call is timed (wall_clock; a test passes its
     own)."""
+    began, load = time.time(), _load()
     clock = _Clock(timer, progress, budget() if budget_s is None else budget_s)
     clock.left = clock.budget_s  # until the probes plan it: at most the budget
     clock.tell("start", "verify costs")
@@ -371,10 +408,22 @@ def measure(runner: Runner, context: int = CONTEXT, repeats: int = REPEATS,
 
         clock.time("draft", passes, head_steps, clock.left, "head draft steps")
     clock.left = 0.0
+    repeats_of = [times for times in (*samples.values(), runs) if len(times) > 1]
     result = CostCurve(curve, step, draft, estimate=True, context=context, timed=sorted(timed),
-                       remeasured=retimed, smoothed=lowered, seconds=clock.spent)
+                       remeasured=retimed, smoothed=lowered, seconds=clock.spent,
+                       spread=max((statistics.median(t) / min(t) for t in repeats_of),
+                                  default=1.0),
+                       measured_at=began, load=load)
     clock.tell("done", "verify costs", result)
     return result
+
+
+def _load() -> float | None:
+    """The 1-minute load average per core (None where the system does not say)."""
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    except (OSError, AttributeError):
+        return None
 
 
 def _draft_step(session: Session, repeats: int) -> float:

@@ -36,6 +36,12 @@ class CostCurve:
     remeasured: list[int] = field(default_factory=list)
     smoothed: list[int] = field(default_factory=list)
     seconds: float = 0.0
+    # what judging the measurement needs, kept with it on disk (decoder/costs.py): the largest
+    # median over fastest of one shape's repeats, when it began (epoch seconds), the 1-minute
+    # load average per core then (None: unknown)
+    spread: float = 1.0
+    measured_at: float = 0.0
+    load: float | None = None
 
     def width(self, rows: int) -> int:
         """The verify width to run `rows` rows at: the cheapest measured width >= rows where it
@@ -70,10 +76,17 @@ class CostCurve:
         return [c / self.verify[0] for c in self.verify]
 
     def to_dict(self) -> dict[str, Any]:
-        data = {k: v for k, v in asdict(self).items() if k != "estimate"}  # how it is used,
-        # not what was measured
+        """What `tune --json` prints (schemas/tune.schema.json)."""
+        data = {k: v for k, v in asdict(self).items() if k not in ("estimate", *RECORD)}
         return {**data, "ratios": self.ratios(),
                 "widths": [self.width(t) for t in range(1, len(self.verify) + 1)]}
+
+    def stored(self) -> dict[str, Any]:
+        """What the cache keeps (schemas/cache_curve.schema.json): to_dict and the record."""
+        return {**self.to_dict(), **{k: getattr(self, k) for k in RECORD}}
+
+
+RECORD = ("spread", "measured_at", "load")  # stored, not printed: how far to trust the timings
 
 
 def breaks(verify: list[float]) -> list[int]:

@@ -11,7 +11,7 @@ the same bundle always runs in the same dtype here, so its cost curve and texts 
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -19,6 +19,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from mtpkit.decoder import store as disk
 from mtpkit.decoder.options import dtype_option
 
 CLEARLY = 1.25  # float32 must beat bfloat16 by this factor to be chosen (noise never flips it)
@@ -68,20 +69,12 @@ def _float32_speedup() -> float:
 
     key = f"{mx.__version__}|{LOADING.path if LOADING else None}"
     path = cache_file()
-    try:
-        stored = json.loads(path.read_text())
-        if stored.get("key") == key and isinstance(stored.get("ratio"), float):
-            return stored["ratio"]
-    except (OSError, ValueError):
-        pass
+    stored = disk.read(path, "dtype_speed")
+    if stored is not None and stored["key"] == key:
+        return float(stored["ratio"])
     ratio = _time(mx.bfloat16) / _time(mx.float32)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"key": key, "ratio": ratio}))
-        os.replace(tmp, path)
-    except OSError:
-        pass  # an unwritable cache costs a probe next time, nothing else
+    with contextlib.suppress(OSError):  # an unwritable cache costs a probe next time
+        disk.write(path, {"key": key, "ratio": ratio}, "dtype_speed")
     return ratio
 
 
@@ -102,6 +95,4 @@ def _time(dtype: mx.Dtype, repeats: int = 7) -> float:
 
 def cache_file() -> Path:
     """Where the probe's result is kept (tests point $MTPKIT_CACHE elsewhere)."""
-    from mtpkit.decoder.costs import cache_dir
-
-    return cache_dir().parent / "dtype-speed.json"
+    return disk.root() / "dtype-speed.json"

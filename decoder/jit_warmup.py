@@ -16,6 +16,7 @@ instead of compiling. The first warm-up of a layout on a machine says so on stde
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -24,7 +25,8 @@ from typing import Any
 import mlx.core as mx
 
 from mtpkit.decoder import kernel_choice
-from mtpkit.decoder.costs import cache_dir, key_name
+from mtpkit.decoder import store as disk
+from mtpkit.decoder.costs import key_name
 from mtpkit.decoder.kernel_choice import stderr_line
 
 # every width of a batch's rounds (up to 16 rows x depth 3, 8 x 7); powers of two for prefills
@@ -43,7 +45,11 @@ def layout_of(layer: Any) -> Layout:
 def _marker(layout: Layout) -> Path:
     """A file that says this layout was warmed under the kernel choice's key (device, versions,
     the kernel's source: a changed kernel compiles anew)."""
-    return cache_dir().parent / "warmed" / key_name({**kernel_choice.key(), "layout": list(layout)})
+    return disk.root() / "warmed" / key_name(_key(layout))
+
+
+def _key(layout: Layout) -> dict[str, Any]:
+    return {**kernel_choice.key(), "layout": list(layout)}
 
 
 def warm(layers: Iterable[Any], say: Callable[[str], None] = stderr_line,
@@ -58,7 +64,8 @@ def warm(layers: Iterable[Any], say: Callable[[str], None] = stderr_line,
     took = {}
     for layout, layer in smallest.items():
         marker = _marker(layout)
-        if not marker.exists():
+        found = disk.read(marker, "warmed")
+        if found is None or found["key"] != _key(layout):
             say(f"compiling MLX's CUDA kernels for {layout[0]}-bit weights (group "
                 f"{layout[1]}, {layout[3]}) at every row count decoding uses: the first "
                 "time on this machine, up to a few minutes; MLX keeps them on disk")
@@ -70,9 +77,6 @@ def warm(layers: Iterable[Any], say: Callable[[str], None] = stderr_line,
             if (spent := time.perf_counter() - began) > SLOW_S:
                 say(f"  compiled the {count}-row product in {spent:.0f} s")
         took[layout] = time.perf_counter() - start
-        try:
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.touch()
-        except OSError:  # a read-only cache: the next load says it again, nothing worse
-            pass
+        with contextlib.suppress(OSError):  # a read-only cache: the next load says it again
+            disk.write(marker, {"key": _key(layout)}, "warmed")
     return took

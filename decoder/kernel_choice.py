@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import statistics
 import sys
@@ -28,7 +27,8 @@ from typing import Any
 import mlx.core as mx
 
 from mtpkit.decoder import kernels
-from mtpkit.decoder.costs import cache_dir, key_name, versions, write_json
+from mtpkit.decoder import store as disk
+from mtpkit.decoder.costs import key_name, versions
 
 MARGIN = 0.9  # MLX's op takes a row count only where it needs under 0.9x the kernel's time
 PRODUCTS = 8  # products per timing, in one eval: one ~0.1 ms product would time the launch
@@ -94,20 +94,18 @@ def key() -> dict[str, Any]:
 
 
 def _path(key: dict[str, Any]) -> Path:
-    return cache_dir().parent / "kernels" / f"{key_name(key)}.json"
+    return disk.root() / "kernels" / f"{key_name(key)}.json"
 
 
 def _read(path: Path, key: dict[str, Any]) -> dict[str, Any]:
-    """The stored timings of `key` by shape; {} for none, unreadable or another key."""
-    try:
-        data = json.loads(path.read_text())
-        if data["key"] != key or not isinstance(data["shapes"], dict):
-            return {}
-        return {name: {kind: {int(r): float(ms) for r, ms in entry[kind].items()}
-                       for kind in ("kernel_ms", "stock_ms")}
-                for name, entry in data["shapes"].items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    """The stored timings of `key` by shape (every row count, both ways: the schema's); {}
+    for none, invalid (decoder/store.py says why) or another key."""
+    data = disk.read(path, "kernels")
+    if data is None or data["key"] != key:
         return {}
+    return {name: {kind: {int(r): float(ms) for r, ms in entry[kind].items()}
+                   for kind in ("kernel_ms", "stock_ms")}
+            for name, entry in data["shapes"].items()}
 
 
 def _name(shape: Shape) -> str:
@@ -140,7 +138,9 @@ def assign(layers: Iterable[Any], say: Callable[[str], None] = stderr_line
     if fresh:
         stored |= fresh
         with contextlib.suppress(OSError):  # a read-only cache: the choice holds for this run
-            write_json(path, {"key": where, "shapes": stored})
+            disk.write(path, {"key": where, "shapes": {
+                name: {kind: {str(r): ms for r, ms in t[kind].items()} for kind in t}
+                for name, t in stored.items()}}, "kernels")
     chosen = {}
     for twin in twins:
         shape = shape_of(twin)

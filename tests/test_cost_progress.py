@@ -92,7 +92,9 @@ def test_progress_without_a_terminal_is_a_few_lines_with_the_plan(
     assert lines and lines[0] == MEASURING + " 7 s", lines
     assert re.fullmatch(r"  verify costs: about \d+ s in all \(\d+ widths x \d+ passes\)",
                         lines[1]), lines
-    assert re.match(r"  measured in \d+\.\d s", lines[2]) and len(lines) == 3, lines
+    assert re.match(r"  measured in \d+\.\d s", lines[2]), lines
+    assert lines[3:] == [] or len(lines) == 4 and "busy machine" in lines[3], lines  # (a noisy
+    # measurement says so: costs.noisy)
     doc = json.loads(proc.stdout)
     assert doc["measured"] and doc["timed"] and doc["seconds"] > 0
 
