@@ -661,6 +661,7 @@ Examples:
   mtpkit serve ./bundle                            # 127.0.0.1:8080, depth auto (per round)
   mtpkit serve ./bundle --depth 2 --port 9000
   MTPKIT_API_KEY="$KEY" mtpkit serve ./bundle --host 0.0.0.0   # or --api-key-file PATH
+  mtpkit serve ./bundle --api-key "$KEY_A" --api-key "$KEY_B"   # several clients
   mtpkit serve ./bundle --cache-gb 8 --max-queue 4   # a bigger prefix cache, a shorter line
   mtpkit serve ./bundle --max-prompt-tokens 32768    # refuse longer prompts (400)
 \b
@@ -675,11 +676,13 @@ the final chunk carries usage with MTP statistics), POST /v1/messages (Anthropic
 @click.argument("bundle")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
-@click.option("--api-key", help="Require 'Authorization: Bearer KEY' or 'x-api-key: KEY' (needed "
-              "off loopback). A command line shows in ps: prefer $MTPKIT_API_KEY or "
-              "--api-key-file.")
+@click.option("--api-key", "api_keys", multiple=True, metavar="KEY",
+              help="Require 'Authorization: Bearer KEY' or 'x-api-key: KEY' (needed off "
+              "loopback); repeat it for several clients, each with its own share of the prefix "
+              "cache. A command line shows in ps: prefer $MTPKIT_API_KEYS (comma-separated), "
+              "$MTPKIT_API_KEY or --api-key-file.")
 @click.option("--api-key-file", type=click.Path(path_type=Path),
-              help="Read the API key from the first line of this file.")
+              help="Read the API keys from this file, one per line ('#' comments skipped).")
 @click.option("--max-prompt-tokens", type=click.IntRange(1), help=PROMPT_HELP)
 @click.option("--depth", "depth_opt", default="auto", show_default=True, callback=lambda c, p, v:
               _depth(v), help="MTP draft depth of requests that name none, or auto: chosen per "
@@ -704,7 +707,8 @@ the final chunk carries usage with MTP statistics), POST /v1/messages (Anthropic
               "auto, the cost curve at start-up).")
 @click.option("--shard", type=click.Choice(["tensor", "pipeline"]), help=SHARD_HELP)
 @_leads
-def serve(bundle: str, host: str, port: int, api_key: str | None, api_key_file: Path | None,
+def serve(bundle: str, host: str, port: int, api_keys: tuple[str, ...],
+          api_key_file: Path | None,
           max_prompt_tokens: int | None, depth_opt: str | int, draft: str | None,
           max_tokens: int, dtype: str | None, keep_quantized: bool, cache_gb: float,
           max_queue: int, max_batch: int, verbose: bool, shard: str | None) -> None:
@@ -720,9 +724,8 @@ def serve(bundle: str, host: str, port: int, api_key: str | None, api_key_file: 
     doing = [f"loading {bundle}"]  # what a Ctrl-C would interrupt
     try:
         with _user_errors("--out"):
-            api_key = api_keys_from([api_key] if api_key is not None else [], api_key_file,
-                                    os.environ)
-            check_bind(host, api_key)  # before the (slow) load
+            keys = api_keys_from(api_keys, api_key_file, os.environ)
+            check_bind(host, keys)  # before the (slow) load
             check_port(host, port)
             runner = lead(load(bundle, "auto" if not keep_quantized else False, dtype=dtype,
                                shard=shard))
@@ -742,7 +745,7 @@ def serve(bundle: str, host: str, port: int, api_key: str | None, api_key_file: 
                               cache_bytes=int(cache_gb * (1 << 30)) if shard is None else 0,
                               max_queue=max_queue, max_batch=max_batch)  # sharded: no prefix
             # cache (followers hold none) and one generation at a time
-            server = Server(service, host, port, api_key, verbose)
+            server = Server(service, host, port, keys, verbose)
     except KeyboardInterrupt:
         click.echo(f"\nserve: interrupted while {doing[0]}: not serving", err=True)
         raise SystemExit(1) from None

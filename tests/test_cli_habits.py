@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import pytest
 from click.testing import CliRunner, Result
 
-from fixtures.serving import interruptible
+from fixtures.serving import interruptible, serve_process
 from mtpkit.cli import main
 from mtpkit.train.corpus import stdlib_root
 
@@ -183,6 +183,8 @@ def test_ctrl_c_in_serve_says_it_stopped_and_what_it_cancelled(built: Built,
                 {"Content-Type": "application/json"})  # no EOS: seconds of decoding
             response = conn.getresponse()
             assert response.status == 200 and response.fp.readline().startswith(b"data: ")
+        else:
+            time.sleep(1.0)  # idle, as a user finds it
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     finally:
@@ -192,3 +194,22 @@ def test_ctrl_c_in_serve_says_it_stopped_and_what_it_cancelled(built: Built,
     assert "Traceback" not in err
     noun = "request" if in_flight == 1 else "requests"  # at once: Ctrl-C came before serving
     assert re.search(rf"serve: stopped( at once)?; {in_flight} {noun} in flight cancelled", err), err
+
+
+def _status(url: str, key: str) -> int:
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    conn.request("GET", "/v1/models", headers={"Authorization": f"Bearer {key}"})
+    return conn.getresponse().status
+
+
+def test_serve_takes_several_api_keys(built: Built, tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("# one per line\nkey-c\n\nkey-d\n")
+    for options, good in ((("--api-key", "key-a", "--api-key", "key-b"), ("key-a", "key-b")),
+                          (("--api-key-file", str(keys)), ("key-c", "key-d"))):
+        with serve_process(built("qwen3_5"), "--depth", "0", *options) as url:
+            assert [_status(url, k) for k in (*good, "other")] == [200, 200, 401]
+    with serve_process(built("qwen3_5"), "--depth", "0",
+                       env={"MTPKIT_API_KEYS": "key-e,key-f"}) as url:
+        assert [_status(url, k) for k in ("key-e", "key-f", "other")] == [200, 200, 401]
