@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -123,14 +124,16 @@ def test_inflated_usage_fails_counting() -> None:
     assert counting["status"] == "fail"
     assert "usage reports 40000 tokens, above the max_tokens 40 asked" in counting["summary"]
     assert _failed(doc) == {"counting"}, doc["checks"]
+    row = doc["speed"]["loads"]["code"]["as served"]
+    assert row["tokens"] == [None] and row["decode_tps"] is None, "no tok/s from a lie"
 
 
 @pytest.mark.parametrize(("mode", "field"), [
-    ("str_tokens", "usage.completion_tokens: '40' is not of type 'integer'"),
-    ("str_mtp", "usage.mtp: 'fast' is not of type 'object', 'null'"),
-    ("str_delta", "choices[0].delta: 'A ' is not of type 'object', 'null'"),
-    ("choices_object", "choices: {"),
-    ("numeric_content", "choices[0].message.content: 5 is not of type 'string', 'null'"),
+    ("str_tokens", "completion: usage.completion_tokens: a string (\"40\"), not integer"),
+    ("str_mtp", "completion: usage.mtp: a string (\"fast\"), not object or null"),
+    ("str_delta", "stream chunk: choices[0].delta: a string (\"A \"), not object or null"),
+    ("choices_object", "completion: choices: an object, not array"),
+    ("numeric_content", "completion: choices[0].message.content: an integer (5), not string or null"),
 ])
 def test_a_wrong_typed_field_is_a_failed_check_not_a_traceback(mode: str, field: str) -> None:
     with running(mode) as url:
@@ -153,12 +156,13 @@ def test_a_liar_through_a_real_process_writes_json_and_no_traceback() -> None:
     assert "endpoint" in _failed(doc)
 
 
-def test_ttft_compares_cold_with_cold() -> None:
+def test_ttft_compares_cold_with_cold(tmp_path: Path) -> None:
     """A caching endpoint answered the MTP run (the plain run's prompt again) from its prefix
     cache, and the chart compared that warm TTFT with a cold plain one. Each mode's TTFT now
-    comes from prompts behind nonces of their own, and the document says so."""
+    comes from prompts behind nonces of their own, and the document and the page say so."""
+    page = tmp_path / "r.html"
     with running("caching") as url:
-        code, doc, err = _verify(url, "--depth", "2")
+        code, doc, err = _verify(url, "--depth", "2", "--report", str(page))
     assert code == 0, doc["checks"]
     row = doc["speed"]["loads"]["code"]
     plain, mtp = row["plain"]["ttft_s"]["p50"], row["mtp"]["ttft_s"]["p50"]
@@ -167,6 +171,9 @@ def test_ttft_compares_cold_with_cold() -> None:
     assert doc["speed"]["ttft"]["state"] == "cold"
     assert _check(doc, "exactness")["status"] == "pass"  # still on the same prompt
     assert "serving checks" in next(s for s in err.splitlines() if "plan:" in s)
+    html = page.read_text()
+    assert "Time to first token (cold, every mode)" in html
+    assert "TTFT (cold: each mode&#39;s TTFT from prompts behind nonces of their own" in html
 
 
 def test_eta_is_a_range_that_learns() -> None:

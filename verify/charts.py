@@ -107,8 +107,9 @@ def decode_chart(rows: Rows, earlier: Rows | None = None) -> str:
 
 
 @styled
-def ttft_memory_chart(rows: Rows, earlier: Rows | None = None) -> str:
-    """TTFT (P50 bars, P95 ticks) and peak memory per load and mode."""
+def ttft_memory_chart(rows: Rows, earlier: Rows | None = None, state: str | None = None) -> str:
+    """TTFT (P50 bars, P95 ticks) and peak memory per load and mode; state: how TTFT was
+    measured ("cold" in every mode), said in the title so no one compares warm with cold."""
     fig, axes = _figure(6.4, 4.8, rows=2)
     for ax in axes:
         ax.tick_params(labelbottom=True)
@@ -122,7 +123,7 @@ def ttft_memory_chart(rows: Rows, earlier: Rows | None = None) -> str:
         return (peak / 2**20 if peak else None), None
 
     _bars(axes[0], rows, earlier, ttft, "TTFT ms (bar P50, tick P95)")
-    axes[0].set_title("Time to first token")
+    axes[0].set_title("Time to first token" + (f" ({state}, every mode)" if state else ""))
     _bars(axes[1], rows, earlier, memory, "peak memory MiB")
     axes[1].set_title("Peak memory")
     return svg(fig, "ttft-memory")

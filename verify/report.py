@@ -135,6 +135,13 @@ def _chosen(rows: dict[str, Any], depth: Any) -> dict[int, int]:
     return total
 
 
+def _ttft_title(ttft: dict[str, Any] | None) -> str:
+    """The TTFT chart's caption: how TTFT was measured (an older run's document does not say)."""
+    if not ttft:
+        return "TTFT and peak memory"
+    return f"TTFT ({ttft['state']}: {ttft['how']}) and peak memory"
+
+
 def render(doc: dict[str, Any], earlier: dict[str, Any] | None = None,
            earlier_name: str | None = None) -> str:
     from mtpkit.verify import charts  # matplotlib: imported only when a report is drawn
@@ -150,7 +157,8 @@ def render(doc: dict[str, Any], earlier: dict[str, Any] | None = None,
           for name, row in rows.items()),
         ("Verify cost curve", charts.costs_chart(costs, _chosen(rows, speed.get("depth")),
                                                  ((earlier or {}).get("speed") or {}).get("costs"))),
-        ("TTFT and peak memory", charts.ttft_memory_chart(rows, before)),
+        (_ttft_title(speed.get("ttft")),
+         charts.ttft_memory_chart(rows, before, (speed.get("ttft") or {}).get("state"))),
     ]
     return _template().render(
         doc=doc, rows=rows, speed=speed, head=headline(doc),

@@ -360,12 +360,14 @@ def _sources(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def _speed_row(answers: dict[str, list[Answer]], drop: int,
-               first: dict[str, list[Answer]] | None = None) -> dict[str, Any]:
+               first: dict[str, list[Answer]] | None = None,
+               trusted: Callable[[Answer], bool] = lambda a: True) -> dict[str, Any]:
     """One load's figures per mode; first: where a mode's TTFT comes from answers of its own
-    (an endpoint's cold requests), not its runs."""
+    (an endpoint's cold requests), not its runs; trusted: whether an answer's token count can
+    be true (no tok/s from one that cannot: the counting check fails on it)."""
     row: dict[str, Any] = {}
     for mode, runs in answers.items():
-        tps = [t for a in runs if (t := a.decode_tps(drop)) is not None]
+        tps = [t for a in runs if trusted(a) and (t := a.decode_tps(drop)) is not None]
         accept = [a.mtp["acceptance_by_depth"] for a in runs
                   if a.mtp and a.mtp.get("acceptance_by_depth")]
         predicted = [p for a in runs if a.mtp and (p := a.mtp.get("predicted_speedup"))]
@@ -377,7 +379,7 @@ def _speed_row(answers: dict[str, list[Answer]], drop: int,
             "ttft_cached": max((a.cached_tokens / a.prompt_tokens for a in timed
                                 if a.cached_tokens is not None and a.prompt_tokens),
                                default=None),
-            "tokens": [a.tokens for a in runs],
+            "tokens": [a.tokens if trusted(a) else None for a in runs],
             "acceptance_by_depth": mean_by_position(accept) if accept else None,
             "peak_memory_bytes": max((a.peak_memory_bytes or 0 for a in runs), default=0) or None,
             "depths": _merged([a.mtp["depths"] for a in runs if a.mtp and a.mtp.get("depths")]),
@@ -531,6 +533,10 @@ def _speed(target: Clock, facts: Facts, options: VerifyOptions, report: Report,
     # exactness check): its TTFT comes from a short request behind a nonce of its own
     # (verify-run's in-process service keeps no prefix cache)
     cold_probe = len(modes) == 2 and facts.kind == "endpoint"
+
+    def trusted(answer: Answer) -> bool:
+        return facts.exact_ids or usage_doubt(answer, options.max_tokens) is None
+
     rows, exact = {}, []
     planned = options.runs * len(loads)
 
@@ -572,7 +578,7 @@ def _speed(target: Clock, facts: Facts, options: VerifyOptions, report: Report,
                         exact.append(_same(pair["plain"], pair["mtp"]))
             finally:
                 if any(answers.values()):
-                    rows[name] = _speed_row(answers, options.drop, first)
+                    rows[name] = _speed_row(answers, options.drop, first, trusted)
     except Stopped:
         record()  # what was measured so far, and the checks over it
         raise
