@@ -205,3 +205,13 @@ def test_usage_above_the_text_streamed_fails_counting() -> None:
     whole = Answer("ab", "", 300, 5, "length")
     check = counting_check(whole, streamed, "usage", 512)
     assert check.status == "fail" and "300 tokens for 2 bytes of text" in check.summary
+
+
+def test_whatever_the_endpoint_sends_stays_on_one_line() -> None:
+    """A key or an error message with a newline would break the report's one-line summary."""
+    doc = {"choices": [{"message": {"content": "x"}}], "usage": {"mtp": {"depths": {"a\nb": "x"}}}}
+    with pytest.raises(endpoint_mod.EndpointError) as caught:
+        endpoint_mod.checked(doc, "completion", "completion")
+    assert str(caught.value) == 'malformed completion: usage.mtp.depths["a\\nb"]: a string ("x"), ' \
+        "not integer"
+    assert endpoint_mod._message('{"error": {"message": "bad\\nthing"}}') == "bad thing"

@@ -134,9 +134,16 @@ def _validator(name: str) -> jsonschema.protocols.Validator:
 
 
 def _where(path: Any) -> str:
+    """A field's path as code would write it (`choices[0].delta`); a key that is no name
+    quoted, so whatever the endpoint sent stays on one line."""
     out = ""
     for part in path:
-        out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else str(part)
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not part.isidentifier():
+            out += f"[{json.dumps(part[:40])}]"
+        else:
+            out += f".{part}" if out else part
     return out or "the document"
 
 
@@ -340,11 +347,12 @@ def _reason(exc: BaseException) -> str:
 
 
 def _message(detail: str) -> str:
-    """The message of an error body (either API's shape)."""
+    """The message of an error body (either API's shape), on one line."""
     try:
-        return str(json.loads(detail)["error"]["message"])
+        message = str(json.loads(detail)["error"]["message"])
     except (json.JSONDecodeError, KeyError, TypeError):
-        return detail.strip().splitlines()[0][:200] if detail.strip() else "(empty body)"
+        message = detail.strip().splitlines()[0] if detail.strip() else "(empty body)"
+    return " ".join(message.split())[:200]
 
 
 def _usage(doc: dict) -> dict[str, Any] | None:
