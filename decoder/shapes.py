@@ -67,8 +67,12 @@ class PaddedKVCache(KVCache):
     def make_mask(self, n: int, return_array: bool = False,
                   window_size: int | None = None) -> Any:
         """For n > 1 rows: a bool (n, padded key length) causal mask, False over the padding
-        (positions at or past the end of this pass); one row needs no mask."""
-        if window_size is not None or n == 1:
+        (positions at or past the end of this pass); one row needs no mask. A pass that ends
+        on a STEP boundary (every prefill chunk) sees its exact keys, so mlx-lm's "causal"
+        says the same: an array mask would be turned into an additive bias of every head's
+        (rows, keys) on CUDA, 16 GiB for one 2,048-row chunk at a 64K context."""
+        end = self.offset + n
+        if window_size is not None or n == 1 or (end == padded(end) and not return_array):
             return super().make_mask(n, return_array=return_array, window_size=window_size)
         rows = mx.arange(self.offset, self.offset + n)[:, None]
         cols = mx.arange(padded(self.offset + n))[None]

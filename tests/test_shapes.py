@@ -60,6 +60,9 @@ def test_padded_cache_views_masks_and_buffer() -> None:
     assert np.array_equal(np.array(mask), want)  # causal, and False over every padded key
     keys, _ = cache.update_and_fetch(mx.ones((1, 2, 3, 8)), mx.ones((1, 2, 3, 8)))
     assert keys.shape[2] == 512
+    # a pass ending on a STEP boundary sees exactly its keys: mlx-lm's "causal" (no array)
+    assert cache.make_mask(512 - 303) == "causal"
+    assert cache.make_mask(512 - 303, return_array=True).shape == (209, 512)
     keys, _ = cache.update_and_fetch(mx.ones((1, 2, 1, 8)), mx.ones((1, 2, 1, 8)))
     assert keys.shape[2] == 304 and cache.make_mask(1) is None  # one row: exactly mlx-lm's
     cache.trim(100)
