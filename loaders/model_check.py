@@ -155,7 +155,6 @@ def _compare(expected: dict[str, mx.array], actual: dict[str, mx.array],
     return out
 
 
-
 def _build(config: dict[str, Any]) -> tuple[nn.Module, str]:
     from mlx_lm.utils import _get_classes
 
