@@ -163,7 +163,7 @@ def test_page_streams_an_answer_from_live_serve_under_the_key_rule(live_serve: s
         page.fill("#key", KEY)
         _ask(page, question)
         assert page.locator("#status").inner_text() == "done"
-        answer = page.locator(".msg.assistant").last.text_content()
+        answer = page.locator(".msg.assistant").last.get_attribute("data-raw")
         page.screenshot(path=str(tmp_path / "page.png"), full_page=True)
         tps = float(page.locator("#tps").inner_text())
         bars = page.locator("#accept .bar").count()
@@ -181,3 +181,65 @@ def test_page_streams_an_answer_from_live_serve_under_the_key_rule(live_serve: s
     assert drawn_share(strip_png) > 0.01
     assert all(r.startswith(url) for r in requests), requests  # nothing from anywhere else
     assert any(r.endswith("/v1/chat/completions") for r in requests)
+
+
+MARKDOWN = ("# Plan\n\nUse `parse()` with **care** and _intent_, see [the docs](https://example.com/d)"
+            " or [this](javascript:document.title='pwned').\n\n"
+            "<img src=x onerror=\"document.title='pwned'\">\n\n"
+            "```python\nprint('<b>bold?</b>')\n```\n\n- one\n- two <script>x()</script>\n")
+
+
+def test_page_renders_markdown_safely_and_sends_its_controls(live_serve: str,
+                                                             tmp_path: Path) -> None:
+    """The model's Markdown is drawn (code fences, headings, lists, inline marks, http(s)
+    links) and its HTML stays text; the sampling controls are the request's fields."""
+    bodies: list[dict] = []
+    half = len(MARKDOWN) // 2  # two chunks: the fence and the list arrive mid-stream
+
+    def answer(route) -> None:  # noqa: ANN001 (Playwright's Route)
+        bodies.append(json.loads(route.request.post_data))
+        events = [{"choices": [{"index": 0, "delta": {"content": part}}]}
+                  for part in (MARKDOWN[:half], MARKDOWN[half:])]
+        route.fulfill(status=200, headers={"Content-Type": "text/event-stream"},
+                      body="".join(f"data: {json.dumps(e)}\n\n" for e in events)
+                      + "data: [DONE]\n\n")
+
+    dialogs: list[str] = []
+    with browser(tmp_path / "profile") as context:
+        page = context.new_page()
+        page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+        page.route("**/v1/chat/completions", answer)
+        page.goto(live_serve + "/", wait_until="load")
+        title = page.title()
+        page.fill("#max", "12")
+        page.fill("#temperature", "0.7")
+        page.fill("#top_p", "0.9")
+        page.fill("#top_k", "40")
+        page.select_option("#depth", "3")
+        _ask(page, "Show me.")
+        box = page.locator(".msg.assistant").last
+        assert page.locator("#status").inner_text() == "done"
+        assert box.get_attribute("data-raw") == MARKDOWN
+        assert box.locator("img, script, b").count() == 0, box.inner_html()
+        assert "<img src=x onerror=" in box.text_content() and "<script>x()</script>" in \
+            box.text_content()
+        assert page.title() == title and dialogs == []
+        code = box.locator("pre > code")
+        assert code.count() == 1 and code.text_content() == "print('<b>bold?</b>')"
+        assert code.get_attribute("class") == "language-python"
+        assert box.locator("h1").text_content() == "Plan"
+        assert box.locator("ul > li").all_text_contents() == ["one", "two <script>x()</script>"]
+        assert box.locator("p code").text_content() == "parse()"
+        assert box.locator("strong").text_content() == "care"
+        assert box.locator("em").text_content() == "intent"
+        links = box.locator("a")
+        assert links.count() == 1 and links.get_attribute("href") == "https://example.com/d"
+        assert "[this](javascript:" in box.text_content()
+        page.fill("#temperature", "0")
+        page.fill("#top_k", "")  # empty: the server's default
+        _ask(page, "Again.")
+    assert bodies[0] | {"messages": None} == {
+        "messages": None, "stream": True, "max_tokens": 12, "temperature": 0.7, "top_p": 0.9,
+        "top_k": 40, "mtp_depth": 3}
+    assert bodies[1]["temperature"] == 0 and bodies[1]["top_k"] == 0
+    assert bodies[1]["messages"][-2] == {"role": "assistant", "content": MARKDOWN}
