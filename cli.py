@@ -277,6 +277,7 @@ def convert(src: str, out: Path, quantize: bool, q_bits: int | None, q_group_siz
             dtype: str | None, mtp_policy: str | None, mtp_bits: int, mtp_group_size: str,
             force: bool, upload_repo: str | None, dry_run: bool) -> None:
     """Convert SRC (HF folder, cached repo id, MLX/MTP bundle, or .gguf) into the bundle OUT."""
+    click.echo("convert: loading mlx-lm", err=True)  # its import alone takes seconds
     from mtpkit.convert.convert import ConvertOptions
     from mtpkit.convert.convert import convert as run_convert
 
@@ -305,7 +306,8 @@ def convert(src: str, out: Path, quantize: bool, q_bits: int | None, q_group_siz
 
     try:
         with _user_errors("OUT"):
-            result = run_convert(src, out, options, progress=bar.update, on_plan=on_plan)
+            result = run_convert(src, out, options, progress=bar.update, on_plan=on_plan,
+                                 status=lambda text: click.echo(f"convert: {text}", err=True))
     finally:
         if started:
             bar.render_finish()

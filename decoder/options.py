@@ -11,13 +11,27 @@ import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from mtpkit.decoder.sampling import SamplingParams
 from mtpkit.loaders.findings import UserError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # load's dtype (decoder/dtypes.py); None too
 MAX_BATCH = 64  # the most sequences one batch decodes together (decoder/scheduler.py)
 MAX_DEPTH = 16  # the deepest forced depth (and what the cost curve measures: curve.MAX_ROWS)
 SEED_BOUND = 1 << 63
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """mlx-lm's sampler settings, checked in `options` below. Here rather than in
+    decoder/sampling.py so the CLI parses its options without importing mlx-lm (seconds)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
 
 
 class Source(StrEnum):

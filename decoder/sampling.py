@@ -19,19 +19,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """mlx-lm's sampler settings (checked where options enter: decoder/options.py)."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+from mtpkit.decoder.options import SamplingParams
 
 
 def logprobs(logits: mx.array, params: SamplingParams) -> mx.array:

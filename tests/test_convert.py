@@ -213,6 +213,9 @@ def test_convert_from_a_repo_id_in_the_local_hf_cache(built, tmp_path):
     proc = subprocess.run([exe, "convert", "acme/Tiny", str(tmp_path / "out"), "-q"],
                           capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr
+    steps = [line for line in proc.stderr.splitlines() if line.startswith("convert: ")]
+    assert steps[0] == "convert: loading mlx-lm"  # said before the seconds its import takes
+    assert any("headers" in line for line in steps) and any("manifest" in line for line in steps)
     manifest = json.loads((tmp_path / "out" / "mtpkit.json").read_text())
     assert manifest["source"]["kind"] == "hf_cache"
     assert (manifest["source"]["repo_id"], manifest["source"]["revision"]) == ("acme/Tiny", rev)
