@@ -138,6 +138,7 @@ class Runner:
         self.trunk, self.head, self.tokenizer = trunk, head, tokenizer
         self.context, self.max_prompt_tokens = context, None
         self.template, self.special = template, special or {}
+        self.template_code = "template.missing"  # why there is none: the bundle's finding
         self.rollback = rollback
         self.root, self.load_options = root, load_options or {}
         self.dtype_note = ""  # what dtype="auto" chose and why (decoder/dtypes.py)
@@ -231,7 +232,7 @@ class Runner:
     def render(self, messages: list[dict[str, Any]], **template_options: Any) -> str:
         """The chat prompt text (sandboxed render of the bundle's template)."""
         if self.template is None:  # never sent as raw text instead: every entry refuses
-            raise UserError("template.missing", NO_TEMPLATE, NO_TEMPLATE_HINT)
+            raise UserError(self.template_code, NO_TEMPLATE, NO_TEMPLATE_HINT)
         return render(self.template, messages, self.special, **template_options)
 
     def stream(self, prompt: Prompt, max_tokens: int = 256, temperature: float = 0.0,
@@ -458,6 +459,8 @@ def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None
     runner = Runner(trunk, head, tokenizer, safe_template(view), view.tokenizer.special_tokens(),
                     rollback, Path(view.root), options, context_of(view.config.text))
     runner.dtype_note = chosen.reason
+    runner.template_code = next((f.code for f in view.findings if f.code.startswith("template.")
+                                 and f.severity == "error"), "template.missing")
     return distributed.attach(runner, group, shard) if group is not None else runner
 
 

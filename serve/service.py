@@ -126,7 +126,7 @@ class Service:
             return self.runner.encode(req.prompt), False
         if self.runner.template is None:  # Runner.render's rule, as a 400 before any work
             raise RequestError(400, f"{NO_TEMPLATE}; use /v1/completions", "messages",
-                               code="template.missing")
+                               code=self.runner.template_code)
         try:
             text = self._render(req, req.messages)
         except RENDER_ERRORS as exc:
