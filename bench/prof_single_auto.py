@@ -5,7 +5,7 @@ PASSES times in one process (as `serve --max-batch 1` decodes them), 192 tokens 
 and tok/s of each, the depths it chose (0: plain steps) and the runner's cost scales after it
 (decoder/policy.py's PaidCosts). The CPU batching ratio's one-at-a-time arm is this path; on the
 grafted SmolLM2 in float32 it decoded plain for 133-191 of ~190 rounds in most passes, 47-57 s a
-pass (docs/benchmarks-history.md, 2026-11-27 fifth session).
+pass (docs/benchmarks-history.md, 2026-11-27, 4d6146c).
 
     .venv/bin/python bench/prof_single_auto.py out/SmolLM2-135M-mtp [--dtype float32] [--passes 3]
 """

@@ -108,7 +108,7 @@ class PaidCosts:
     is longer than the curve's (attention over W x S scores: on a CPU, depth-8 context rounds
     at 700-950 tokens paid 1.37x the curve while shallow ones paid about what it said), so
     one scale per source priced every shallow round by the deep ones and locked requests into
-    plain steps (docs/benchmarks-history.md, sixth and ninth sessions)."""
+    plain steps (docs/benchmarks-history.md, 2026-11-27)."""
 
     ratios: dict[str, deque] = field(default_factory=dict)
     by_depth: dict[tuple[str, int], deque] = field(default_factory=dict)

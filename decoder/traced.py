@@ -1,8 +1,8 @@
 """Verify passes traced once per shape (`mx.compile`) and replayed without Python.
 
 On MLX's CUDA backend a verify pass is bound by the host: building the graph in Python and
-handing it to the device cost about as much as the device's own work (docs/benchmarks-history.md, second GPU
-session), and a synchronous round cannot overlap the two as pipelined plain decoding does.
+handing it to the device cost about as much as the device's own work (docs/benchmarks-history.md,
+2026-11-24, H100), and a synchronous round cannot overlap the two as pipelined plain decoding does.
 `mx.compile` traces mlx-lm's own forward once per (rows, key buffer) shape and replays the tape
 from C++ afterwards, with elementwise chains fused.
 

@@ -185,8 +185,8 @@ def test_deep_rounds_paying_more_than_the_curve_do_not_price_the_shallow_ones() 
     1.4x the curve (attention over a longer context than the curve's) leave a depth-2 context
     round, never run yet, priced between plain steps' ratio and theirs, so a long match that
     pays at depth 2 is taken; once depth-2 rounds have paid, their own ratio prices them. One
-    scale per source priced depth 2 at 1.4x too and decoded plain (the ninth session's
-    one-at-a-time requests, plain for 181 of 190 rounds)."""
+    scale per source priced depth 2 at 1.4x too and decoded plain (the one-at-a-time
+    requests of 2026-11-27, d46e577:, plain for 181 of 190 rounds)."""
     timed = replace(cpu_like(), verify=[1.0 + 0.1 * t for t in range(16)], estimate=True)
     policy = DepthPolicy(timed, 8, sources=("head", "lookup"))
     for _ in range(WINDOW):
