@@ -14,6 +14,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
@@ -88,6 +89,23 @@ def _role_names(names: list[str], block: int) -> set[str]:
     return {n[len(scope):].split(".")[0] for n in names if n.startswith(scope)}
 
 
+def _dequantize_float_only(head: nn.Module, weights: dict[str, mx.array],
+                           specs: dict[str, Any]) -> dict[str, mx.array]:
+    """Modules stored quantized whose mlx-lm class has no quantized form (DeepSeek-V3's MoE
+    router, `MoEGate`, which mlx-lm's own quantization leaves in floats) are dequantized here,
+    and dropped from `specs`, so the head builds instead of failing in nn.quantize."""
+    leaves = dict(tree_flatten(head.leaf_modules(), is_leaf=nn.Module.is_module))
+    canonical = {_module_name(n): n for n in weights}
+    out = dict(weights)
+    for path in [p for p in specs if p in leaves and not hasattr(leaves[p], "to_quantized")]:
+        spec = specs.pop(path)
+        w, s = out.pop(canonical[f"{path}.weight"]), out.pop(canonical[f"{path}.scales"])
+        b = out.pop(canonical[f"{path}.biases"]) if f"{path}.biases" in canonical else None
+        out[canonical[f"{path}.weight"]] = mx.dequantize(
+            w, s, b, group_size=spec.group_size, bits=spec.bits, mode=spec.mode)
+    return out
+
+
 class MTPHead(nn.Module):
     """Predicts token t+2 from the trunk hidden at t and token t+1; chains on its own output."""
 
@@ -111,6 +129,7 @@ class MTPHead(nn.Module):
         self.roles = [_Roles(args.hidden_size, args.rms_norm_eps, _role_names(names, k),
                              args.vocab_size) for k in range(role_sets)]
         specs = {_module_name(p): q.quant for p, q in quant.items() if q.quant is not None}
+        weights = _dequantize_float_only(self, weights, specs)
         if specs:
             nn.quantize(self, class_predicate=lambda path, _m: (
                 {"group_size": specs[path].group_size, "bits": specs[path].bits,

@@ -229,15 +229,20 @@ def _check_head(model: nn.Module, family: Family, mtp: MTPLayout,
     if stand_ins is None:
         return []
     head = MTPHead.__new__(MTPHead)
-    object.__setattr__(head, "load_weights", lambda weights, strict=True: head)
+    loaded: dict[str, mx.array] = {}  # what the head hands its load (a router dequantized)
+
+    def record(weights: list[tuple[str, mx.array]], strict: bool = True) -> MTPHead:
+        loaded.update((canonical_name(k), v) for k, v in weights)
+        return head
+
+    object.__setattr__(head, "load_weights", record)
     try:
         MTPHead.__init__(head, Trunk(model), stand_ins, Contract(), family.mtp_layer_kind, quant)
-    except ValueError:
-        # A module the sidecar quantizes that MLX cannot (DeepSeek's MoEGate): the head cannot
-        # be built at all, which is not a statement about these tensors' shapes.
-        return []
+    except ValueError as exc:  # a quantized triple whose parts do not fit together
+        return [finding("weights.shape_mismatch", f"the MTP head cannot be built: {exc}",
+                        mtp.location or "")]
     expected = {canonical_name(k): v for k, v in tree_flatten(head.parameters())}
-    return _compare(expected, stand_ins, mtp.tensors, "the MTP head the decoder builds",
+    return _compare(expected, loaded, mtp.tensors, "the MTP head the decoder builds",
                     mtp.source_names)
 
 

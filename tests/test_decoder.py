@@ -576,3 +576,17 @@ def test_misses_are_classified_by_what_could_have_drafted_them() -> None:
                              missed_out_of_vocab=1, accepted_other=1)
     # without a draft vocabulary an unreachable token is just another miss
     assert misses.classify(seq, [(11, False)])["missed_other"] == 1
+
+
+@pytest.mark.parametrize("policy", ["layers", "all"])
+def test_a_quantized_router_in_the_sidecar_loads_and_drafts_like_the_float_one(
+        built: Callable[..., Path], policy: str) -> None:
+    """DeepSeek-V3's MoE router (mlx-lm's MoEGate) has no quantized form: a sidecar whose
+    policy quantized it raised "Unable to quantize model of type MoEGate" in load. It is
+    dequantized at load; its drafts then track the float head's within 4-bit error, and the
+    greedy tokens stay plain decoding's."""
+    runner = mtpkit.load(built("deepseek_v3", Sidecar(policy=policy)), dtype="float32")
+    gate = runner.head.layers[0].mlp.gate
+    assert not isinstance(gate, nn.QuantizedLinear) and gate.weight.dtype != mx.uint32
+    plain = runner.generate("def f(x):", 24, depth=0)
+    assert runner.generate("def f(x):", 24, depth=2).tokens == plain.tokens
