@@ -7,6 +7,9 @@
 # lookup rounds, speedup, and whether the tokens equal plain decoding's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+echo "demo: SmolLM2-135M (no MTP head) rewrites a file with drafts from the context, against plain" \
+  "decoding; a trained MTP head is bash scripts/graft-smollm2.sh (~30 min), then mtpkit generate" \
+  "out/SmolLM2-135M-mtp ... --compare" >&2
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=1
 out=$(bash scripts/smollm2.sh)
