@@ -50,6 +50,7 @@ PROBE_S = 1.0  # how often a client whose read side ended is asked whether it st
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"  # the ask before the answer starts
 PING = b": ping\n\n"  # the ask in a stream: an SSE comment, which clients skip
 PROBE_WAIT_MS = 20  # how long an ask waits for a closed client's reset (one LAN round trip)
+LENGTH = re.compile(r"[0-9]+")  # a Content-Length: int() would also take "+5", "5_0", "٥"
 AUTHORITY = re.compile(r"[A-Za-z0-9.\-]+(:\d{1,5})?|\[[0-9A-Fa-f:.]+\](:\d{1,5})?")
 
 
@@ -345,9 +346,9 @@ class Handler(BaseHTTPRequestHandler):
             raise RequestError(400, "the body's length is ambiguous (Content-Length with "
                                "Transfer-Encoding, or two lengths): send one Content-Length",
                                code="request.framing")
-        if not lengths or not lengths[0].strip().isdigit() or not lengths[0].strip().isascii():
+        if not lengths or not LENGTH.fullmatch(lengths[0].strip()):
             self.close_connection = True  # a body of unknown length may follow: cannot skip it
-            raise RequestError(411, "Content-Length is required") from None
+            raise RequestError(411, "Content-Length is required")
         length = int(lengths[0])
         if not 0 <= length <= MAX_BODY_BYTES:
             self.close_connection = True
