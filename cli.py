@@ -803,6 +803,9 @@ Exit codes: 0 every check passed, 1 a check failed or a floor was not met, 2 bad
 @click.option("--min-speedup", type=click.FloatRange(0), help="Fail below this MTP speedup.")
 @click.option("--timeout", type=click.FloatRange(0.1), default=60.0, show_default=True,
               help="Seconds an endpoint may stay silent before it counts as stalled.")
+@click.option("--request-timeout", type=click.FloatRange(0.1), metavar="SECONDS",
+              help="Endpoints: the wall seconds one request may take, however it streams "
+              "[default: --timeout plus a second per token asked for].")
 @click.option("--dtype", type=DTYPES, default="auto", show_default=True,
               help="Local bundles: " + DTYPE_HELP)
 @click.option("--report", "report_path", type=click.Path(path_type=Path), help="Also write the "
@@ -814,8 +817,8 @@ Exit codes: 0 every check passed, 1 a check failed or a floor was not met, 2 bad
 def verify_run(bundle: str | None, endpoint: str | None, api_key: str | None, as_json: bool,
                stamp: bool, depth_opt: str | int, draft: str | None, loads: str, runs: int | None,
                max_tokens: int | None, min_accept: float | None, min_speedup: float | None,
-               timeout: float, dtype: str | None, report_path: Path | None,
-               compare: Path | None, shard: str | None) -> None:
+               timeout: float, request_timeout: float | None, dtype: str | None,
+               report_path: Path | None, compare: Path | None, shard: str | None) -> None:
     """Check BUNDLE (or --endpoint) end to end and measure its speed the honest way."""
     from mtpkit.decoder.interrupt import first_ctrl_c
     from mtpkit.verify.endpoint import EndpointError, open_endpoint, serving_checks
@@ -845,7 +848,7 @@ def verify_run(bundle: str | None, endpoint: str | None, api_key: str | None, as
             check_writable(report_path)
         try:
             if endpoint:
-                target, view = open_endpoint(endpoint, api_key, timeout), None
+                target, view = open_endpoint(endpoint, api_key, timeout, request_timeout), None
                 facts = Facts("endpoint", endpoint)
             else:
                 assert bundle is not None

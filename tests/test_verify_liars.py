@@ -115,6 +115,17 @@ def test_a_line_dribbled_forever_stops_at_the_wall_bound(monkeypatch: pytest.Mon
     assert 1.8 <= endpoint["evidence"]["seconds"] < 4
 
 
+def test_request_timeout_flag_bounds_a_dribbled_line() -> None:
+    """The wall bound given on the command line (--request-timeout), not derived."""
+    start = time.perf_counter()
+    with running("dribble") as url:
+        code, doc, _ = _verify(url, "--timeout", "1", "--request-timeout", "1.5")
+    assert code == 1 and time.perf_counter() - start < 15
+    endpoint = _check(doc, "endpoint")
+    assert endpoint["evidence"]["bound"] == "seconds", endpoint
+    assert 1.5 <= endpoint["evidence"]["seconds"] < 3.5
+
+
 def test_inflated_usage_fails_counting() -> None:
     """completion_tokens at 1000x the tokens streamed (above max_tokens) passed every check."""
     with running("inflated") as url:
