@@ -179,10 +179,12 @@ def test_a_connection_past_descriptor_1023_gets_its_whole_answer(runner: Runner)
             resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
-def test_a_client_that_half_closes_after_its_request_is_answered(runner: Runner) -> None:
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_client_that_half_closes_after_its_request_is_answered(runner: Runner,
+                                                                 batch: int) -> None:
     """A client may shut its writing side once the request is sent (shutdown(SHUT_WR)): the
     server sees EOF, but the client still reads. It was taken for gone and got one round."""
-    with serving(runner) as url:
+    with serving(runner, max_batch=batch) as url:
         for path, body in ASKS:
             want = whole(url, path, body)
             raw = raw_exchange(url, post_bytes(path, body), half_close=True)
@@ -209,11 +211,12 @@ def test_a_client_gone_still_frees_the_server(runner: Runner) -> None:
         healthy(url)
 
 
-def test_a_cut_generation_is_never_sent_as_a_finished_one(runner: Runner,
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_cut_generation_is_never_sent_as_a_finished_one(runner: Runner, batch: int,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Whatever made the server think the client was gone, the generation it cut is not
     answered as one the model finished (a 200 with finish "stop" and a truncated text)."""
-    with serving(runner) as url:
+    with serving(runner, max_batch=batch) as url:
         want = whole(url, *ASKS[0])
         asked = itertools.count()
         monkeypatch.setattr(Handler, "_gone", lambda self: next(asked) >= 3)
