@@ -8,8 +8,8 @@ forces each row's rejections at its own positions, so rows keep different counts
 pass and the recurrent families commit a different state per row. Prompts that start together
 are prefilled in one left-padded pass where that pays (a GPU; forced here), and their rows
 still decode as alone. Sampled: a seeded fixed-depth row gives the same text alone and
-batched (a plain one beside speculative mates too), and the round-state law test (test_exactness.py) holds for a row decoded among mates
-with other settings.
+batched (a plain one beside speculative mates too), and the round-state law test
+(test_exactness.py) holds for a row decoded among mates with other settings.
 
 Mutants these tests kill (issue 33; each applied to a copy of the tree): one row's kept count
 applied to another row; a rollback that trims every row by the batch's minimum; a joining row
