@@ -53,3 +53,35 @@ def test_concurrent_clients_get_what_a_one_at_a_time_server_answers(trained) -> 
                                                    metrics, re.M)}
     assert rows["count"] > 0 and rows["sum"] > rows["count"], "some passes verified several rows"
     assert "mtpkit_batch_size" in metrics
+
+
+def test_a_seeded_sampled_plain_request_answers_the_same_beside_a_speculative_one(built) -> None:
+    """A seeded request at depth 0, sampled, got other text when a speculative request shared
+    its batch ("Winter's a time of deep beauty..." alone, "Winter's embers of mystery..."
+    batched): a depth-0 row of a speculative round drew one uniform more than a plain step."""
+    runner = mtpkit.load(built("qwen3_5"), dtype="float32")
+    sampled = {"temperature": 0.9, "seed": 11}
+    plain = ([{"role": "user", "content": "Write about winter."}], (48, 0, None, False))
+    mate = ([{"role": "user", "content": "Count from one to ten."}], (48, 3, None, True))
+
+    def ask(url: str, job: tuple, extra: dict | None = None) -> Answer:
+        messages, (max_tokens, depth, draft, stream) = job
+        return Endpoint(url).ask(messages, max_tokens=max_tokens, stream=stream, depth=depth,
+                                 draft=draft, thinking=False, extra=extra)
+
+    with serving(runner, max_batch=1) as url:
+        alone = ask(url, plain, sampled)
+    got: list[Answer | None] = [None, None]
+
+    def client(i: int) -> None:
+        got[i] = ask(url, plain, sampled) if i == 0 else ask(url, mate)
+
+    with serving(runner, max_batch=2) as url:
+        threads = [threading.Thread(target=client, args=(i,)) for i in (1, 0)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+    assert got[0] is not None and got[1] is not None
+    assert (got[0].content, got[0].tokens) == (alone.content, alone.tokens)
+    assert got[1].mtp["depth"] == 3
