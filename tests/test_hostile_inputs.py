@@ -359,7 +359,10 @@ def test_corrupt_gguf_convert_is_one_line(tmp_path, name):
                           preexec_fn=_limit_memory)
     assert time.monotonic() - start < COMMAND_S
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert proc.stderr.startswith(f"error [gguf.invalid]: {name}.gguf: "), proc.stderr[-2000:]
+    lines = proc.stderr.splitlines()  # convert's progress, then the error and its hint
+    at = next(i for i, line in enumerate(lines) if not line.startswith("convert: "))
+    assert lines[at].startswith(f"error [gguf.invalid]: {name}.gguf: "), proc.stderr[-2000:]
+    assert len(lines) == at + 2 and lines[-1].startswith("  hint: "), proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
 
 
