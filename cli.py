@@ -440,7 +440,7 @@ def generate(bundle: str | None, prompt: str | None, model: str | None, prompt_o
     from mtpkit.decoder.interrupt import first_ctrl_c
     from mtpkit.decoder.runner import load, numerics_note
     from mtpkit.verify.run import depths_text
-    from mtpkit.verify.tune import progress_bar, reference_bar
+    from mtpkit.verify.tune import ReferenceBar, progress_bar
 
     bundle, prompt = _bundle_and_prompt(bundle, prompt, model, prompt_opt)
     if system_prompt is not None and raw:
@@ -480,14 +480,15 @@ def generate(bundle: str | None, prompt: str | None, model: str | None, prompt_o
             deepest = runner.policy(depth, source)[0]
             if compare:
                 doing[0] = "warming up for --compare: nothing generated"
-                shown = reference_bar(max_tokens)
+                shown = ReferenceBar(max_tokens)
 
                 def told(done: int, most: int) -> None:
                     doing[0] = (f"--compare's plain reference run ({done} of up to {most} "
                                 f"tokens): no comparison, depth {depth} not run")
                     shown(done, most)
 
-                plain = baseline(runner, ids, max_tokens, deepest, told, **sampling)
+                plain = baseline(runner, ids, max_tokens, deepest, told, shown.stage,
+                                 **sampling)
             doing[0] = "decoding (a second Ctrl-C): the text above stands, without statistics"
             with first_ctrl_c(interrupted.set):  # ends between rounds: sharded ranks in step
                 for piece in runner.stream(ids, max_tokens, depth=depth, draft=draft,

@@ -6,6 +6,7 @@ decode window (never chunks per second), so the ratio is the honest one.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,14 +38,25 @@ class Comparison:
 
 
 Told = Callable[[int, int], None]  # (tokens decoded, of at most) of the reference run
+Staged = Callable[[str, float | None], None]  # (what starts, the seconds it should take or None)
 
 
 def baseline(runner: Runner, prompt: Prompt, max_tokens: int, depth: int,
-             progress: Told | None = None, **sampling: Any) -> Result:
+             progress: Told | None = None, stage: Staged | None = None,
+             **sampling: Any) -> Result:
     """Warm up plain and MTP decoding, then run plain decoding: the reference for `depth`.
-    progress: told as the reference run's tokens come (it can take many seconds, silently)."""
-    for d in (0, depth):
+    progress: told as the reference run's tokens come; stage: told as each warm-up and the
+    reference's prefill start, with what the first warm-up took (each prefills the same
+    prompt), so the seconds before the first token are not silent either."""
+    took = None
+    for i, d in enumerate((0, depth)):
+        if stage is not None:
+            stage(f"warm-up {i + 1} of 2 ({'plain' if d == 0 else f'depth {d}'})", took)
+        start = time.perf_counter()
         runner.generate(prompt, WARMUP_TOKENS, depth=d, **sampling)
+        took = time.perf_counter() - start if took is None else took
+    if stage is not None:
+        stage("the reference's prefill", took)
     done = 0
     for piece in runner.stream(prompt, max_tokens, depth=0, **sampling):
         done += len(piece.tokens)

@@ -285,5 +285,13 @@ def test_compare_says_it_runs_plain_first_with_a_bar(built: Callable[..., Path],
     assert said in term, term
     assert re.search(r"plain reference\s+\[[#-]+\]\s+\d+%", term), term
     assert term.index(said) < term.index("[plain ") and "speedup" in term
+    # the seconds before the first token (two warm-ups and the prefill) are said too, each
+    # after the first with what the first warm-up took
+    assert re.search(r"the reference's prefill, about \d+ s", term), term
     piped = subprocess.run(args, capture_output=True, text=True, env=_env(tmp_path), timeout=300)
     assert piped.returncode == 0 and said in piped.stderr and "plain reference" not in piped.stderr
+    stages = [line for line in piped.stderr.splitlines() if line.startswith("  warm-up")
+              or line.startswith("  the reference's")]
+    assert stages[0] == "  warm-up 1 of 2 (plain)", piped.stderr
+    assert re.fullmatch(r"  warm-up 2 of 2 \(depth 2\), about \d+ s", stages[1]), stages
+    assert re.fullmatch(r"  the reference's prefill, about \d+ s", stages[2]), stages

@@ -8,7 +8,6 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -208,39 +207,50 @@ def progress_bar(file: Any = None) -> Progress:
 REFERENCE_WINDOW_S = 2.0  # the recent rate the reference bar compares with the whole run's
 
 
-def reference_bar(total: int, file: Any = None) -> Callable[[int, int], None]:
+class ReferenceBar:
     """generate --compare's plain reference run on stderr: said before it starts, then a bar
-    on a terminal (elsewhere the one line), as its tokens come. Its ETA counts from the first
-    token (the warm-ups and the prefill before it say nothing of the decode rate), is shown
-    once a second of decoding has been seen, and spans the whole run's rate and the last
-    seconds' rate."""
-    out = sys.stderr if file is None else file
-    click.echo(f"warming up, then plain decoding first (the reference for --compare): up to "
-               f"{total} tokens", file=out)
-    if not (hasattr(out, "isatty") and out.isatty()):
-        return lambda done, most: None
-    bar = click.progressbar(length=total, label="  plain reference", file=out, show_eta=False,
-                            width=30, item_show_func=lambda item: item)
-    bar.__enter__()
-    seen: list[tuple[float, int]] = []  # (when, tokens) of every report
+    on a terminal (elsewhere a line per stage), as its warm-ups, prefill and tokens come. Each
+    stage before the first token shows what the first warm-up took (they prefill the same
+    prompt); the decode ETA counts from the first token, is shown once a second of decoding
+    has been seen, and spans the whole run's rate and the last seconds' rate."""
 
-    def show(done: int, most: int) -> None:
+    def __init__(self, total: int, file: Any = None) -> None:
+        self.out = sys.stderr if file is None else file
+        click.echo(f"warming up, then plain decoding first (the reference for --compare): up "
+                   f"to {total} tokens", file=self.out)
+        self.bar: Any = None
+        if hasattr(self.out, "isatty") and self.out.isatty():
+            self.bar = click.progressbar(length=total, label="  plain reference", file=self.out,
+                                         show_eta=False, width=30, item_show_func=lambda x: x)
+            self.bar.__enter__()
+        self.seen: list[tuple[float, int]] = []  # (when, tokens) of every report
+
+    def stage(self, what: str, seconds: float | None) -> None:
+        note = what + (f", about {_seconds(seconds)}" if seconds is not None else "")
+        if self.bar is None:
+            click.echo(f"  {note}", file=self.out)
+        else:  # (update() renders only past a step)
+            self.bar.current_item = note
+            self.bar.render_progress()
+
+    def __call__(self, done: int, most: int) -> None:
+        if self.bar is None:
+            return
         now = time.perf_counter()
-        seen.append((now, done))
-        first_t, first_n = seen[0]
+        self.seen.append((now, done))
+        first_t, first_n = self.seen[0]
         item = "measuring the rate"
         if now - first_t >= 1.0 and done > first_n:
-            recent_t, recent_n = next((t, n) for t, n in seen if now - t <= REFERENCE_WINDOW_S)
+            recent_t, recent_n = next((t, n) for t, n in self.seen
+                                      if now - t <= REFERENCE_WINDOW_S)
             rates = [(done - first_n) / (now - first_t)]
             if now - recent_t > 0.25 and done > recent_n:
                 rates.append((done - recent_n) / (now - recent_t))
             left = most - done
             item = _left(left / max(rates), left / min(rates) * 1.1)
-        bar.update(done - bar.pos, item)
+        self.bar.update(done - self.bar.pos, item)
         if done >= most:
-            bar.render_finish()
-
-    return show
+            self.bar.render_finish()
 
 
 def _pick_lines(found: list[dict[str, Any]]) -> list[str]:
