@@ -10,9 +10,15 @@ say() { printf 'setup: %s (%s s)\n' "$*" $((SECONDS - start)) >&2; }
 pip_install() {
   say "pip: $1"
   shift
-  .venv/bin/python -m pip install --disable-pip-version-check --progress-bar off "$@" 2>&1 \
-    | awk '/^(Collecting|Downloading|Building|Installing|Successfully|ERROR|WARNING)/ \
-           { print "  pip: " $0; fflush() }' >&2
+  local bar=off  # pip >= 24.1 prints its download progress as lines ("raw"), kept per 25%
+  .venv/bin/python -c "import pip, sys; sys.exit(tuple(map(int, pip.__version__.split('.')[:2]))
+    < (24, 1))" 2>/dev/null && bar=raw
+  .venv/bin/python -m pip install --disable-pip-version-check --progress-bar "$bar" "$@" 2>&1 \
+    | awk '/^Progress [0-9]+ of [0-9]+$/ { if ($4 < 8e6) next; p = int(100 * $2 / $4)
+             if (p >= shown + 25) { shown = p; printf "  pip:     %d%% of %.0f MB\n", p, $4 / 1e6 }
+             fflush(); next }
+           /^ *(Collecting|Downloading|Using cached|Building|Installing|Successfully|ERROR|WARNING)/ \
+           { shown = -25; sub(/^ +/, ""); print "  pip: " $0; fflush() }' >&2
 }
 if [ ! -x .venv/bin/python ]; then
   say "creating .venv with $("$PY" --version 2>&1)"
