@@ -13,12 +13,16 @@ pip_install() {
   local bar=off  # pip >= 24.1 prints its download progress as lines ("raw"), kept per 25%
   .venv/bin/python -c "import pip, sys; sys.exit(tuple(map(int, pip.__version__.split('.')[:2]))
     < (24, 1))" 2>/dev/null && bar=raw
-  .venv/bin/python -m pip install --disable-pip-version-check --progress-bar "$bar" "$@" 2>&1 \
+  PYTHONUNBUFFERED=1 .venv/bin/python -m pip install --disable-pip-version-check \
+    --progress-bar "$bar" "$@" 2>&1 \
     | awk '/^Progress [0-9]+ of [0-9]+$/ { if ($4 < 8e6) next; p = int(100 * $2 / $4)
              if (p >= shown + 25) { shown = p; printf "  pip:     %d%% of %.0f MB\n", p, $4 / 1e6 }
              fflush(); next }
            /^ *(Collecting|Downloading|Using cached|Building|Installing|Successfully|ERROR|WARNING)/ \
-           { shown = -25; sub(/^ +/, ""); print "  pip: " $0; fflush() }' >&2
+           { shown = -25; sub(/^ +/, ""); print "  pip: " $0
+             if ($0 ~ /^Installing collected/) print "  pip: (unpacking: pip is silent until " \
+               "it is done, about half a minute on a first run)"
+             fflush() }' >&2
 }
 if [ ! -x .venv/bin/python ]; then
   say "creating .venv with $("$PY" --version 2>&1)"
