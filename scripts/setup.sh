@@ -20,8 +20,9 @@ pip_install() {
              fflush(); next }
            /^ *(Collecting|Downloading|Using cached|Building|Installing|Successfully|ERROR|WARNING)/ \
            { shown = -25; sub(/^ +/, ""); print "  pip: " $0
-             if ($0 ~ /^Installing collected/) print "  pip: (unpacking: pip is silent until " \
-               "it is done, about half a minute on a first run)"
+             if (!noted && $0 ~ /^(Building wheels|Installing collected)/) { noted = 1
+               print "  pip: (then it fetches and unpacks quietly: about half a minute on a " \
+                 "first run)" }
              fflush() }' >&2
 }
 if [ ! -x .venv/bin/python ]; then
