@@ -65,41 +65,55 @@ def passes(call, cache, vocab: int, rows: tuple[int, ...], n: int) -> dict:
     return out
 
 
-def sdpa_alone(contexts: list[int], small: bool, n: int) -> dict:
-    """One attention layer's sdpa at the 8B shapes (32 query heads, 8 KV heads, 128 wide)."""
+def _queries(contexts: list[int], small: bool, rows: tuple[int, ...]):
+    """(L, T, keys, values, q) for one 8B attention layer (32 query heads, 8 KV heads, 128
+    wide; scaled down: a CPU smoke run): a STEP-aligned key buffer past L, T query rows."""
     import mlx.core as mx
 
     from mtpkit.decoder.shapes import padded
 
-    heads, kv, dim = (2, 1, 128) if small else (32, 8, 128)
-    out: dict = {}
+    heads, kv = (2, 1) if small else (32, 8)
     for length in contexts:
-        keys = mx.random.normal((1, kv, padded(length + 8), dim)).astype(mx.bfloat16)
+        keys = mx.random.normal((1, kv, padded(length + 8), 128)).astype(mx.bfloat16)
         values = mx.random.normal(keys.shape).astype(mx.bfloat16)
-        mx.eval(keys, values)
-        row: dict = {}
-        for t in (1, 2, 4):
-            q = mx.random.normal((1, heads, t, dim)).astype(mx.bfloat16)
-            end = length + t
-            k, v = keys[..., :end, :], values[..., :end, :]
-            view = padded(end)
-            kp, vp = keys[..., :view, :], values[..., :view, :]
-            exact = mx.arange(length, end)[:, None] >= mx.arange(end)[None]
-            pad = mx.arange(length, end)[:, None] >= mx.arange(view)[None]
-            arms = {"none": (k, v, None), "causal": (k, v, "causal"),
-                    "bool_exact": (k, v, exact), "bool_padded": (kp, vp, pad)}
-            for name, (kk, vv, mask) in arms.items():
-                if t == 1 and name != "none":
-                    continue
+        for t in rows:
+            q = mx.random.normal((1, heads, t, 128)).astype(mx.bfloat16)
+            mx.eval(keys, values, q)
+            yield length, t, keys, values, q
 
-                def run(q=q, kk=kk, vv=vv, mask=mask) -> None:
-                    mx.eval(mx.fast.scaled_dot_product_attention(q, kk, vv, scale=dim ** -0.5,
-                                                                 mask=mask))
 
-                row[f"T{t}_{name}"] = timed(run, n)
-        out[length] = row
-        print("sdpa", length, {k: round(v, 3) for k, v in row.items()}, flush=True)
+def _report(label: str, out: dict) -> dict:
+    for length, row in out.items():
+        print(label, length, {k: round(v, 3) for k, v in row.items()}, flush=True)
     return out
+
+
+def sdpa_alone(contexts: list[int], small: bool, n: int) -> dict:
+    """One attention layer's sdpa by mask kind: none, "causal", a bool array over exactly the
+    keys, a bool array over the padded view (what bounded passes send)."""
+    import mlx.core as mx
+
+    from mtpkit.decoder.shapes import padded
+
+    out: dict = {}
+    for length, t, keys, values, q in _queries(contexts, small, (1, 2, 4)):
+        end, view = length + t, padded(length + t)
+        k, v = keys[..., :end, :], values[..., :end, :]
+        kp, vp = keys[..., :view, :], values[..., :view, :]
+        exact = mx.arange(length, end)[:, None] >= mx.arange(end)[None]
+        pad = mx.arange(length, end)[:, None] >= mx.arange(view)[None]
+        arms = {"none": (k, v, None), "causal": (k, v, "causal"),
+                "bool_exact": (k, v, exact), "bool_padded": (kp, vp, pad)}
+        for name, (kk, vv, mask) in arms.items():
+            if t == 1 and name != "none":
+                continue
+
+            def run(q=q, kk=kk, vv=vv, mask=mask) -> None:
+                mx.eval(mx.fast.scaled_dot_product_attention(q, kk, vv, scale=128 ** -0.5,
+                                                             mask=mask))
+
+            out.setdefault(length, {})[f"T{t}_{name}"] = timed(run, n)
+    return _report("sdpa", out)
 
 
 def sdpa_memory(contexts: list[int], small: bool, rows: int = 2048) -> dict:
@@ -143,34 +157,23 @@ def row_split(contexts: list[int], small: bool, n: int) -> dict:
 
     from mtpkit.decoder.shapes import padded
 
-    heads, kv, dim = (2, 1, 128) if small else (32, 8, 128)
     out: dict = {}
-    for length in contexts:
-        keys = mx.random.normal((1, kv, padded(length + 8), dim)).astype(mx.bfloat16)
-        values = mx.random.normal(keys.shape).astype(mx.bfloat16)
-        mx.eval(keys, values)
-        row: dict = {}
-        for t in (2, 3, 4):
-            q = mx.random.normal((1, heads, t, dim)).astype(mx.bfloat16)
-            mx.eval(q)
-            end, view = length + t, padded(length + t)
-            mask = mx.arange(length, end)[:, None] >= mx.arange(view)[None]
+    for length, t, keys, values, q in _queries(contexts, small, (2, 3, 4)):
+        end, view = length + t, padded(length + t)
+        mask = mx.arange(length, end)[:, None] >= mx.arange(view)[None]
 
-            def one(q=q, mask=mask, view=view, keys=keys, values=values) -> None:
-                mx.eval(mx.fast.scaled_dot_product_attention(
-                    q, keys[..., :view, :], values[..., :view, :], scale=dim ** -0.5,
-                    mask=mask))
+        def one(q=q, mask=mask, view=view, keys=keys, values=values) -> None:
+            mx.eval(mx.fast.scaled_dot_product_attention(
+                q, keys[..., :view, :], values[..., :view, :], scale=128 ** -0.5, mask=mask))
 
-            def split(t=t, q=q, keys=keys, values=values, length=length) -> None:
-                mx.eval(mx.concatenate([mx.fast.scaled_dot_product_attention(
-                    q[:, :, i:i + 1], keys[..., :length + i + 1, :],
-                    values[..., :length + i + 1, :], scale=dim ** -0.5) for i in range(t)],
-                    axis=2))
+        def split(t=t, q=q, keys=keys, values=values, length=length) -> None:
+            mx.eval(mx.concatenate([mx.fast.scaled_dot_product_attention(
+                q[:, :, i:i + 1], keys[..., :length + i + 1, :],
+                values[..., :length + i + 1, :], scale=128 ** -0.5) for i in range(t)], axis=2))
 
-            row[f"T{t}_masked"], row[f"T{t}_split"] = timed(one, n), timed(split, n)
-        out[length] = row
-        print("row split", length, {k: round(v, 3) for k, v in row.items()}, flush=True)
-    return out
+        row = out.setdefault(length, {})
+        row[f"T{t}_masked"], row[f"T{t}_split"] = timed(one, n), timed(split, n)
+    return _report("row split", out)
 
 
 def main() -> None:

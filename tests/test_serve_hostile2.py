@@ -20,6 +20,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
+import test_serve_hostile as hostile
 
 import mtpkit
 from fixtures.fake_servers import in_thread
@@ -48,17 +49,7 @@ def serving(runner: Runner, keys: list[str] | None = None, **service: Any) -> It
 def call(url: str, path: str, body: Any = None, headers: dict[str, str] | None = None,
          method: str = "POST") -> tuple[int, Any]:
     """One request on its own connection: (status, the JSON body or the raw text)."""
-    parts = urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
-    raw = None if body is None else json.dumps(body).encode()
-    conn.request(method, path, raw, {"Content-Type": "application/json"} | (headers or {}))
-    response = conn.getresponse()
-    data = response.read()
-    conn.close()
-    try:
-        return response.status, json.loads(data)
-    except ValueError:
-        return response.status, data.decode("utf-8", "replace")
+    return hostile.call(url, method, path, body, headers, timeout=120)
 
 
 def events(text: str) -> list[Any]:
