@@ -74,6 +74,7 @@ def test_tune_prints_sixteen_widths_and_the_picks(built: Callable[..., Path], ca
     assert len(doc["verify"]) == len(doc["ratios"]) == len(doc["widths"]) == 16
     assert measured == [1] and doc["measured"] is False, "the second call reads the cache"
     assert doc["timed"][0] == 1 and doc["timed"][-1] == 16 and doc["seconds"] > 0
+    assert doc["spread"] >= 1 and doc["measured_at"] > 0  # how far to trust it, printed too
     assert breaks(doc["verify"]) == [] and doc["context"] <= CONTEXT
     assert doc["ratios"][0] == 1.0 and doc["draft"] > 0 and doc["max_depth"] >= 1
     verify = doc["verify"]

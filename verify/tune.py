@@ -53,18 +53,19 @@ def picks(curve: CostCurve, max_depth: int, source: str = "head") -> list[dict[s
 def report(runner: Runner, bundle: str, refresh: bool = False,
            progress: Progress | None = None, batch: int | None = None,
            told: Told | None = None) -> dict[str, Any]:
-    """The cost curve document `mtpkit tune --json` prints: CostCurve.to_dict() plus the
-    bundle, whether it was measured now or read from the cache, the cache file and the picks.
-    progress: told how a measurement goes (`progress_bar()` draws it on stderr). `batch`: also
-    the round costs of batches of up to that many rows (decoder/batch_costs.py; `told` hears
-    how their timing goes: `batch_lines()`)."""
+    """The cost curve document `mtpkit tune --json` prints: CostCurve.stored() (the curve and
+    how far to trust it: spread, when, the machine's load) plus the bundle, whether it was
+    measured now or read from the cache, the cache file and the picks. progress: told how a
+    measurement goes (`progress_bar()` draws it on stderr). `batch`: also the round costs of
+    batches of up to that many rows (decoder/batch_costs.py; `told` hears how their timing
+    goes: `batch_lines()`)."""
     began = time.time()
     curve = runner.costs(refresh, progress)
     measured = not curve.key or curve.measured_at >= began  # (read once: store.py's one line)
     path = _cache_file(curve.key)
     max_depth = runner.policy("auto")[0]
     lookup_depth = runner.policy("auto", "lookup")[0]
-    doc = {"bundle": bundle, **curve.to_dict(), "measured": measured,
+    doc = {"bundle": bundle, **curve.stored(), "measured": measured,
            "cache": str(path if path is not None and path.exists() else cache_dir()),
            "max_depth": max_depth, "picks": picks(curve, max_depth) if runner.head else [],
            "lookup_picks": picks(curve, lookup_depth, "lookup")}
