@@ -449,8 +449,11 @@ def test_verify_run_passes_stock_mlx_lm_server(smollm2_bf16: Path) -> None:
             except EndpointError:
                 assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
                 time.sleep(0.5)
+        # a bf16 model on a shared CPU answers slowly: the stall and wall bounds are generous
+        # (this checks compatibility, not speed)
         result = CliRunner().invoke(main, ["verify-run", "--endpoint", url, "--loads", "code",
-                                           "--runs", "1", "--max-tokens", "24", "--json"])
+                                           "--runs", "1", "--max-tokens", "24", "--json",
+                                           "--timeout", "300"])
         doc = json.loads(result.stdout)
         whole = Endpoint(url).ask([{"role": "user", "content": "Name three colors."}],
                                   max_tokens=12, stream=False)
@@ -459,7 +462,7 @@ def test_verify_run_passes_stock_mlx_lm_server(smollm2_bf16: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(30)
-    assert result.exit_code == 0, doc["checks"]
+    assert result.exit_code == 0, [c for c in doc["checks"] if c["status"] == "fail"]
     status = {c["name"]: c for c in doc["checks"]}
     assert status["prefix_cache"]["status"] == status["anthropic"]["status"] == "info"
     assert "HTTP 404" in status["anthropic"]["summary"], "mlx_lm.server has no Messages API"
