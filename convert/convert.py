@@ -29,7 +29,7 @@ from mtpkit.convert.writer import (
 from mtpkit.loaders.bundle import BundleView, open_bundle
 from mtpkit.loaders.digest import sha256_file
 from mtpkit.loaders.findings import Finding, UserError
-from mtpkit.loaders.model_check import check_model
+from mtpkit.loaders.model_check import blocking, check_model
 from mtpkit.loaders.paths import bundle_file
 from mtpkit.loaders.weights import SIDECAR_FILE
 
@@ -147,7 +147,7 @@ def check_source(view: BundleView) -> None:
     (a truncated shard before the quantized module it cut in half): what doctor reports,
     tensors against mlx-lm's model class included, and a tokenizer the bundle could not
     use (it would be published as it is)."""
-    errors = [*view.errors, *(f for f in check_model(view) if f.severity == "error")]
+    errors = blocking(view)
     for prefix in BLOCKING:
         for f in errors:
             if f.code.startswith(prefix) and not f.fixable:

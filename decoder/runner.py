@@ -36,7 +36,7 @@ from mtpkit.decoder.trunk import Trunk
 from mtpkit.loaders.arrays import mtp_arrays
 from mtpkit.loaders.bundle import BundleView, open_bundle
 from mtpkit.loaders.findings import UserError, root_rank
-from mtpkit.loaders.model_check import check_model
+from mtpkit.loaders.model_check import blocking as load_errors
 from mtpkit.loaders.mtp import DELTA_ENCODINGS
 from mtpkit.loaders.norms import ABSOLUTE, absolute_from_delta, reencode
 from mtpkit.loaders.templates import render, unsafe_reach
@@ -399,7 +399,7 @@ def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None
     # Refused before mlx-lm opens or builds anything, root cause first (a file no loader may
     # open leaves shards missing, the shards that would have said "MLX bundle" included); a
     # tensor the model class or the head would refuse or misread, as doctor reports it.
-    errors = [*view.errors, *(f for f in check_model(view) if f.severity == "error")]
+    errors = load_errors(view)
     blocking = sorted((f for f in errors if not f.code.startswith(NON_BLOCKING)),
                       key=root_rank)
     if view.kind != "mlx" and not (blocking and blocking[0].code in (

@@ -246,4 +246,10 @@ def _check_head(model: nn.Module, family: Family, mtp: MTPLayout,
                     mtp.source_names)
 
 
-__all__ = ["check_model"]
+def blocking(view: BundleView) -> list[Finding]:
+    """What keeps a bundle from loading: the view's errors and the model check's (load and
+    convert refuse on these, doctor reports them)."""
+    return [*view.errors, *(f for f in check_model(view) if f.severity == "error")]
+
+
+__all__ = ["blocking", "check_model"]
