@@ -10,6 +10,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -17,6 +18,7 @@ from mtpkit import __version__
 from mtpkit.convert.sidecar import POLICIES, SidecarOptions
 from mtpkit.convert.trunk import MODES, RECIPES, QuantOptions, parse_override
 from mtpkit.decoder.options import DTYPES as DTYPE_NAMES
+from mtpkit.decoder.options import KV_START
 from mtpkit.verify import doctor as doctor_mod
 
 EXAMPLES_CONVERT = """
@@ -101,6 +103,37 @@ def _max_batch(value: int) -> int:
     except OptionError as exc:
         _fail(exc.code, exc.say("--max-batch"), exc.hint)
         return 1
+
+
+def _whole(value: str | None) -> int | str | None:
+    """An integer option as typed; anything else goes on to decoder/options.py, which refuses
+    it with options.invalid like every other entry."""
+    return int(value) if value is not None and value.lstrip("-").isdigit() else value
+
+
+def _kv_options(command: Callable[..., None]) -> Callable[..., None]:
+    """--kv-bits, --kv-group-size, --quantized-kv-start: mlx-lm's quantized KV cache, checked
+    by load (decoder/options.py kv_option, then whether this trunk's caches can take it)."""
+    for option in reversed((
+            click.option("--kv-bits", callback=lambda c, p, v: _whole(v), metavar="BITS",
+                         help="Quantize the trunk's KV cache to 2, 3, 4, 5, 6 or 8 bits "
+                         "(mlx-lm's QuantizedKVCache; the MTP head's stays float). Default: "
+                         "not quantized."),
+            click.option("--kv-group-size", default="64", show_default=True, metavar="N",
+                         callback=lambda c, p, v: _whole(v), help="Group size of the "
+                         "quantized KV cache: 32, 64 or 128."),
+            click.option("--quantized-kv-start", default=str(KV_START), show_default=True,
+                         metavar="N", callback=lambda c, p, v: _whole(v), help="With --kv-bits: "
+                         "positions from N on are attended to quantized (the cache switches "
+                         "once it holds N positions, as in mlx-lm)."))):
+        command = option(command)
+    return command
+
+
+def _kv(kv_bits: int | None, kv_group_size: int, quantized_kv_start: int) -> dict[str, Any]:
+    """The three as load's keywords."""
+    return {"kv_bits": kv_bits, "kv_group_size": kv_group_size,
+            "quantized_kv_start": quantized_kv_start}
 
 
 DRAFT_HELP = ("Draft source: the MTP head, the context (tokens that followed an earlier match; "
@@ -424,13 +457,15 @@ def _prompt_text(value: str) -> str:
     "--max-kv-size", "mlx-lm's rotating KV cache drops the oldest context, which exact "
     "verification cannot do without", "mtpkit keeps the whole context: bound it with "
     "--max-prompt-tokens N and --max-tokens N"))
+@_kv_options
 @_leads
 def generate(bundle: str | None, prompt: str | None, model: str | None, prompt_opt: str | None,
              raw: bool, system_prompt: str | None, max_tokens: int, depth: str | int,
              temperature: float, top_p: float, top_k: int, min_p: float, seed: int | None,
              dtype: str | None, keep_quantized: bool, rollback: str, compare: bool,
              draft: str | None, as_json: bool, max_prompt_tokens: int | None,
-             shard: str | None) -> None:
+             shard: str | None, kv_bits: int | None, kv_group_size: int,
+             quantized_kv_start: int) -> None:
     """Generate from BUNDLE with the reference MTP decoder (exact: greedy output equals plain).
     PROMPT '-' reads stdin, @FILE a file; mlx-lm's --model, --prompt, --temp, --system-prompt
     mean what they mean there."""
@@ -457,7 +492,8 @@ def generate(bundle: str | None, prompt: str | None, model: str | None, prompt_o
     try:
         with _user_errors("OUT"):
             runner = lead(load(bundle, "auto" if not keep_quantized else False, dtype=dtype,
-                               rollback=rollback, shard=shard))
+                               rollback=rollback, shard=shard,
+                               **_kv(kv_bits, kv_group_size, quantized_kv_start)))
             runner.max_prompt_tokens = max_prompt_tokens
             source = runner.draft_source(depth, draft)
             # without --raw a chat message, always: a bundle without a usable template is
@@ -547,8 +583,10 @@ def generate(bundle: str | None, prompt: str | None, model: str | None, prompt_o
 @click.option("--max-batch", "batch", type=int, default=None,
               help="Also time batched rounds of up to N rows (serve --max-batch N then starts "
               "from them instead of exploring).")
+@_kv_options
 def tune(bundle: str, as_json: bool, refresh: bool, dtype: str | None,
-         batch: int | None) -> None:
+         batch: int | None, kv_bits: int | None, kv_group_size: int,
+         quantized_kv_start: int) -> None:
     """Measure (or read the cached) cost curve --depth auto decides by, for BUNDLE here."""
     from mtpkit.decoder.options import batch_option
     from mtpkit.decoder.runner import load
@@ -556,7 +594,8 @@ def tune(bundle: str, as_json: bool, refresh: bool, dtype: str | None,
 
     with _user_errors("--out"):
         most = batch_option(batch) if batch is not None else None
-        doc = report(load(bundle, dtype=dtype), bundle, refresh, progress_bar(), most,
+        runner = load(bundle, dtype=dtype, **_kv(kv_bits, kv_group_size, quantized_kv_start))
+        doc = report(runner, bundle, refresh, progress_bar(), most,
                      batch_lines())
     click.echo(json.dumps(doc, indent=2) if as_json else render_text(doc))
 
@@ -709,16 +748,19 @@ the final chunk carries usage with MTP statistics), POST /v1/messages (Anthropic
 @click.option("--verbose", is_flag=True, help="Log every request to stderr (and, with --depth "
               "auto, the cost curve at start-up).")
 @click.option("--shard", type=click.Choice(["tensor", "pipeline"]), help=SHARD_HELP)
+@_kv_options
 @_leads
 def serve(bundle: str, host: str, port: int, api_keys: tuple[str, ...],
           api_key_file: Path | None,
           max_prompt_tokens: int | None, depth_opt: str | int, draft: str | None,
           max_tokens: int, dtype: str | None, keep_quantized: bool, cache_gb: float,
-          max_queue: int, max_batch: int, verbose: bool, shard: str | None) -> None:
+          max_queue: int, max_batch: int, verbose: bool, shard: str | None,
+          kv_bits: int | None, kv_group_size: int, quantized_kv_start: int) -> None:
     """Serve BUNDLE over an OpenAI-compatible API with the reference MTP decoder."""
     import os
 
     from mtpkit.decoder.distributed import lead
+    from mtpkit.decoder.options import batch_option
     from mtpkit.decoder.runner import load, numerics_note
     from mtpkit.serve.server import Server, api_keys_from, check_bind, check_port
     from mtpkit.serve.service import Service
@@ -730,8 +772,12 @@ def serve(bundle: str, host: str, port: int, api_keys: tuple[str, ...],
             keys = api_keys_from(api_keys, api_key_file, os.environ)
             check_bind(host, keys)  # before the (slow) load
             check_port(host, port)
+            if kv_bits is not None and click.get_current_context().get_parameter_source(
+                    "max_batch") is click.core.ParameterSource.DEFAULT:
+                max_batch = 1  # a quantized KV cache serves one at a time (decoder/options.py)
             runner = lead(load(bundle, "auto" if not keep_quantized else False, dtype=dtype,
-                               shard=shard))
+                               shard=shard, **_kv(kv_bits, kv_group_size, quantized_kv_start)))
+            batch_option(max_batch, runner.kv)  # --max-batch N asked with --kv-bits: refused
             runner.max_prompt_tokens = max_prompt_tokens
             source = runner.draft_source(depth_opt, draft)
             if advice := numerics_note(runner):
@@ -755,7 +801,8 @@ def serve(bundle: str, host: str, port: int, api_keys: tuple[str, ...],
     drafts = f", drafts {source}" if depth_opt != 0 else ""
     together = (f"up to {service.max_batch} requests at once" if service.max_batch > 1 else
                 "one request at a time" + (" (--shard serves one at a time)"
-                                           if shard is not None and max_batch > 1 else ""))
+                                           if shard is not None and max_batch > 1 else "")
+                + (" (--kv-bits: mlx-lm has no batched quantized cache)" if kv_bits else ""))
     how = ""
     try:
         click.echo(f"serving {bundle} on http://{host}:{server.server_address[1]}/v1 "
@@ -814,12 +861,14 @@ Exit codes: 0 every check passed, 1 a check failed or a floor was not met, 2 bad
 @click.option("--compare", type=click.Path(path_type=Path), metavar="EARLIER.json",
               help="With --report: overlay an earlier verify-run --json document's numbers.")
 @click.option("--shard", type=click.Choice(["tensor", "pipeline"]), help=SHARD_HELP)
+@_kv_options
 @_leads
 def verify_run(bundle: str | None, endpoint: str | None, api_key: str | None, as_json: bool,
                stamp: bool, depth_opt: str | int, draft: str | None, loads: str, runs: int | None,
                max_tokens: int | None, min_accept: float | None, min_speedup: float | None,
                timeout: float, request_timeout: float | None, dtype: str | None,
-               report_path: Path | None, compare: Path | None, shard: str | None) -> None:
+               report_path: Path | None, compare: Path | None, shard: str | None,
+               kv_bits: int | None, kv_group_size: int, quantized_kv_start: int) -> None:
     """Check BUNDLE (or --endpoint) end to end and measure its speed the honest way."""
     from mtpkit.decoder.interrupt import first_ctrl_c
     from mtpkit.verify.endpoint import EndpointError, open_endpoint, serving_checks
@@ -838,6 +887,10 @@ def verify_run(bundle: str | None, endpoint: str | None, api_key: str | None, as
         _fail("usage", "--stamp writes into a local bundle", "drop --stamp or pass BUNDLE")
     if shard and endpoint:
         _fail("usage", "--shard splits a local bundle", "drop --shard or pass BUNDLE")
+    if kv_bits is not None and endpoint:
+        _fail("options.invalid", "--kv-bits quantizes a local bundle's KV cache; an endpoint's "
+              "is its server's", "start the server with it (mtpkit serve --kv-bits N), or pass "
+              "BUNDLE")
     chosen = tuple(x.strip() for x in loads.split(",") if x.strip())
     if not chosen or set(chosen) - set(LOADS):
         _fail("usage", f"--loads takes a comma list of {', '.join(LOADS)}", "e.g. --loads code")
@@ -855,7 +908,8 @@ def verify_run(bundle: str | None, endpoint: str | None, api_key: str | None, as
                 assert bundle is not None
                 from mtpkit.decoder.distributed import lead
 
-                target, facts, view = open_local(bundle, dtype, shard)
+                target, facts, view = open_local(
+                    bundle, dtype, shard, _kv(kv_bits, kv_group_size, quantized_kv_start))
                 lead(target.service.runner).draft_source(depth_opt, draft)
         except EndpointError as exc:
             _fail("endpoint.unreachable", str(exc), "check --endpoint and that the server runs")
@@ -883,6 +937,8 @@ def verify_run(bundle: str | None, endpoint: str | None, api_key: str | None, as
                                                                          err=True))
         report.record = {"machine": machine(), **({"fingerprint": fingerprint(view)} if view
                                                    else {"endpoint": endpoint})}
+        if view is not None and (kv := target.service.runner.kv) is not None:
+            report.record["kv_cache"] = kv.to_dict()  # the speed is the quantized cache's
         if view is not None and report.speed:
             report.speed["costs"] = costs or target.costs(depth_opt)
         doc = report.to_dict()

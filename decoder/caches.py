@@ -7,8 +7,12 @@ serve ask here instead of finding out by duck typing.
   restore (rollback by replay), or states recorded per verify position and one committed
   (decoder/recording.py); exported and restored for prompts that extend the whole export;
   traced (states in and out).
-- rotating and quantized KV (`RotatingKVCache`, `QuantizedKVCache`): mlx-lm's own trim rules;
-  not exported, not traced.
+- quantized KV (mlx-lm's `QuantizedKVCache`, what `--kv-bits` turns a trunk's KVCache into
+  once it holds `--quantized-kv-start` positions: `quantize`): mlx-lm's own trim; exported
+  and restored at any prefix past the switch; not traced, not padded (its attention is two
+  quantized matmuls, no cuDNN graph per key length).
+- rotating KV (`RotatingKVCache`): mlx-lm's own trim rules; not exported, not traced, not
+  quantized (mlx-lm cannot).
 - every kind: the batch is the arrays' first dimension (`batch_size`).
 
 MLX arrays are immutable values, so a snapshot or an export keeps references, never copies.
@@ -20,8 +24,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, KVCache
+from mlx_lm.generate import maybe_quantize_kv_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
 
+from mtpkit.decoder.options import KV_GROUP_SIZES, KVQuant
 from mtpkit.decoder.shapes import PaddedKVCache
 
 Snapshot = list[list[Any] | None]
@@ -47,11 +53,17 @@ def snapshot(cache: list[Any]) -> Snapshot:
     return [None if c.is_trimmable() else list(c.cache) for c in cache]
 
 
+def _keys(c: Any) -> mx.array | None:
+    """An attention cache's key buffer (a quantized one's packed keys), or None."""
+    keys = getattr(c, "keys", None)
+    return keys[0] if isinstance(c, QuantizedKVCache) and keys is not None else keys
+
+
 def extent(cache: list[Any]) -> int:
     """The key buffer length of the first attention cache (0 where there is none yet): with
     the rows, what an attention pass's shapes hang on."""
     for c in cache:
-        keys = getattr(c, "keys", None)
+        keys = _keys(c)
         if isinstance(keys, mx.array):
             return keys.shape[2]
     return 0
@@ -59,8 +71,58 @@ def extent(cache: list[Any]) -> int:
 
 def batch_size(c: Any) -> int:
     """Sequences the cache holds (its arrays' first dimension; 1 while empty)."""
-    arrays = list(c.cache) if is_recurrent(c) else [getattr(c, "keys", None)]
+    arrays = list(c.cache) if is_recurrent(c) else [_keys(c)]
     return next((a.shape[0] for a in arrays if isinstance(a, mx.array)), 1)
+
+
+# -- quantized KV (--kv-bits: mlx-lm's QuantizedKVCache) ------------------------------------
+
+
+def unquantizable(cache: list[Any], kv: KVQuant) -> tuple[str, str, str] | None:
+    """(the option at fault, why with {name} for its spelling, a hint) where mlx-lm could not
+    quantize these caches (filled by a pass: the widths are the keys'), or None. mlx-lm
+    converts whatever has `to_quantized`: a sliding-window cache's raises, and a group size
+    must divide the heads' width."""
+    quantized = [c for c in cache if hasattr(c, "to_quantized")]
+    if not quantized:
+        return ("kv_bits", "{name} finds no attention KV cache to quantize in this model",
+                "drop kv_bits: its state does not grow with the context")
+    for c in quantized:
+        if not isinstance(c, KVCache):
+            return ("kv_bits", f"{{name}}: mlx-lm cannot quantize this model's "
+                    f"{type(c).__name__}", "drop kv_bits for this model")
+        width = min(a.shape[-1] for a in (c.keys, c.values) if a is not None)
+        if any(a.shape[-1] % kv.group_size for a in (c.keys, c.values) if a is not None):
+            fits = [g for g in KV_GROUP_SIZES if width % g == 0]
+            return ("kv_group_size", f"{{name}} {kv.group_size} does not divide the attention "
+                    f"heads' width ({width})", f"use kv_group_size {max(fits)}" if fits
+                    else "drop kv_bits: no group size divides this width")
+    return None
+
+
+def quantize(cache: list[Any], kv: KVQuant | None) -> None:
+    """mlx-lm's `maybe_quantize_kv_cache`: every KVCache holding at least `kv.start` positions
+    becomes a QuantizedKVCache (in place in the list). Called after every pass that commits
+    positions; passes never cross the switch (`room`), so a position attends to float keys
+    exactly when it lies before `kv.start`, however the text was chunked, drafted or cached."""
+    if kv is not None:
+        maybe_quantize_kv_cache(cache, kv.start, kv.group_size, kv.bits)
+
+
+def room(cache: list[Any], kv: KVQuant | None) -> int | None:
+    """Positions a pass may add before the caches switch to quantized keys (None: no switch
+    ahead). A prefill chunk is split there, a verify pass's drafts cut short (mlx-lm's
+    one-token steps switch at the same position)."""
+    if kv is None:
+        return None
+    offsets = [c.offset for c in cache if hasattr(c, "to_quantized")]
+    return max(kv.start - offsets[0], 0) if offsets else None
+
+
+def thawable(state: list[Any], cached: int, kv: KVQuant | None) -> bool:
+    """Whether an export restores exactly at `cached` positions: not where it holds quantized
+    keys cut back below the switch (a fresh run attends to those positions' float keys)."""
+    return kv is None or cached >= kv.start or not any(isinstance(f, FrozenQKV) for f in state)
 
 
 def traceable(c: Any) -> bool:
@@ -80,8 +142,9 @@ def arrays(c: Any) -> list[mx.array]:
 
 
 def exportable(cache: list[Any]) -> bool:
-    """Caches an export holds exactly: mlx-lm's KVCache (and subclasses) and ArraysCache."""
-    return all(isinstance(c, KVCache | ArraysCache) for c in cache)
+    """Caches an export holds exactly: mlx-lm's KVCache (and subclasses), QuantizedKVCache and
+    ArraysCache."""
+    return all(isinstance(c, KVCache | QuantizedKVCache | ArraysCache) for c in cache)
 
 
 @dataclass
@@ -115,14 +178,38 @@ class FrozenKV(Positions):
     keys: mx.array | None = None
     values: mx.array | None = None
 
-    def thaw(self, cache: KVCache) -> None:
+    def thaw(self, cache: KVCache) -> KVCache:
+        """The export restored into `cache` (returned: every thaw says which cache to use)."""
         if self.offset and self.keys is not None and self.values is not None:
             cache.keys = self.keys[..., :self.offset, :]
             cache.values = self.values[..., :self.offset, :]
             cache.offset = self.offset
+        return cache
 
     def arrays(self) -> list[mx.array]:
         return [a for a in (self.keys, self.values) if a is not None]
+
+
+@dataclass
+class FrozenQKV(Positions):
+    """A quantized attention cache's packed keys and values with their scales and biases."""
+
+    keys: tuple[mx.array, ...] = ()
+    values: tuple[mx.array, ...] = ()
+    group_size: int = 64
+    bits: int = 8
+
+    def thaw(self, cache: Any) -> QuantizedKVCache:
+        """A QuantizedKVCache in place of the session's fresh `cache`."""
+        out = QuantizedKVCache(self.group_size, self.bits)
+        if self.offset and self.keys:
+            out.keys = tuple(a[..., :self.offset, :] for a in self.keys)
+            out.values = tuple(a[..., :self.offset, :] for a in self.values)
+            out.offset = self.offset
+        return out
+
+    def arrays(self) -> list[mx.array]:
+        return [*self.keys, *self.values]
 
 
 @dataclass
@@ -141,8 +228,9 @@ class FrozenArrays:
     def __deepcopy__(self, memo: dict) -> FrozenArrays:
         return replace(self, states=list(self.states))
 
-    def thaw(self, cache: ArraysCache) -> None:
+    def thaw(self, cache: ArraysCache) -> ArraysCache:
         cache.cache = list(self.states)
+        return cache
 
     def arrays(self) -> list[mx.array]:
         return [a for a in self.states if a is not None]
@@ -158,8 +246,15 @@ class FrozenHidden(Positions):
         return [self.hidden] if self.hidden is not None else []
 
 
-def freeze(cache: Any) -> FrozenKV | FrozenArrays:
+def freeze(cache: Any) -> FrozenKV | FrozenQKV | FrozenArrays:
     """An export of one cache (views of its arrays, not copies)."""
+    if isinstance(cache, QuantizedKVCache):
+        if cache.keys is None:
+            return FrozenQKV(0, 0, group_size=cache.group_size, bits=cache.bits)
+        off = cache.offset
+        keys, values = (tuple(a[..., :off, :] for a in part)
+                        for part in (cache.keys, cache.values))
+        return FrozenQKV(off, cache.nbytes, keys, values, cache.group_size, cache.bits)
     if isinstance(cache, KVCache):
         if cache.keys is None:
             return FrozenKV(0, 0)

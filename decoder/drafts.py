@@ -48,3 +48,12 @@ def widened(tokens: mx.array, width: int) -> mx.array:
     verified like rejected drafts and never kept."""
     extra = width - tokens.shape[1]
     return tokens if extra <= 0 else mx.concatenate([tokens] + [tokens[:, -1:]] * extra, axis=1)
+
+
+def cut(draft: Draft, depth: int) -> Draft:
+    """The draft's first `depth` drafts, judged as a draft of that depth (the round's uniforms
+    keep their places): a verify pass that must end where the KV cache turns quantized."""
+    if depth >= draft.depth:
+        return draft
+    return replace(draft, tokens=draft.tokens[:, :depth + 1],
+                   q=None if draft.q is None else draft.q[:depth])

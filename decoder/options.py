@@ -17,6 +17,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")  # load's dtype (decoder/dty
 MAX_BATCH = 64  # the most sequences one batch decodes together (decoder/scheduler.py)
 MAX_DEPTH = 16  # the deepest forced depth (and what the cost curve measures: curve.MAX_ROWS)
 SEED_BOUND = 1 << 63
+KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize packs (mlx-lm's QuantizedKVCache takes any)
+KV_GROUP_SIZES = (32, 64, 128)
+KV_START = 5000  # mlx-lm's DEFAULT_QUANTIZED_KV_START (not imported: mlx-lm takes seconds)
 
 
 @dataclass(frozen=True)
@@ -106,9 +109,52 @@ def dtype_option(value: object) -> str | None:
     return value  # type: ignore[return-value]
 
 
-def batch_option(value: object) -> int:
-    """How many sequences may decode together (serve --max-batch, Runner.stream_batch)."""
-    return _integer("max_batch", value, 1, MAX_BATCH)
+@dataclass(frozen=True)
+class KVQuant:
+    """mlx-lm's KV cache quantization: once a trunk cache holds `start` positions it becomes a
+    `QuantizedKVCache` of `bits` bits in groups of `group_size` (decoder/caches.py)."""
+
+    bits: int
+    group_size: int = 64
+    start: int = KV_START
+
+    def to_dict(self) -> dict[str, int]:
+        return {"kv_bits": self.bits, "kv_group_size": self.group_size,
+                "quantized_kv_start": self.start}
+
+
+def kv_option(bits: object = None, group_size: object = 64,
+              start: object = KV_START) -> KVQuant | None:
+    """--kv-bits, --kv-group-size and --quantized-kv-start as mlx-lm means them (None: no
+    quantization), checked even where bits is None so a typo never passes unseen."""
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        raise OptionError("options.invalid", "quantized_kv_start",
+                          "{name} must be a whole number of positions, 0 or more",
+                          f"mlx-lm's default is {KV_START}; 0 quantizes from the first position")
+    if isinstance(group_size, bool) or group_size not in KV_GROUP_SIZES:
+        raise OptionError("options.invalid", "kv_group_size",
+                          f"{{name}} must be one of {', '.join(map(str, KV_GROUP_SIZES))}",
+                          "64 is mlx-lm's default; the group size must divide the heads' width")
+    if bits is None:
+        return None
+    if isinstance(bits, bool) or bits not in KV_BITS:
+        raise OptionError("options.invalid", "kv_bits",
+                          f"{{name}} must be one of {', '.join(map(str, KV_BITS))}",
+                          "8 keeps greedy text closest to the float cache; 4 halves it again")
+    return KVQuant(bits, group_size, start)  # type: ignore[arg-type]
+
+
+def batch_option(value: object, kv: KVQuant | None = None) -> int:
+    """How many sequences may decode together (serve --max-batch, Runner.stream_batch). A
+    quantized KV cache decodes one at a time: mlx-lm has no batched QuantizedKVCache (its own
+    server quietly turns batching off under --kv-bits); here a batch asked for is refused."""
+    most = _integer("max_batch", value, 1, MAX_BATCH)
+    if kv is not None and most > 1:
+        raise OptionError("options.invalid", "max_batch",
+                          "{name} above 1 cannot run with a quantized KV cache (--kv-bits): "
+                          "mlx-lm has no batched quantized cache",
+                          "use max_batch 1 (one request at a time), or drop kv_bits")
+    return most
 
 
 @dataclass(frozen=True)

@@ -18,13 +18,24 @@ from mlx_lm.utils import dequantize_model, load_model
 from mtpkit.decoder import batch_costs, distributed, kernels, sharding
 from mtpkit.decoder.batch import Batch
 from mtpkit.decoder.batch_policy import Prices
+from mtpkit.decoder.caches import unquantizable
 from mtpkit.decoder.context import check_prompt, context_of
 from mtpkit.decoder.controller import Controller
 from mtpkit.decoder.costs import Progress, costs_for
 from mtpkit.decoder.curve import CostCurve
 from mtpkit.decoder.dtypes import choose as choose_dtype
 from mtpkit.decoder.head import Contract, MTPHead
-from mtpkit.decoder.options import DecodeOptions, Depth, Source, batch_option, dtype_option
+from mtpkit.decoder.options import (
+    KV_START,
+    DecodeOptions,
+    Depth,
+    KVQuant,
+    OptionError,
+    Source,
+    batch_option,
+    dtype_option,
+    kv_option,
+)
 from mtpkit.decoder.policy import DepthPolicy, PaidCosts
 from mtpkit.decoder.prefix import PrefixCache
 from mtpkit.decoder.rows import use_few_rows_linears, use_kernel_linears
@@ -146,6 +157,31 @@ class Runner:
         self.paid = PaidCosts()  # what rounds and plain steps really cost here (policy.py)
         self.batch_paid = Prices()  # what a batch's rounds cost, by (rows, depth): batch_policy.py
 
+    @property
+    def kv(self) -> KVQuant | None:
+        """The trunk's KV cache quantization (--kv-bits), or None."""
+        return self.trunk.kv
+
+    def quantize_kv(self, bits: int | None = None, group_size: int = 64,
+                    start: int = KV_START) -> None:
+        """Quantize the trunk's KV caches as mlx-lm's --kv-bits, --kv-group-size and
+        --quantized-kv-start do (bits None: never), for every generation, batch and cost
+        measurement of this runner. Refused (options.invalid) where the values are not
+        mlx's or this trunk's caches cannot be quantized (a sliding window, no attention,
+        a group size that does not divide the heads' width). The MTP head's own cache stays
+        unquantized: it holds a few positions per round."""
+        kv = kv_option(bits, group_size, start)
+        self.trunk.kv = None
+        if kv is not None:  # one lazy pass fills fresh caches: their shapes, nothing computed
+            probe = self.trunk.make_cache()
+            self.trunk(mx.array([[0]]), probe, logits_for=0)
+            if (fault := unquantizable(probe, kv)) is not None:
+                raise OptionError("options.invalid", *fault)
+        self.trunk.kv = kv
+        self.load_options.pop("kv", None)
+        if kv is not None:  # its own cost curve (decoder/costs.py keys it by load_options)
+            self.load_options["kv"] = kv.to_dict()
+
     def costs(self, refresh: bool = False, progress: Progress | None = None) -> CostCurve:
         """This machine's cost curve for this runner (measured once, cached per bundle).
         progress: told how a measurement goes (decoder/costs.py's Tick); nothing is printed."""
@@ -169,7 +205,7 @@ class Runner:
         """What batches of up to `most` rows pay per round here (decoder/batch_costs.py):
         stored for this bundle where they cover `most` rows, else timed now and stored; they
         become this runner's batch prices. Returns them and whether they were timed now."""
-        most = batch_option(most)
+        most = batch_option(most, self.kv)
         key = self.costs().key
         found, stock = batch_costs.read(key) if key and not refresh else ({}, {})
         complete = all(batch_costs.missing(found, size, batch_costs.deepest(self)) is None
@@ -308,7 +344,7 @@ class Runner:
         (prompt index, Piece) as text is committed; each prompt's last piece carries its
         Result. `options` apply to every prompt, `each[i]` (max_tokens included) to prompt i
         only."""
-        scheduler = Scheduler(Batch(self.trunk, self.head), batch_option(max_batch),
+        scheduler = Scheduler(Batch(self.trunk, self.head), batch_option(max_batch, self.kv),
                               self.batch_paid)
         asks = [options | {"max_tokens": max_tokens} | (dict(each[i]) if each else {})
                 for i in range(len(prompts))]
@@ -374,7 +410,8 @@ def cast_floats(module: nn.Module, dtype: mx.Dtype) -> None:
 def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None = "auto",
          hidden_feed: str | None = None, next_hidden: str | None = None,
          concat_order: str | None = None, rollback: str = "record",
-         shard: str | None = None) -> Runner:
+         shard: str | None = None, kv_bits: int | None = None, kv_group_size: int = 64,
+         quantized_kv_start: int = KV_START) -> Runner:
     """Load a converted bundle: trunk through mlx-lm's own classes, MTP head from the sidecar.
 
     dequantize="auto" runs quantized weights as bf16 (and MoE experts as float32) on MLX's CPU
@@ -389,9 +426,13 @@ def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None
     returns to the last kept token: "record" (states recorded per position during verify) or
     "replay". shard: "tensor" or "pipeline" in a process started by mlx.launch: this rank's
     part of the trunk (decoder/sharding.py), the head on rank 0 only, which drives the other
-    ranks (decoder/distributed.py).
+    ranks (decoder/distributed.py). kv_bits, kv_group_size, quantized_kv_start: mlx-lm's
+    quantized KV cache (Runner.quantize_kv), checked before the weights load.
     """
     dtype_option(dtype)
+    if kv_option(kv_bits, kv_group_size, quantized_kv_start) is not None and shard is not None:
+        raise OptionError("options.invalid", "kv_bits", "{name} cannot run with a sharded trunk",
+                          "drop kv_bits or shard (each rank would switch its caches alone)")
     if dequantize is False and dtype not in (None, "auto"):
         raise UserError("usage", "keeping the quantized weights and casting them to "
                         f"{dtype} contradict each other", "drop --keep-quantized or --dtype")
@@ -459,6 +500,7 @@ def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None
     runner = Runner(trunk, head, tokenizer, safe_template(view), view.tokenizer.special_tokens(),
                     rollback, Path(view.root), options, context_of(view.config.text))
     runner.dtype_note = chosen.reason
+    runner.quantize_kv(kv_bits, kv_group_size, quantized_kv_start)
     runner.template_code = next((f.code for f in view.findings if f.code.startswith("template.")
                                  and f.severity == "error"), "template.missing")
     return distributed.attach(runner, group, shard) if group is not None else runner

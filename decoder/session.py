@@ -24,8 +24,17 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from mtpkit.decoder import acceptance
-from mtpkit.decoder.caches import FrozenHidden, freeze, snapshot, trim, trimmable
-from mtpkit.decoder.drafts import Draft, widened
+from mtpkit.decoder.caches import (
+    FrozenHidden,
+    freeze,
+    quantize,
+    room,
+    snapshot,
+    thawable,
+    trim,
+    trimmable,
+)
+from mtpkit.decoder.drafts import Draft, cut, widened
 from mtpkit.decoder.head import MTPHead
 from mtpkit.decoder.lookup import ContextIndex
 from mtpkit.decoder.options import Source
@@ -107,6 +116,7 @@ class Session:
         traced = getattr(trunk, "passes", None) is not None  # traced passes need bounded caches
         self.bounded = (bounded_by_default() or traced) if bounded is None else bounded
         self.cache = trunk.make_cache(self.bounded)
+        self.kv = getattr(trunk, "kv", None)  # --kv-bits: the trunk's caches turn quantized
         speculative = self.head is not None and depth > 0
         self.mtp_cache = self.head.make_cache(self.bounded) if speculative else []
         self.lookup = ContextIndex() if draft is not Source.HEAD and depth > 0 else None
@@ -135,6 +145,14 @@ class Session:
         return rows.draw(self._noise(rows.width)[None])
 
     def _chunks(self, n: int) -> list[tuple[int, int]]:
+        """(length, padding) of each prefill pass, split where a quantized KV cache's switch
+        falls inside the prompt (caches.room)."""
+        ahead = room(self.cache, self.kv)
+        if ahead is not None and 0 < ahead < n:
+            return self._chunks_of(ahead) + self._chunks_of(n - ahead)
+        return self._chunks_of(n)
+
+    def _chunks_of(self, n: int) -> list[tuple[int, int]]:
         """(length, padding) of each prefill pass. Bounded, where every cache can be trimmed:
         the same chunks as unbounded, the last padded up to a multiple of STEP (so query
         lengths are multiples of STEP up to PREFILL_STEP); otherwise whole STEPs and the rest
@@ -167,6 +185,7 @@ class Session:
             if pad:
                 for c in self.cache:
                     c.trim(pad)
+            quantize(self.cache, self.kv)
             if keep_hidden:
                 hiddens.append(hidden)
             mx.eval([c.state for c in self.cache], hiddens[-1:] if keep_hidden else [])
@@ -190,6 +209,7 @@ class Session:
         begin, busy = time.perf_counter(), 0.0  # time spent here, not in the consumer
         with mx.stream(STREAM):
             hidden, logits = self.trunk(mx.array([[self.last]]), self.cache, logits_for=1)
+            quantize(self.cache, self.kv)
             y = self.sample(logits[:, -1])
         mx.async_eval(y)
         n = 0
@@ -198,6 +218,7 @@ class Session:
             if n + 1 < count:
                 with mx.stream(STREAM):
                     nxt_hidden, logits = self.trunk(y[None], self.cache, logits_for=1)
+                    quantize(self.cache, self.kv)
                     nxt = self.sample(logits[:, -1])
                 mx.async_eval(nxt)
             token = int(y.item())
@@ -247,6 +268,8 @@ class Session:
             return
         kind = KINDS[bool(self.mtp_cache)]
         state, cached = self.prefix.fetch(kind, ids)
+        if state is not None and not thawable(state, cached, self.kv):
+            state, cached = None, 0
         if state is not None:
             self.restore_state(state, ids, cached)
         self.cached_tokens = at = cached
@@ -272,8 +295,9 @@ class Session:
         """Caches, lookup index and owed head pair as an export of the prompt's first `cached`
         tokens left them (decoder/caches.py thaws each cache)."""
         n, m = len(self.cache), len(self.mtp_cache)
-        for cache, frozen in zip(self.cache + self.mtp_cache, state[:n + m], strict=True):
-            frozen.thaw(cache)
+        self.cache[:] = [f.thaw(c) for c, f in zip(self.cache, state[:n], strict=True)]
+        self.mtp_cache[:] = [f.thaw(c) for c, f in zip(self.mtp_cache, state[n:n + m],
+                                                        strict=True)]
         if self.lookup is not None:
             self.lookup.extend(ids[:cached])
         if m:
@@ -412,6 +436,8 @@ class Session:
         rows repeat the last token and are rolled back like rejected drafts."""
         start = time.perf_counter()
         owed = self.owed[1].shape[1] if self.owed is not None else 0
+        ahead = room(self.cache, self.kv)  # the pass ends where the KV cache turns quantized
+        draft = cut(draft, draft.depth if ahead is None else max(ahead - 1, 0))
         tokens, depth = draft.tokens, draft.depth
         width = max(width or 0, depth + 1)
         verify = widened(tokens, width)
@@ -426,6 +452,7 @@ class Session:
         elif rewind(self.cache, saved, width, kept + 1):
             self.trunk(tokens[:, :kept + 1], self.cache, logits_for=0)
             mx.eval([c.state for c in self.cache])
+        quantize(self.cache, self.kv)
         trim(self.mtp_cache, list(draft.chained))
         committed = [*drafts[:kept], token]
         if self.mtp_cache:

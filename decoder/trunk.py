@@ -15,6 +15,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
+from mtpkit.decoder.caches import quantize
+from mtpkit.decoder.options import KVQuant
 from mtpkit.decoder.recording import install, recorded
 from mtpkit.decoder.shapes import bounded_caches
 from mtpkit.decoder.traced import TracedPasses
@@ -48,6 +50,7 @@ class Trunk:
             self.inner.norm = self._tap
         self.recorders = install(list(self.inner.layers))
         self.passes: TracedPasses | None = None
+        self.kv: KVQuant | None = None  # --kv-bits: the caches' quantization (Runner.quantize_kv)
 
     @property
     def tied(self) -> bool:
@@ -55,9 +58,12 @@ class Trunk:
 
     def make_cache(self, bounded: bool = False) -> list[Any]:
         """mlx-lm's caches for this model; `bounded`: attention views of bounded shapes
-        (decoder/shapes.py)."""
+        (decoder/shapes.py); quantized from the first position under --kv-bits with
+        --quantized-kv-start 0."""
         cache = make_prompt_cache(self.model)
-        return bounded_caches(cache) if bounded else cache
+        cache = bounded_caches(cache) if bounded else cache
+        quantize(cache, self.kv)
+        return cache
 
     def embed(self, tokens: mx.array) -> mx.array:
         return self.inner.embed_tokens(tokens)
