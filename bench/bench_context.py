@@ -1,0 +1,494 @@
+"""The context sweep (issue 49): what MTP and plain decoding pay as the prompt grows.
+
+For each context L and each arm, one whole generation (prefill of L tokens, then `--tokens`),
+arms interleaved run by run after a warm-up of each: TTFT, decode tok/s over the steady window
+(the first `--drop` tokens dropped), peak memory (reset per arm), acceptance per draft position,
+and per context the verify cost curve c(T) timed at L, so each depth's ideal speedup,
+E[tokens per round] / (c(K + 1) / plain step), comes from the measured acceptance and the
+measured curve at that context (bench_gpu.py's formula; the drafters here cost nothing).
+
+Trunks (`--trunk`):
+- llama8b, qwen35: bench_gpu.py's random-weight 4-bit trunks (Llama-3-8B-shaped; the
+  Qwen3.5-9B-shaped hybrid) with its oracle drafter at 73/48/32%: a mechanics benchmark for a
+  GPU (`--small` scales them down to check this script on a CPU).
+- smollm2: a real bundle (`--bundle`, e.g. out/SmolLM2-135M-mlx) rewriting difflib.py with
+  context drafts (`--draft lookup`): the prompt is the file's first L tokens, then its first
+  lines again under an "(after)" header, so the same rewrite is asked at every window.
+
+Arms (`--arms`): mlx_lm (mlx-lm's `generate_step`, the same prefill_step_size), plain (ours,
+depth 0), d1 / d2 / d3 (forced depth), auto (`--depth auto`, the cost curve measured at bench
+_gpu's default context), and any of them with a quantized KV cache as `ARM:kvN` (e.g.
+`plain:kv4`, `d3:kv8`, `mlx_lm:kv4`; ours only where the decoder takes `kv_bits`, else the arm
+is skipped and said). Ratios per context: each arm over mlx-lm and over our plain (medians, and
+per run where paired), TTFT and peak memory over mlx-lm's, and each depth's speedup over its
+speedup at the first context. Greedy tokens are checked equal across arms.
+
+Progress and an ETA go to stderr. JSON: `--out DIR` / context-<trunk>.json.
+
+    python bench/bench_context.py --trunk llama8b --contexts 1024,16384,65536 --out $OUT
+    .venv/bin/python bench/bench_context.py --trunk smollm2 --bundle out/SmolLM2-135M-mlx \\
+        --dtype float32 --draft lookup --contexts 1536,7680 --arms mlx_lm,plain,d3
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_decode import _timed, steady_tps  # noqa: E402
+from bench_gpu import RATES, SUCCESSOR, Oracle, llama8b, qwen35_9b  # noqa: E402
+from common import RESULTS, summary  # noqa: E402
+
+from mtpkit.verify.record import machine  # noqa: E402
+from mtpkit.verify.run import mean_by_position  # noqa: E402
+
+PREFILL_STEP = 2048  # mlx-lm's default prefill_step_size, and the decoder's (session.py)
+KV_GROUP = 64
+ROWS = (1, 2, 3, 4)  # c(T) timed at each context: depths up to 3
+
+
+def log(*parts: object) -> None:
+    print(*parts, file=sys.stderr, flush=True)
+
+
+def commit() -> str:
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "."],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+class Arm:
+    """One arm: a mode (mlx_lm, plain, dK, auto) and an optional KV quantization (bits)."""
+
+    def __init__(self, spec: str) -> None:
+        mode, _, kv = spec.partition(":")
+        if mode not in ("mlx_lm", "plain", "auto") and not (mode[:1] == "d" and mode[1:].isdigit()):
+            raise SystemExit(f"unknown arm {spec!r}: mlx_lm, plain, dK, auto, optionally :kvN")
+        if kv and not (kv.startswith("kv") and kv[2:] in ("2", "3", "4", "6", "8")):
+            raise SystemExit(f"unknown KV quantization {kv!r} in {spec!r}: kv4, kv8, ...")
+        self.name, self.mode = spec, mode
+        self.kv_bits = int(kv[2:]) if kv else None
+
+    @property
+    def depth(self) -> int | str | None:
+        """Our decoder's depth argument (None: mlx-lm's arm)."""
+        named: dict[str, int | str | None] = {"plain": 0, "auto": "auto", "mlx_lm": None}
+        return named[self.mode] if self.mode in named else int(self.mode[1:])
+
+    @property
+    def baseline(self) -> str:
+        """The plain arm with the same KV cache, which this arm's speedup is over."""
+        return "plain" + (f":kv{self.kv_bits}" if self.kv_bits else "")
+
+
+def kv_supported() -> bool:
+    """Whether our decoder takes mlx-lm's KV quantization options (added by issue 49)."""
+    from mtpkit.decoder.runner import Runner
+
+    return "kv_bits" in inspect.signature(Runner.stream).parameters
+
+
+# -- trunks and prompts --------------------------------------------------------------------
+
+class Setup:
+    """A trunk to sweep: the runner, how a context's prompt is made, the drafter's reset per run
+    and the reference tokens greedy decoding must give (None: the arms are compared instead)."""
+
+    def __init__(self, runner: Any, prompt: Callable[[int], list[int]], draft: str,
+                 oracle: Oracle | None = None, successor: Any = None) -> None:
+        self.runner, self.prompt, self.draft = runner, prompt, draft
+        self.oracle, self.successor = oracle, successor
+
+    def walk(self, ids: list[int], n: int) -> list[int]:
+        """The oracle trunk's greedy continuation: a walk through its successor permutation
+        (bench_gpu.oracle_ready), known without running it."""
+        out, last = [], ids[-1]
+        for _ in range(n):
+            last = int(self.successor[last].item())
+            out.append(last)
+        return out
+
+    def ready(self, ids: list[int], tokens: int, run: int) -> list[int] | None:
+        """Point the oracle at this prompt's continuation, its draws seeded by `run`; the
+        expected greedy tokens (oracle trunks) or None."""
+        if self.oracle is None:
+            return None
+        import numpy as np
+
+        walk = self.walk(ids, tokens + 8)
+        self.oracle.ref = ids + walk
+        self.oracle.rng = np.random.default_rng(run)
+        return walk[:tokens]
+
+
+def oracle_setup(trunk: str, small: bool, traced: bool) -> Setup:
+    from mtpkit.decoder.costs import measure
+    from mtpkit.decoder.rows import use_kernel_linears
+    from mtpkit.decoder.runner import Runner
+    from mtpkit.decoder.trunk import Trunk
+
+    model = (llama8b if trunk == "llama8b" else qwen35_9b)(4, small)
+    base = Runner(Trunk(model), None, None)
+    use_kernel_linears(base.trunk.text)
+    base.trunk.use_traced(traced)
+    vocab = base.trunk.args.vocab_size
+    oracle = Oracle([], vocab, RATES, seed=0)
+    runner = Runner(base.trunk, oracle, None)
+    oracle.ref = list(range(vocab))  # (the curve's own passes: any drafts will do)
+    log("measuring the cost curve --depth auto decides by (bench_gpu's context)")
+    runner._costs = measure(runner)
+
+    def prompt(length: int) -> list[int]:
+        return [(13 * i + 7) % vocab for i in range(length)]
+
+    return Setup(runner, prompt, "head", oracle, SUCCESSOR[id(model)])
+
+
+def rewrite_prompt(tokenizer: Any, length: int, source: str, name: str) -> list[int]:
+    """`source`'s first lines under a "(before)" header, then its first lines again under an
+    "(after)" header (what an agent rewriting a file sends): `length` tokens in all, give or
+    take a line, the file cut at a line boundary."""
+    tail = f"\n\n# {name} (after)\n" + source[:source.find("\n", 300) + 1]
+    head = f"# {name} (before)\n"
+    budget = length - len(tokenizer.encode(head + tail))
+    body = tokenizer.encode(source)[:max(budget, 16)]
+    text = tokenizer.decode(body)
+    text = text[:text.rfind("\n") + 1] if "\n" in text else text
+    return list(tokenizer.encode(head + text.rstrip() + tail))
+
+
+def smollm2_setup(bundle: Path, dtype: str | None, draft: str) -> Setup:
+    import difflib
+
+    import mtpkit
+
+    runner = mtpkit.load(bundle, dtype=dtype)
+    source = Path(difflib.__file__).read_text()
+    return Setup(runner, lambda n: rewrite_prompt(runner.tokenizer, n, source, "difflib.py"),
+                 draft)
+
+
+# -- one generation per arm ----------------------------------------------------------------
+
+def run_mlx_lm(model: Any, ids: list[int], tokens: int, drop: int,
+               kv_bits: int | None) -> dict[str, Any]:
+    """mlx-lm's generate_step (greedy, prefill_step_size as ours), timed per token."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    kv = {"kv_bits": kv_bits, "kv_group_size": KV_GROUP, "quantized_kv_start": 0} \
+        if kv_bits else {}
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    out, times = [], []
+    for token, _ in generate_step(mx.array(ids), model, max_tokens=tokens,
+                                  prefill_step_size=PREFILL_STEP, **kv):
+        times.append(time.perf_counter())
+        out.append(int(token))
+    return {"tokens": out, "ttft_s": times[0] - start, "prefill_s": times[0] - start,
+            "decode_tps": steady_tps(times, drop), "peak_gb": mx.get_peak_memory() / 1e9}
+
+
+def run_ours(runner: Any, arm: Arm, ids: list[int], tokens: int, drop: int,
+             draft: str) -> dict[str, Any]:
+    """Our decoder's generation (Runner.stream resets the peak memory itself)."""
+    import mlx.core as mx
+
+    kv = {"kv_bits": arm.kv_bits, "kv_group_size": KV_GROUP, "quantized_kv_start": 0} \
+        if arm.kv_bits else {}
+    result = None
+
+    def batches() -> Iterator[list[int]]:
+        nonlocal result
+        for piece in runner.stream(ids, tokens, depth=arm.depth,
+                                   draft=draft if arm.depth != 0 else None, **kv):
+            if piece.result is not None:
+                result = piece.result
+            elif piece.tokens:
+                yield piece.tokens
+
+    mx.clear_cache()
+    out, times = _timed(batches())
+    assert result is not None
+    stats = result.stats
+    row = {"tokens": out, "ttft_s": stats.ttft_s, "prefill_s": stats.prefill_s,
+           "decode_tps": steady_tps(times, drop), "peak_gb": stats.peak_memory_bytes / 1e9,
+           "acceptance_by_depth": stats.acceptance_by_depth}
+    if arm.mode == "auto":
+        row["depths"] = {str(d): n for d, n in stats.depths.items()}
+    return row
+
+
+def run_arm(setup: Setup, arm: Arm, ids: list[int], tokens: int, drop: int) -> dict[str, Any]:
+    if arm.mode == "mlx_lm":
+        return run_mlx_lm(setup.runner.trunk.model, ids, tokens, drop, arm.kv_bits)
+    return run_ours(setup.runner, arm, ids, tokens, drop, setup.draft)
+
+
+# -- the cost curve at a context -------------------------------------------------------------
+
+def curve_at(runner: Any, ids: list[int], passes: int) -> dict[str, Any]:
+    """c(T) for T in ROWS and a pipelined plain step, at a cache holding `ids` (synchronous
+    passes rolled back after each, as decoder/costs.py times them; medians after two warm-up
+    passes); with the prefill's time and peak memory (the first prefill at this context)."""
+    import mlx.core as mx
+
+    from mtpkit.decoder.caches import snapshot
+    from mtpkit.decoder.sampling import SamplingParams, greedy
+    from mtpkit.decoder.session import Session
+    from mtpkit.decoder.state import rewind
+
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    session = Session(runner.trunk, None, SamplingParams(), 0)
+    start = time.perf_counter()
+    session.start(ids)
+    prefill = {"seconds": time.perf_counter() - start, "peak_gb": mx.get_peak_memory() / 1e9}
+    cache = session.cache
+
+    def timed(run: Callable[[], None]) -> float:
+        times = []
+        for i in range(passes + 2):
+            begin = time.perf_counter()
+            run()
+            if i >= 2:
+                times.append(time.perf_counter() - begin)
+        return statistics.median(times)
+
+    def verify(rows: int) -> None:
+        saved = snapshot(cache)
+        _, logits = runner.trunk(mx.array(ids[:rows])[None], cache)
+        mx.eval(greedy(logits[0]))
+        rewind(cache, saved, rows, 0)
+
+    def plain(count: int = 8) -> None:
+        saved = snapshot(cache)
+        for _ in session.plain_steps(count):
+            pass
+        rewind(cache, saved, count, 0)
+
+    verify_s = {t: timed(lambda t=t: verify(t)) for t in ROWS}
+    step = timed(plain) / 8
+    return {"verify_ms": {str(t): 1000 * c for t, c in verify_s.items()},
+            "ratios": {str(t): verify_s[t] / verify_s[1] for t in ROWS},
+            "plain_step_ms": 1000 * step, "prefill": prefill}
+
+
+# -- the sweep ------------------------------------------------------------------------------
+
+class Eta:
+    """Seconds left, from the seconds each unit of work took so far (a generation's work grows
+    with its context and its tokens)."""
+
+    def __init__(self, jobs: list[tuple[int, int]]) -> None:
+        self.left = sum(self.weight(*j) for j in jobs)
+        self.done, self.spent = 0.0, 0.0
+
+    @staticmethod
+    def weight(context: int, tokens: int) -> float:
+        return context / 1024 + tokens / 16
+
+    def tick(self, context: int, tokens: int, seconds: float) -> str:
+        w = self.weight(context, tokens)
+        self.left -= w
+        self.done += w
+        self.spent += seconds
+        eta = self.spent / self.done * self.left if self.done else 0.0
+        return f"{self.spent:6.0f} s spent, ETA {eta:5.0f} s"
+
+
+def sweep(setup: Setup, contexts: list[int], arms: list[Arm], args: argparse.Namespace
+          ) -> dict[str, Any]:
+    passes_each = args.runs + (1 if args.warmup else 0)
+    eta = Eta([(c, args.tokens) for c in contexts for _ in arms for _ in range(passes_each)]
+              + [(c, 0) for c in contexts])
+    out: dict[str, Any] = {}
+    for context in contexts:
+        ids = setup.prompt(context)
+        row: dict[str, Any] = {"prompt_tokens": len(ids)}
+        begin = time.perf_counter()
+        row["curve"] = curve_at(setup.runner, ids, args.passes)
+        log(f"L={len(ids)} c(T) ms", {k: round(v, 2) for k, v in row["curve"]["verify_ms"].items()},
+            f"plain step {row['curve']['plain_step_ms']:.2f} ms, prefill "
+            f"{row['curve']['prefill']['seconds']:.2f} s |",
+            eta.tick(context, 0, time.perf_counter() - begin))
+        runs: dict[str, list[dict[str, Any]]] = {a.name: [] for a in arms}
+        for run in range(-1 if args.warmup else 0, args.runs):  # -1: the warm-up
+            for arm in arms:
+                expected = setup.ready(ids, args.tokens, max(run, 0))
+                begin = time.perf_counter()
+                got = run_arm(setup, arm, ids, args.tokens, args.drop)
+                seconds = time.perf_counter() - begin
+                got["greedy_expected"] = None if expected is None else got["tokens"] == expected
+                if run >= 0:
+                    runs[arm.name].append(got)
+                log(f"L={len(ids)} {'warm-up' if run < 0 else f'run {run + 1}/{args.runs}'} "
+                    f"{arm.name:10} ttft {got['ttft_s']:6.2f} s  {got['decode_tps']:7.1f} tok/s  "
+                    f"peak {got['peak_gb']:6.2f} GB", got.get("acceptance_by_depth", ""), "|",
+                    eta.tick(context, args.tokens, seconds))
+        row["arms"] = summarize(runs, arms)
+        out[str(context)] = row
+    retention(out, arms)
+    return out
+
+
+def summarize(runs: dict[str, list[dict[str, Any]]], arms: list[Arm]) -> dict[str, Any]:
+    """Per arm: medians and spread, ratios over mlx-lm and over our plain (same KV cache),
+    ideal speedups from the measured acceptance; greedy tokens compared across arms."""
+    rows: dict[str, Any] = {}
+    reference: dict[int | None, list[int]] = {}  # per KV cache: quantized keys may differ
+    for arm in arms:
+        got = runs[arm.name]
+        row: dict[str, Any] = {key: summary([g[key] for g in got])
+                               for key in ("ttft_s", "prefill_s", "decode_tps", "peak_gb")}
+        first = reference.setdefault(arm.kv_bits, got[0]["tokens"])
+        row["greedy_tokens_identical"] = all(g["tokens"] == first for g in got)
+        expected = [g["greedy_expected"] for g in got]
+        row["greedy_as_expected"] = None if None in expected else all(expected)
+        accept = [g["acceptance_by_depth"] for g in got if g.get("acceptance_by_depth")]
+        if accept:
+            row["acceptance_by_depth"] = mean_by_position(accept)
+        if arm.mode == "auto":
+            row["depths"] = [g["depths"] for g in got]
+        rows[arm.name] = row
+    for arm in arms:
+        row, tps = rows[arm.name], [g["decode_tps"] for g in runs[arm.name]]
+        kv = f":kv{arm.kv_bits}" if arm.kv_bits else ""
+        for base in dict.fromkeys((f"mlx_lm{kv}", "mlx_lm", arm.baseline)):
+            if base in rows and base != arm.name:
+                other = [g["decode_tps"] for g in runs[base]]
+                row[f"tps_over_{base}"] = statistics.median(tps) / statistics.median(other)
+                row[f"tps_over_{base}_paired"] = statistics.median(
+                    a / b for a, b in zip(tps, other, strict=True) if b)
+        if "mlx_lm" in rows and arm.name != "mlx_lm":
+            for key in ("ttft_s", "peak_gb"):
+                row[f"{key}_over_mlx_lm"] = row[key]["median"] / rows["mlx_lm"][key]["median"]
+    return rows
+
+
+def ideal(curve: dict[str, Any], acceptance: list[float], depth: int) -> float | None:
+    """E[tokens per round] / (c(depth + 1) / plain step), both at this context; the drafters
+    here cost nothing (an oracle, the context)."""
+    rows = str(depth + 1)
+    if rows not in curve["verify_ms"] or len(acceptance) < depth:
+        return None
+    return (1 + sum(acceptance[:depth])) / (curve["verify_ms"][rows] / curve["plain_step_ms"])
+
+
+def retention(out: dict[str, Any], arms: list[Arm]) -> None:
+    """Each depth's ideal speedup at its context, measured over ideal, and its speedup at each
+    context over its speedup at the first (issue 49: >= 0.85 at 16K and 64K for depth 3)."""
+    first = next(iter(out.values()))["arms"]
+    for row in out.values():
+        for arm in arms:
+            got = row["arms"][arm.name]
+            key = f"tps_over_{arm.baseline}"
+            if isinstance(arm.depth, int) and arm.depth > 0 and "acceptance_by_depth" in got:
+                best = ideal(row["curve"], got["acceptance_by_depth"], arm.depth)
+                got["ideal_speedup"] = best
+                if best and key in got:
+                    got["measured_over_ideal"] = got[key] / best
+            if arm.mode != "mlx_lm" and key in got and key in first[arm.name]:
+                got["speedup_over_first_context"] = got[key] / first[arm.name][key]
+
+
+def report(out: dict[str, Any], arms: list[Arm]) -> None:
+    """One line per context and arm on stdout."""
+    for row in out.values():
+        for arm in arms:
+            got = row["arms"][arm.name]
+            parts = [f"L={row['prompt_tokens']:>6} {arm.name:10}",
+                     f"{got['decode_tps']['median']:7.1f} tok/s "
+                     f"({got['decode_tps']['min']:.1f}-{got['decode_tps']['p95']:.1f})",
+                     f"ttft {got['ttft_s']['median']:6.2f} s", f"peak {got['peak_gb']['median']:6.2f} GB"]
+            for key in ("tps_over_mlx_lm", f"tps_over_{arm.baseline}", "ideal_speedup",
+                        "speedup_over_first_context", "ttft_s_over_mlx_lm", "peak_gb_over_mlx_lm"):
+                if got.get(key) is not None and not key.endswith(arm.name):
+                    parts.append(f"{key} {got[key]:.2f}")
+            if "acceptance_by_depth" in got:
+                parts.append("accept " + "/".join(f"{a:.2f}" for a in got["acceptance_by_depth"]))
+            if not got["greedy_tokens_identical"] or got["greedy_as_expected"] is False:
+                parts.append("TOKENS DIFFER")
+            print(" | ".join(parts), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--trunk", choices=["llama8b", "qwen35", "smollm2"], default="llama8b")
+    ap.add_argument("--bundle", type=Path, help="smollm2: the bundle (out/SmolLM2-135M-mlx)")
+    ap.add_argument("--dtype", help="smollm2: load dtype (float32 on a CPU)")
+    ap.add_argument("--draft", default="head", help="draft source of our MTP arms (oracle "
+                    "trunks: head, the oracle; smollm2: lookup)")
+    ap.add_argument("--contexts", default="1024,16384,65536", help="prompt tokens, comma-separated")
+    ap.add_argument("--arms", default="mlx_lm,plain,d1,d3,auto,plain:kv8,d3:kv8,plain:kv4,d3:kv4",
+                    help="mlx_lm, plain, dK, auto, each optionally :kvN (see the module doc)")
+    ap.add_argument("--tokens", type=int, default=128, help="tokens generated per run")
+    ap.add_argument("--drop", type=int, default=16, help="first tokens left out of decode tok/s")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--no-warmup", dest="warmup", action="store_false",
+                    help="skip the warm-up generation of each arm at each context")
+    ap.add_argument("--passes", type=int, default=7, help="timed passes per c(T) row")
+    ap.add_argument("--traced", choices=["auto", "0", "1"], default="auto",
+                    help="oracle trunks: verify passes traced (auto: on a GPU)")
+    ap.add_argument("--small", action="store_true", help="scaled-down oracle trunks (CPU check)")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args()
+
+    import mlx.core as mx
+
+    arms = [Arm(a) for a in args.arms.split(",")]
+    skipped = {}
+    if not kv_supported():
+        skipped = {a.name: "the decoder takes no kv_bits yet" for a in arms
+                   if a.kv_bits and a.mode != "mlx_lm"}
+        arms = [a for a in arms if a.name not in skipped]
+    for name, why in skipped.items():
+        log(f"arm {name} skipped: {why}")
+    contexts = [int(c) for c in args.contexts.split(",")]
+    started = time.perf_counter()
+    gpu = mx.default_device().type == mx.DeviceType.gpu
+    if args.trunk == "smollm2":
+        if args.bundle is None:
+            raise SystemExit("--trunk smollm2 needs --bundle")
+        setup = smollm2_setup(args.bundle, args.dtype, args.draft)
+    else:
+        traced = gpu if args.traced == "auto" else args.traced == "1"
+        log(f"building the {args.trunk} trunk (random weights, 4-bit)")
+        setup = oracle_setup(args.trunk, args.small, traced)
+    log(f"ready in {time.perf_counter() - started:.0f} s")
+    out = sweep(setup, contexts, arms, args)
+    report(out, arms)
+    doc = {"machine": machine(), "device": mx.device_info() if hasattr(mx, "device_info") else {},
+           "backend": "gpu" if gpu else "cpu", "commit": commit(), "trunk": args.trunk,
+           "small": args.small, "bundle": str(args.bundle) if args.bundle else None,
+           "dtype": args.dtype, "draft": args.draft, "rates": RATES if setup.oracle else None,
+           "tokens": args.tokens, "drop": args.drop, "runs": args.runs, "warmup": args.warmup,
+           "prefill_step_size": PREFILL_STEP, "kv_group_size": KV_GROUP,
+           "traced": setup.runner.trunk.passes is not None, "skipped_arms": skipped,
+           "arms": [a.name for a in arms], "contexts": out,
+           "wall_s": time.perf_counter() - started}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"context-{args.trunk}{'-small' if args.small else ''}.json"
+    path.write_text(json.dumps(doc, indent=2, default=str))
+    log(f"saved {path} after {doc['wall_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
