@@ -461,7 +461,10 @@ class Scheduler:
                           else "cancelled" if request.stop is not None and request.stop()
                           else None)
         if joining and request.finish is None:
-            if alone and self.allow_solo and not (self.active or self.waiting):
+            # (max_batch 1 never has a mate: solo, on the session's own caches, which a
+            # quantized KV cache needs: decoder/options.py batch_option)
+            if alone and self.allow_solo and (self.max_batch == 1
+                                              or not (self.active or self.waiting)):
                 self._start_solo(request)
             else:
                 self.entering.append(request)
