@@ -16,12 +16,13 @@ Trunks (`--trunk`):
   lines again under an "(after)" header, so the same rewrite is asked at every window.
 
 Arms (`--arms`): mlx_lm (mlx-lm's `generate_step`, the same prefill_step_size), plain (ours,
-depth 0), d1 / d2 / d3 (forced depth), auto (`--depth auto`, the cost curve measured at bench
-_gpu's default context), and any of them with a quantized KV cache as `ARM:kvN` (e.g.
-`plain:kv4`, `d3:kv8`, `mlx_lm:kv4`; ours only where the decoder takes `kv_bits`, else the arm
-is skipped and said). Ratios per context: each arm over mlx-lm and over our plain (medians, and
-per run where paired), TTFT and peak memory over mlx-lm's, and each depth's speedup over its
-speedup at the first context. Greedy tokens are checked equal across arms.
+depth 0), d1 / d2 / d3 (forced depth), auto (`--depth auto`, the cost curve measured at
+bench_gpu's default context), and any of them with a quantized KV cache as `ARM:kvN` (e.g.
+`plain:kv4`, `d3:kv8`, `mlx_lm:kv4`: the runner's `quantize_kv`, from `--kv-start` on, 0 by
+default; ours only where the decoder has it, else the arm is skipped and said). Ratios per
+context: each arm over mlx-lm and over our plain with the same KV cache (medians, and per run
+where paired), TTFT and peak memory over mlx-lm's, and each depth's speedup over its speedup at
+the first context. Greedy tokens are checked equal across arms with the same KV cache.
 
 Progress and an ETA go to stderr. JSON: `--out DIR` / context-<trunk>.json.
 
@@ -33,7 +34,6 @@ Progress and an ETA go to stderr. JSON: `--out DIR` / context-<trunk>.json.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import statistics
 import subprocess
@@ -98,10 +98,11 @@ class Arm:
 
 
 def kv_supported() -> bool:
-    """Whether our decoder takes mlx-lm's KV quantization options (added by issue 49)."""
+    """Whether our decoder takes mlx-lm's KV quantization options (issue 49: a runner's
+    `quantize_kv`, what `load(kv_bits=...)` and --kv-bits call)."""
     from mtpkit.decoder.runner import Runner
 
-    return "kv_bits" in inspect.signature(Runner.stream).parameters
+    return hasattr(Runner, "quantize_kv")
 
 
 # -- trunks and prompts --------------------------------------------------------------------
@@ -186,13 +187,13 @@ def smollm2_setup(bundle: Path, dtype: str | None, draft: str) -> Setup:
 
 # -- one generation per arm ----------------------------------------------------------------
 
-def run_mlx_lm(model: Any, ids: list[int], tokens: int, drop: int,
-               kv_bits: int | None) -> dict[str, Any]:
+def run_mlx_lm(model: Any, ids: list[int], tokens: int, drop: int, kv_bits: int | None,
+               kv_start: int) -> dict[str, Any]:
     """mlx-lm's generate_step (greedy, prefill_step_size as ours), timed per token."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
-    kv = {"kv_bits": kv_bits, "kv_group_size": KV_GROUP, "quantized_kv_start": 0} \
+    kv = {"kv_bits": kv_bits, "kv_group_size": KV_GROUP, "quantized_kv_start": kv_start} \
         if kv_bits else {}
     mx.clear_cache()
     mx.reset_peak_memory()
@@ -206,26 +207,31 @@ def run_mlx_lm(model: Any, ids: list[int], tokens: int, drop: int,
             "decode_tps": steady_tps(times, drop), "peak_gb": mx.get_peak_memory() / 1e9}
 
 
-def run_ours(runner: Any, arm: Arm, ids: list[int], tokens: int, drop: int,
-             draft: str) -> dict[str, Any]:
-    """Our decoder's generation (Runner.stream resets the peak memory itself)."""
+def run_ours(runner: Any, arm: Arm, ids: list[int], tokens: int, drop: int, draft: str,
+             kv_start: int) -> dict[str, Any]:
+    """Our decoder's generation (Runner.stream resets the peak memory itself); a kv arm's
+    quantized cache set on the runner for this generation only."""
     import mlx.core as mx
 
-    kv = {"kv_bits": arm.kv_bits, "kv_group_size": KV_GROUP, "quantized_kv_start": 0} \
-        if arm.kv_bits else {}
     result = None
 
     def batches() -> Iterator[list[int]]:
         nonlocal result
         for piece in runner.stream(ids, tokens, depth=arm.depth,
-                                   draft=draft if arm.depth != 0 else None, **kv):
+                                   draft=draft if arm.depth != 0 else None):
             if piece.result is not None:
                 result = piece.result
             elif piece.tokens:
                 yield piece.tokens
 
     mx.clear_cache()
-    out, times = _timed(batches())
+    if arm.kv_bits:
+        runner.quantize_kv(arm.kv_bits, KV_GROUP, kv_start)
+    try:
+        out, times = _timed(batches())
+    finally:
+        if arm.kv_bits:
+            runner.quantize_kv(None)
     assert result is not None
     stats = result.stats
     row = {"tokens": out, "ttft_s": stats.ttft_s, "prefill_s": stats.prefill_s,
@@ -236,10 +242,12 @@ def run_ours(runner: Any, arm: Arm, ids: list[int], tokens: int, drop: int,
     return row
 
 
-def run_arm(setup: Setup, arm: Arm, ids: list[int], tokens: int, drop: int) -> dict[str, Any]:
+def run_arm(setup: Setup, arm: Arm, ids: list[int], args: argparse.Namespace
+            ) -> dict[str, Any]:
     if arm.mode == "mlx_lm":
-        return run_mlx_lm(setup.runner.trunk.model, ids, tokens, drop, arm.kv_bits)
-    return run_ours(setup.runner, arm, ids, tokens, drop, setup.draft)
+        return run_mlx_lm(setup.runner.trunk.model, ids, args.tokens, args.drop, arm.kv_bits,
+                          args.kv_start)
+    return run_ours(setup.runner, arm, ids, args.tokens, args.drop, setup.draft, args.kv_start)
 
 
 # -- the cost curve at a context -------------------------------------------------------------
@@ -318,23 +326,25 @@ def sweep(setup: Setup, contexts: list[int], arms: list[Arm], args: argparse.Nam
           ) -> dict[str, Any]:
     passes_each = args.runs + (1 if args.warmup else 0)
     eta = Eta([(c, args.tokens) for c in contexts for _ in arms for _ in range(passes_each)]
-              + [(c, 0) for c in contexts])
+              + [(c, 0) for c in contexts if args.curve])
     out: dict[str, Any] = {}
     for context in contexts:
         ids = setup.prompt(context)
         row: dict[str, Any] = {"prompt_tokens": len(ids)}
-        begin = time.perf_counter()
-        row["curve"] = curve_at(setup.runner, ids, args.passes)
-        log(f"L={len(ids)} c(T) ms", {k: round(v, 2) for k, v in row["curve"]["verify_ms"].items()},
-            f"plain step {row['curve']['plain_step_ms']:.2f} ms, prefill "
-            f"{row['curve']['prefill']['seconds']:.2f} s |",
-            eta.tick(context, 0, time.perf_counter() - begin))
+        if args.curve:
+            begin = time.perf_counter()
+            row["curve"] = curve_at(setup.runner, ids, args.passes)
+            log(f"L={len(ids)} c(T) ms",
+                {k: round(v, 2) for k, v in row["curve"]["verify_ms"].items()},
+                f"plain step {row['curve']['plain_step_ms']:.2f} ms, prefill "
+                f"{row['curve']['prefill']['seconds']:.2f} s |",
+                eta.tick(context, 0, time.perf_counter() - begin))
         runs: dict[str, list[dict[str, Any]]] = {a.name: [] for a in arms}
         for run in range(-1 if args.warmup else 0, args.runs):  # -1: the warm-up
             for arm in arms:
                 expected = setup.ready(ids, args.tokens, max(run, 0))
                 begin = time.perf_counter()
-                got = run_arm(setup, arm, ids, args.tokens, args.drop)
+                got = run_arm(setup, arm, ids, args)
                 seconds = time.perf_counter() - begin
                 got["greedy_expected"] = None if expected is None else got["tokens"] == expected
                 if run >= 0:
@@ -400,8 +410,10 @@ def retention(out: dict[str, Any], arms: list[Arm]) -> None:
         for arm in arms:
             got = row["arms"][arm.name]
             key = f"tps_over_{arm.baseline}"
-            if isinstance(arm.depth, int) and arm.depth > 0 and "acceptance_by_depth" in got:
-                best = ideal(row["curve"], got["acceptance_by_depth"], arm.depth)
+            fixed = isinstance(arm.depth, int) and arm.depth > 0
+            if fixed and not arm.kv_bits and "acceptance_by_depth" in got:  # (a float curve)
+                best = ideal(row["curve"], got["acceptance_by_depth"], arm.depth) \
+                    if "curve" in row else None
                 got["ideal_speedup"] = best
                 if best and key in got:
                     got["measured_over_ideal"] = got[key] / best
@@ -445,8 +457,12 @@ def main() -> None:
     ap.add_argument("--no-warmup", dest="warmup", action="store_false",
                     help="skip the warm-up generation of each arm at each context")
     ap.add_argument("--passes", type=int, default=7, help="timed passes per c(T) row")
+    ap.add_argument("--no-curve", dest="curve", action="store_false",
+                    help="skip c(T) at each context (and the ideal speedups it gives)")
     ap.add_argument("--traced", choices=["auto", "0", "1"], default="auto",
                     help="oracle trunks: verify passes traced (auto: on a GPU)")
+    ap.add_argument("--kv-start", type=int, default=0, help="kv arms' quantized_kv_start "
+                    "(ours and mlx-lm's; 0: the whole context quantized)")
     ap.add_argument("--small", action="store_true", help="scaled-down oracle trunks (CPU check)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
@@ -481,6 +497,7 @@ def main() -> None:
            "dtype": args.dtype, "draft": args.draft, "rates": RATES if setup.oracle else None,
            "tokens": args.tokens, "drop": args.drop, "runs": args.runs, "warmup": args.warmup,
            "prefill_step_size": PREFILL_STEP, "kv_group_size": KV_GROUP,
+           "quantized_kv_start": args.kv_start,
            "traced": setup.runner.trunk.passes is not None, "skipped_arms": skipped,
            "arms": [a.name for a in arms], "contexts": out,
            "wall_s": time.perf_counter() - started}
