@@ -53,6 +53,7 @@ Examples:
   mtpkit generate ./bundle "def fibonacci(n):" --raw --depth 3 --max-tokens 128
   mtpkit generate ./bundle "def parse(self, text):" --raw --compare     # depth auto vs plain
   mtpkit generate ./bundle "Hi" --temperature 0.7 --top-p 0.9 --seed 1 --json
+  mtpkit generate ./bundle @long.txt --raw --kv-bits 4    # 4-bit KV cache past 5000 positions
 \b
 Statistics (acceptance per draft position, the depths auto chose, decode tok/s, TTFT) go to
 stderr. Exit codes: 0 generated, 2 bad input or usage.
@@ -706,6 +707,7 @@ Examples:
   mtpkit serve ./bundle --api-key "$KEY_A" --api-key "$KEY_B"   # several clients
   mtpkit serve ./bundle --cache-gb 8 --max-queue 4   # a bigger prefix cache, a shorter line
   mtpkit serve ./bundle --max-prompt-tokens 32768    # refuse longer prompts (400)
+  mtpkit serve ./bundle --kv-bits 4 --max-batch 1    # 4-bit KV cache, one request at a time
 \b
 Endpoints: POST /v1/chat/completions, POST /v1/completions (OpenAI; SSE with "stream": true,
 the final chunk carries usage with MTP statistics), POST /v1/messages (Anthropic), GET

@@ -8,9 +8,10 @@ Plain decoding switches where mlx-lm's `generate_step` does (checked against it)
 are one line with `options.invalid` on the CLI, in serve and in the Python API.
 
 Power, checked by breaking the code once each: without the quantize after a round, MTP keeps a
-float cache past the switch and the greedy tests fail; without the draft cut, the pass
-structure test fails (a float pass writes past `start`); without `thawable`, the prefix test
-restores quantized keys below the switch and fails.
+float cache past the switch and the greedy and forced-rejection tests fail; without the draft
+cut, the pass-structure, sampled and 4-bit forced-rejection tests fail; without the prompt
+split, the pass-structure and prefix tests; without `thawable` (quantized keys restored below
+the switch), the prefix test; without the scheduler's solo at max_batch 1, the batch test.
 """
 
 from __future__ import annotations
