@@ -115,6 +115,7 @@ class Setup:
                  oracle: Oracle | None = None, successor: Any = None) -> None:
         self.runner, self.prompt, self.draft = runner, prompt, draft
         self.oracle, self.successor = oracle, successor
+        self.prefix: Any = None  # --prefix: the prompt's state, prefilled once per context
 
     def walk(self, ids: list[int], n: int) -> list[int]:
         """The oracle trunk's greedy continuation: a walk through its successor permutation
@@ -208,16 +209,17 @@ def run_mlx_lm(model: Any, ids: list[int], tokens: int, drop: int, kv_bits: int 
 
 
 def run_ours(runner: Any, arm: Arm, ids: list[int], tokens: int, drop: int, draft: str,
-             kv_start: int) -> dict[str, Any]:
+             kv_start: int, prefix: Any = None) -> dict[str, Any]:
     """Our decoder's generation (Runner.stream resets the peak memory itself); a kv arm's
-    quantized cache set on the runner for this generation only."""
+    quantized cache set on the runner for this generation only; `prefix`: a prefix cache
+    holding the prompt's state (no prefill: decode speed only)."""
     import mlx.core as mx
 
     result = None
 
     def batches() -> Iterator[list[int]]:
         nonlocal result
-        for piece in runner.stream(ids, tokens, depth=arm.depth,
+        for piece in runner.stream(ids, tokens, depth=arm.depth, prefix=prefix,
                                    draft=draft if arm.depth != 0 else None):
             if piece.result is not None:
                 result = piece.result
@@ -247,7 +249,9 @@ def run_arm(setup: Setup, arm: Arm, ids: list[int], args: argparse.Namespace
     if arm.mode == "mlx_lm":
         return run_mlx_lm(setup.runner.trunk.model, ids, args.tokens, args.drop, arm.kv_bits,
                           args.kv_start)
-    return run_ours(setup.runner, arm, ids, args.tokens, args.drop, setup.draft, args.kv_start)
+    prefix = setup.prefix if not arm.kv_bits else None
+    return run_ours(setup.runner, arm, ids, args.tokens, args.drop, setup.draft, args.kv_start,
+                    prefix)
 
 
 # -- the cost curve at a context -------------------------------------------------------------
@@ -339,6 +343,14 @@ def sweep(setup: Setup, contexts: list[int], arms: list[Arm], args: argparse.Nam
                 f"plain step {row['curve']['plain_step_ms']:.2f} ms, prefill "
                 f"{row['curve']['prefill']['seconds']:.2f} s |",
                 eta.tick(context, 0, time.perf_counter() - begin))
+        if args.prefix:  # one untimed prefill; our float arms start from its state
+            from mtpkit.decoder.prefix import PrefixCache
+
+            setup.prefix = PrefixCache(1 << 40)
+            begin = time.perf_counter()
+            setup.runner.generate(ids, 1, depth=0, prefix=setup.prefix)
+            log(f"L={len(ids)} prompt state in the prefix cache after "
+                f"{time.perf_counter() - begin:.0f} s")
         runs: dict[str, list[dict[str, Any]]] = {a.name: [] for a in arms}
         for run in range(-1 if args.warmup else 0, args.runs):  # -1: the warm-up
             for arm in arms:
@@ -354,6 +366,7 @@ def sweep(setup: Setup, contexts: list[int], arms: list[Arm], args: argparse.Nam
                     f"peak {got['peak_gb']:6.2f} GB", got.get("acceptance_by_depth", ""), "|",
                     eta.tick(context, args.tokens, seconds))
         row["arms"] = summarize(runs, arms)
+        setup.prefix = None
         out[str(context)] = row
     retention(out, arms)
     return out
@@ -461,6 +474,10 @@ def main() -> None:
                     help="skip c(T) at each context (and the ideal speedups it gives)")
     ap.add_argument("--traced", choices=["auto", "0", "1"], default="auto",
                     help="oracle trunks: verify passes traced (auto: on a GPU)")
+    ap.add_argument("--prefix", action="store_true",
+                    help="our float arms start from the prompt's state in a prefix cache, "
+                    "prefilled once per context: decode speed without a prefill per run (their "
+                    "TTFT and peak memory then say nothing of prefill)")
     ap.add_argument("--kv-start", type=int, default=0, help="kv arms' quantized_kv_start "
                     "(ours and mlx-lm's; 0: the whole context quantized)")
     ap.add_argument("--small", action="store_true", help="scaled-down oracle trunks (CPU check)")
@@ -499,6 +516,7 @@ def main() -> None:
            "prefill_step_size": PREFILL_STEP, "kv_group_size": KV_GROUP,
            "quantized_kv_start": args.kv_start,
            "traced": setup.runner.trunk.passes is not None, "skipped_arms": skipped,
+           "prefix": args.prefix,
            "arms": [a.name for a in arms], "contexts": out,
            "wall_s": time.perf_counter() - started}
     args.out.mkdir(parents=True, exist_ok=True)
