@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from mtpkit.decoder import acceptance
-from mtpkit.decoder.batch_cache import Holes, RowKVCache, batched, commit_rows, drop, join, keep_rows, settle
+from mtpkit.decoder.batch_cache import Holes, RowKVCache, batched, drop, join, keep_rows, settle
 from mtpkit.decoder.drafts import Draft, widened
 from mtpkit.decoder.head import MTPHead
 from mtpkit.decoder.options import Source
@@ -316,8 +316,8 @@ class Batch:
     def _settle(self, keep: mx.array, width: int, trimmed: int) -> None:
         """After a pass: row b keeps its first keep[b] positions (attention and recurrent)."""
         settle(self.cache, self.holes, keep, width, trimmed)
-        if self.trunk.recorders:
-            commit_rows(self.trunk.recorders, keep - 1)
+        for recorder in self.trunk.recorders:
+            recorder.commit(keep)
 
     def plain_steps(self, count: int, stop: Callable[[], bool] | None = None
                     ) -> Iterator[tuple[list[int], float]]:

@@ -9,8 +9,8 @@ each row's own RoPE offset. Trimming the buffer's tail by what every row rejecte
 holes few; a row's holes cost attention work like mlx-lm's left padding does, never exactness.
 
 Recurrent layers (mlx-lm's `ArraysCache`) already hold one state per row; a verify pass records
-every row's state after each position (decoder/recording.py) and each row commits its own
-(`commit_rows`). The MTP head's caches are RowKVCaches with holes of their own.
+what their recurrence consumed and each row's kept positions are replayed
+(decoder/recording.py). The MTP head's caches are RowKVCaches with holes of their own.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from mtpkit.decoder.caches import is_recurrent
-from mtpkit.decoder.recording import StateRecorder
 from mtpkit.decoder.shapes import padded
 
 
@@ -178,18 +177,6 @@ def keep_rows(batch: list[Any], rows: list[int], holes: Holes) -> None:
         c.filter(mx.array(rows))
     if attention:
         holes.keep_rows(rows, shift)
-
-
-def commit_rows(recorders: list[StateRecorder], positions: mx.array) -> None:
-    """Each row's recurrent state after its own verify position (positions (B,): 0 = the
-    pass's first token)."""
-    rows = mx.arange(positions.shape[0])
-    for recorder in recorders:
-        states = recorder.states
-        picked = [mx.stack([s[j] for s in states])[positions, rows]
-                  for j in range(len(states[0]))]
-        recorder.cache.cache = picked
-        recorder.states = []
 
 
 def usable(cache: list[Any]) -> bool:

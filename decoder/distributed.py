@@ -58,7 +58,7 @@ class RemoteRecorder:
     pass goes out as one (its `record` argument is on the wire); the followers commit the kept
     position's state when the next message tells them the committed length."""
 
-    def commit(self, position: int) -> None:
+    def commit(self, keep: int) -> None:
         """Nothing here: the state lives on the followers (see the class docstring)."""
 
 

@@ -1,19 +1,19 @@
-"""Recurrent states recorded position by position during the verify pass.
+"""Recurrent rollback by replay: a verify pass keeps what the recurrence consumed, a commit
+replays the kept positions.
 
 mlx-lm's linear-attention layers (GatedDeltaNet) keep a conv and a recurrent state that cannot be
-trimmed, and their call returns only the final state. While recording, a wrapper around the
-layer's module keeps the state after every position, so committing k kept tokens picks state
-k - 1, with no replay of the trunk. Two ways, the same states:
+trimmed, and their call returns only the final state. While recording, a `StateRecorder` around
+the layer's module runs it once over the pass, as plain prefill would, and keeps the state it
+started from and the outputs of the layer's linears (`Tap`s: the projections of every position,
+which is where the layer reads its weights). Committing k of the pass's T positions with k < T
+runs the layer again from that start state with its linears played back (no weight read) and
+mlx-lm's right-padded batch API saying each row's length (`ArraysCache.lengths`: positions past
+it change neither the conv window nor the state), and keeps the cache it leaves; the layer's
+output of that call is never read, so MLX never computes it. A row keeping all T positions
+needs nothing: the pass left its state.
 
-- steps: the verify tokens one at a time (the calls plain decoding makes). Cheapest where the
-  pass is built op by op (T small calls against one T²-row call: 60 against 114 ms for T = 4 on
-  a small Qwen3.5-shaped trunk, this CPU).
-- prefixes: one call on a batch of the pass's prefixes, row i holding the T inputs with a
-  length of i + 1 (mlx-lm's own batch API for right-padded rows, `ArraysCache.prepare(lengths=)`:
-  positions past a row's length change neither its conv window nor its state), so row i ends
-  with the state after position i and the last row's output is the pass's. The weights are read
-  once and the op count does not grow with T: what a traced pass (decoder/traced.py) replays
-  (H200, Qwen3.5-9B-shaped 4-bit oracle, depth 3: 1.05x of plain decoding; steps traced 0.56x).
+So a verify pass costs what prefill of T tokens costs, with no T² rows and no T one-token calls
+(each of which reads the weights again), and a rejection costs the recurrence over T positions.
 """
 
 from __future__ import annotations
@@ -23,53 +23,104 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache
 
 from mtpkit.loaders.families import RECURRENT_ATTRIBUTES
 
+LINEARS = (nn.Linear, nn.QuantizedLinear)
+
+
+class Tap(nn.Module):
+    """One linear of a recurrent mixer: `mode` "keep" remembers its output, "play" returns it
+    instead of reading the weights (a linear's rows are independent, so the kept rows are the
+    ones a replay of the same positions would compute)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.tapped = layer
+        self.mode = ""
+        self._out: mx.array | None = None  # (underscored: not a parameter)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if self.mode == "play" and self._out is not None:
+            return self._out
+        out = self.tapped(x)
+        if self.mode == "keep":
+            self._out = out
+        return out
+
 
 class StateRecorder(nn.Module):
-    """A recurrent mixer that, while `recording`, keeps its cache state after each position
-    (`states[i]`: the cache's arrays after verify position i). `prefixes`: one batched call
-    instead of one call per position (see the module docstring)."""
+    """A recurrent mixer that, while `recording`, keeps what `commit` needs to replay a kept
+    prefix of the pass (see the module docstring)."""
 
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()
         self.inner = inner
         self.recording = False
-        self.prefixes = False
-        self.states: list[list[mx.array]] = []
         self.cache: Any = None
+        self._start: list[Any] = []  # the cache's arrays before the pass
+        self._inputs: mx.array | None = None
+        self._mask: mx.array | None = None
+        for name, child in list(inner.children().items()):
+            if isinstance(child, LINEARS):
+                setattr(inner, name, Tap(child))
+
+    @property
+    def taps(self) -> list[Tap]:
+        return [m for m in self.inner.children().values() if isinstance(m, Tap)]
 
     def __call__(self, x: mx.array, mask: mx.array | None = None, cache: Any = None) -> mx.array:
         if not self.recording or cache is None:
             return self.inner(x, mask, cache)
-        rows = x.shape[1]
-        if not self.prefixes or rows == 1:
-            outs, states = [], []
-            for i in range(rows):
-                step_mask = None if mask is None else mask[..., i:i + 1]
-                outs.append(self.inner(x[:, i:i + 1], step_mask, cache))
-                states.append(list(cache.cache))
-            self.adopt(cache, states)
-            return mx.concatenate(outs, axis=1)
-        batch = ArraysCache(len(cache.cache))
-        batch.cache = [None if c is None else mx.repeat(c, rows, axis=0) for c in cache.cache]
-        batch.prepare(lengths=list(range(1, rows + 1)))
-        out = self.inner(mx.repeat(x, rows, axis=0), batch.make_mask(rows), batch)
-        self.adopt(cache, [[c[i:i + 1] for c in batch.cache] for i in range(rows)])
-        cache.cache = list(self.states[-1])
-        return out[-1:]
+        self.adopt(cache, list(cache.cache), x, mask)
+        return self._with_taps("keep", lambda: self.inner(x, mask, cache))
 
-    def adopt(self, cache: Any, states: list[list[mx.array]]) -> None:
-        """Take `states` (per position) as the ones recorded for `cache` (a traced pass hands
-        them back from outside the trace)."""
-        self.cache, self.states = cache, states
+    def _with_taps(self, mode: str, run: Callable[[], mx.array]) -> mx.array:
+        taps = self.taps
+        for tap in taps:
+            tap.mode = mode
+        try:
+            return run()
+        finally:
+            for tap in taps:
+                tap.mode = ""
 
-    def commit(self, position: int) -> None:
-        """Restore the state after verify position `position` (0 = the first token)."""
-        self.cache.cache = list(self.states[position])
-        self.states = []
+    def kept(self) -> list[mx.array]:
+        """What a traced pass hands out for this layer: its input and every tap's output."""
+        assert self._inputs is not None
+        return [self._inputs, *[tap._out for tap in self.taps if tap._out is not None]]
+
+    def adopt(self, cache: Any, start: list[Any], inputs: mx.array | None,
+              mask: mx.array | None = None, outputs: list[mx.array] | None = None) -> None:
+        """Take `cache` (and the arrays it held before the pass, the layer's input and mask,
+        and, from a traced pass, each tap's output) as what this pass recorded."""
+        self.cache, self._start, self._inputs, self._mask = cache, start, inputs, mask
+        for tap, out in zip(self.taps, outputs or [], strict=False):
+            tap._out = out
+
+    def commit(self, keep: int | mx.array) -> None:
+        """Keep the first `keep` positions of the recorded pass: an int, or one per row (B,)."""
+        x, cache = self._inputs, self.cache
+        if x is None or cache is None:
+            return
+        if not isinstance(keep, int) or keep < x.shape[1]:
+            after = cache.left_padding, cache.lengths
+            cache.cache, cache.left_padding = list(self._start), None
+            cache.lengths = mx.broadcast_to(mx.array(keep), (x.shape[0],))
+            mask = cache.make_mask(x.shape[1])
+            if self._mask is not None:
+                mask = mask & self._mask
+            try:
+                self._with_taps("play", lambda: self.inner(x, mask, cache))
+            finally:
+                cache.left_padding, cache.lengths = after
+        self.release()
+
+    def release(self) -> None:
+        """Forget the pass (a trace's stand-ins must not outlive it)."""
+        self.adopt(None, [], None)
+        for tap in self.taps:
+            tap._out = None
 
 
 def recorded(recorders: list[Any], record: bool, run: Callable[[], mx.array]) -> mx.array:
@@ -102,4 +153,4 @@ def unwrapped_name(param: str) -> str:
     """A trunk parameter path with the recorder wrapping removed: the name mlx-lm stores."""
     for attr in RECURRENT_ATTRIBUTES:
         param = param.replace(f".{attr}.inner.", f".{attr}.")
-    return param
+    return param.replace(".tapped.", ".")

@@ -1,10 +1,11 @@
 """Rolling the trunk's caches back to the last accepted token.
 
 Attention KV caches are trimmed. Recurrent caches (GatedDeltaNet conv and recurrent state in
-mlx-lm's ArraysCache) cannot be trimmed. Two exact ways back: "record" takes the state recorded
-after the last kept position during the verify pass (decoder/recording.py); "replay" restores a
-snapshot taken before the verify pass and re-runs the kept tokens. MLX arrays are immutable, so
-a snapshot is a copy of references, not of data.
+mlx-lm's ArraysCache) cannot be trimmed. Two exact ways back: "record" replays the recurrence
+over the kept positions from what the verify pass recorded (decoder/recording.py: no weight
+read); "replay" restores a snapshot taken before the verify pass and re-runs the kept tokens
+through the whole trunk. MLX arrays are immutable, so a snapshot is a copy of references, not
+of data.
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ def rewind(cache: list[Any], saved: Snapshot, verified: int, keep: int) -> bool:
 
 def commit_recorded(cache: list[Any], recorders: list[StateRecorder], verified: int,
                     keep: int) -> None:
-    """Keep the first `keep` verified positions using the states recorded during verify."""
+    """Keep the first `keep` verified positions: attention trimmed, recurrent layers replayed
+    from what the verify pass recorded."""
     for c in cache:
         if c.is_trimmable():
             c.trim(verified - keep)
     for recorder in recorders:
-        recorder.commit(keep - 1)
+        recorder.commit(keep)

@@ -12,10 +12,11 @@ a `_TracedCache` whose offset is an int32 array: rope takes it as an array, rows
 families that select with it) hides each row's future and whatever a discarded pass left past
 the end. The real caches keep their Python offsets; a pass hands them the new buffers.
 Recurrent layers (GatedDeltaNet, mlx-lm's ArraysCache) take their conv and recurrent states in
-and hand the new ones out; a recording pass also hands out the state after every position
-(decoder/recording.py), so hybrid trunks (Qwen3.5/3.6, Qwen3-Next) verify traced too. Rotating
-and quantized caches keep the stock pass, and a trunk whose forward cannot be traced (a family
-that reads the offset as a Python number) falls back for good the first time.
+and hand the new ones out; a recording pass also hands out what a commit replays from (each
+recurrent layer's input and projections, decoder/recording.py), so hybrid trunks (Qwen3.5/3.6,
+Qwen3-Next) verify traced too. Rotating and quantized caches keep the stock pass, and a trunk
+whose forward cannot be traced (a family that reads the offset as a Python number) falls back
+for good the first time.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from mlx_lm.models.cache import ArraysCache
 
 from mtpkit.decoder.batch_cache import RowKVCache
 from mtpkit.decoder.caches import arrays, traceable
+from mtpkit.decoder.recording import recorded
 from mtpkit.decoder.shapes import PaddedKVCache
 from mtpkit.loaders.families import SELECTING_MASK
 
@@ -132,27 +134,20 @@ class TracedPasses:
                 caches[-1].cache = list(buffers[at:at + states])
             at += states or 2
         recorders = self.trunk.recorders if record else []
-        for recorder in recorders:
-            recorder.recording, recorder.prefixes = True, True  # (steps: 0.56x, prefixes:
-            # 1.05x of plain at depth 3 on the H200's hybrid oracle; recording.py)
-        try:
-            hidden, logits = self.trunk.forward(tokens, caches)
-        finally:
-            for recorder in recorders:
-                recorder.recording, recorder.prefixes = False, False
+        hidden, logits = recorded(recorders, record, lambda: self.trunk.forward(tokens, caches))
         if record:  # (set while tracing; a replay runs no Python)
             recurrent = [c for c in caches if isinstance(c, ArraysCache)]
             self._slots = [recurrent.index(r.cache) for r in recorders]
-        recorded = [a for r in recorders for state in r.states for a in state]
+        kept = [a for r in recorders for a in r.kept()]
         for recorder in recorders:  # tracers must not outlive the trace
-            recorder.adopt(None, [])
-        return (hidden, logits, *[a for c in caches for a in arrays(c)], *recorded)
+            recorder.release()
+        return (hidden, logits, *[a for c in caches for a in arrays(c)], *kept)
 
     def run(self, tokens: mx.array, cache: list[Any], record: bool = False
             ) -> tuple[mx.array, mx.array] | None:
         """(hidden, logits) of every row of `tokens` (1, T), the caches advanced by T; None
         (caches untouched) where this trunk or cache cannot take the traced pass. record: the
-        trunk's recorders keep the state after every position, as in a stock pass."""
+        trunk's recorders keep what a commit replays from, as in a stock pass."""
         attention = [c for c in cache if type(c) is PaddedKVCache]
         if (self.broken or not attention or any(c.keys is None for c in attention)
                 or not all(traceable(c) for c in cache)
@@ -164,6 +159,7 @@ class TracedPasses:
             c.reserve(end, c.keys, c.values)
         length = attention[0].keys.shape[2]
         self._layout = [0 if type(c) is PaddedKVCache else len(c.cache) for c in cache]
+        starts = [list(c.cache) for c in cache if type(c) is not PaddedKVCache]
         try:
             out = self._fns[record](tokens, mx.array(start, mx.int32), _positions(length),
                                     *[a for c in cache for a in arrays(c)])
@@ -179,10 +175,9 @@ class TracedPasses:
         if record:
             recurrent = [c for c in cache if type(c) is not PaddedKVCache]
             for recorder, slot in zip(self.trunk.recorders, self._slots, strict=True):
-                states = len(recurrent[slot].cache)
-                per = [rest[i:i + states] for i in range(0, tokens.shape[1] * states, states)]
-                recorder.adopt(recurrent[slot], per)
-                rest = rest[tokens.shape[1] * states:]
+                taps = len(recorder.taps)
+                recorder.adopt(recurrent[slot], starts[slot], rest[0], None, rest[1:1 + taps])
+                rest = rest[1 + taps:]
         return hidden, logits
 
     # -- a batch's passes (decoder/batch.py) ------------------------------------------------

@@ -53,15 +53,13 @@ def test_traced_passes_compute_what_stock_passes_compute(built: Callable[..., Pa
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4)
 
 
-def recorded_passes(trunk: Trunk, prefixes: bool = False) -> list[np.ndarray]:
+def recorded_passes(trunk: Trunk) -> list[np.ndarray]:
     """Prefill, then recording verify passes of several widths, each committing a kept prefix
-    from the recorded states (recurrent layers) and trims (attention), then one-row steps:
-    every logits, and every recurrent state after each commit."""
+    by replay (recurrent layers) and trims (attention), then one-row steps: every logits, and
+    every recurrent state after each commit."""
     from mtpkit.decoder.state import commit_recorded
 
     cache = trunk.make_cache(bounded=True)
-    for recorder in trunk.recorders:
-        recorder.prefixes = prefixes
     out = []
     _, logits = trunk(mx.array([PROMPT]), cache)
     out.append(np.array(logits[0, -1]))
@@ -79,18 +77,16 @@ def recorded_passes(trunk: Trunk, prefixes: bool = False) -> list[np.ndarray]:
 def test_traced_recording_passes_compute_what_stock_passes_compute(
         built: Callable[..., Path], family: str) -> None:
     """Hybrid trunks (GatedDeltaNet and attention), float32: traced recording passes give the
-    stock pass's logits and, after each commit of a kept prefix, the stock recorded conv and
-    recurrent states (a state taken from the wrong position or layer moves them by far more);
-    stock passes recording by batched prefixes give them too."""
+    stock pass's logits and, after each commit of a kept prefix, the stock replayed conv and
+    recurrent states (a state replayed over the wrong positions or layer moves them by far
+    more)."""
     runner = mtpkit.load(built(family), dtype="float32")
     want = recorded_passes(runner.trunk)
-    batched = recorded_passes(runner.trunk, prefixes=True)
     calls = _traced(runner.trunk)
     got = recorded_passes(runner.trunk)
     assert calls == [(1, width) for w in (3, 5, 2, 4, 4) for width in (w, 1)]
-    for a, b, c in zip(want, got, batched, strict=True):
+    for a, b in zip(want, got, strict=True):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4)
-        np.testing.assert_allclose(c, a, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("family", ["mimo", "deepseek_v3", "qwen3_5"])
