@@ -1,10 +1,11 @@
 """`--depth auto`'s controller: the only caller of the depth policy.
 
-Before each round it chooses the source and depth (decoder/policy.py, from the cost curve and the
-acceptance seen); the session verifies and commits what it is given and returns a RoundOutcome;
-the controller then tells the policy what the round kept and paid. Where plain decoding wins it
-runs a pipelined plain stretch (cut short when a context match would pay), then a timed depth-1
-probe. First, while the runner has not timed plain decoding yet, a short calibrating stretch.
+Before each round it chooses the source and depth (decoder/policy.py, from the cost curve at the
+session's context and the acceptance seen); the session verifies and commits what it is given and
+returns a RoundOutcome; the controller then tells the policy what the round kept and paid. Where
+plain decoding wins it runs a pipelined plain stretch (cut short when a context match would pay),
+then a timed depth-1 probe. First, while the runner has not timed plain decoding yet, a short
+calibrating stretch.
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ class Controller:
         self.switched = True  # no round since the prefill or a plain stretch
         self.interrupt: Callable[[], bool] | None = None  # ends plain stretches early (a batch
         # wants the session: decoder/scheduler.py)
-        session.stats.plain_s = policy.curve.plain
 
     def choose(self, most: int) -> tuple[Source | None, int, list[int], int]:
         """(source, or None for plain decoding; depth, context drafts, their match length) for
-        the next round, up to `most` drafts."""
+        the next round, up to `most` drafts (priced at the session's context)."""
+        self.policy.context = context(self.session)
+        self.session.stats.plain_s = self.policy.priced.plain
         lookup = self.session.lookup
         drafts, match = lookup.propose(min(most, self.policy.max_depth)) if lookup else ([], 0)
         source, depth = self.policy.choose(len(drafts), match=match)
@@ -58,7 +60,7 @@ class Controller:
         return self.extend(self.session.head_draft(depth), depth if most is None else most)
 
     def round(self, draft: Draft) -> RoundOutcome:
-        outcome = self.session.round(draft, self.policy.curve.width(draft.depth + 1))
+        outcome = self.session.round(draft, self.policy.priced.width(draft.depth + 1))
         self.update(outcome)
         return outcome
 
@@ -123,17 +125,23 @@ class Controller:
             stop = _either(self.interrupt, stop)
         for token in session.plain_steps(count, stop):
             policy.chosen[0] = policy.chosen.get(0, 0) + 1
-            session.stats.predicted_s += policy.curve.plain
+            session.stats.predicted_s += policy.priced.plain
             yield [token]
         policy.observe_plain(*session.plain_paid)
         if policy.paid.timed("plain"):  # the stored curve judged by what steps pay (costs.py)
-            check_plain(policy.curve, policy.curve.plain * policy.paid.scale("plain"))
+            check_plain(policy.curve, policy.priced.plain * policy.paid.scale("plain"))
         self.switched = True
 
     def report(self, stats: Stats) -> None:
         """The depths chosen so far and the cost scales in use, into the statistics."""
         stats.depths = dict(sorted(self.policy.chosen.items()))
         stats.cost_scale = self.policy.paid.summary()
+
+
+def context(session: Session) -> int:
+    """The tokens the session's trunk cache holds (its longest attention cache's, through
+    mlx-lm's `size`; recurrent caches say 0): the context the next round attends over."""
+    return max((c.size() for c in session.cache), default=0)
 
 
 def _either(first: Callable[[], bool], second: Callable[[], bool] | None) -> Callable[[], bool]:

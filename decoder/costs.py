@@ -14,6 +14,14 @@ user sees nothing). Load only slows a pass down, so a wider pass timed more than
 than a narrower one is suspect: that region is timed again and the lower median kept, and a break
 that survives is smoothed (the narrower row priced and verified at the wider width) and flagged.
 
+A round's cost grows with the context, on a GPU far faster for several rows than for one
+(decoder/curve.py), so the same is then timed at longer contexts (`contexts_for`: 4K, 16K and the
+longest the model takes, at most LONGEST), SPARSE_ROWS each, in the budget's LONG_SHARE and what
+the first context left: the cache is prefilled on a CHUNK at a time while the prefill so far
+says the next chunk and the passes after it fit, so a slow machine measures a shorter context
+than it aimed at rather than overrun (`_longer`); beyond the longest measured, the policy
+extrapolates.
+
 A stored curve decides every later run, so it is judged, by one rule: load only slows a timing
 down, so two timings of the same thing that differ by more than DRIFT mean the slower one ran on
 a busy machine. Within a measurement, a shape whose median repeat is DRIFT slower than its
@@ -35,7 +43,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,8 +54,10 @@ from mtpkit.decoder import store as disk
 from mtpkit.decoder.caches import snapshot, trim
 from mtpkit.decoder.curve import (
     CONTEXT,
+    GRAIN,
     MAX_ROWS,
     CostCurve,
+    Point,
     breaks,
     interpolate,
     smooth,
@@ -71,13 +81,22 @@ PLAIN_STEPS = 32
 PLAIN_WARMUP = 4  # steps that warm up the plain path (its shapes, not a timing)
 PLAIN_BATCH = 8  # steps per timing where PLAIN_STEPS would take over a second (the median of
 # the runs; each run's first step has nothing to overlap with, 1/8 of a step's host time)
-BUDGET_S = 15.0  # seconds a measurement aims to take ($MTPKIT_COST_BUDGET overrides)
+BUDGET_S = 20.0  # seconds a measurement aims to take ($MTPKIT_COST_BUDGET overrides)
+LONG_SHARE = 0.25  # of the budget, what longer contexts have at least (the first context takes
+# the rest, 15 s by default as before they were measured, and leaves them what it does not use)
+LONGEST = 65536  # the longest context measured (an agent's long prompt): beyond, extrapolated
+LADDER = (4096, 16384)  # contexts measured on the way to the longest the model and budget allow
+CHUNK = 1024  # prefill tokens per timed pass on the way to a longer context (whole GRAINs, so
+# each pass ends on a padded cache's step: no mask over every key)
+FARTHER = 2  # a context cut short by the budget is measured if this many times the last one's
+LONG_STEPS = 2 * PLAIN_BATCH  # plain steps timed at a longer context
 RETRY_SHARE = 0.25  # of the budget, the least a re-measurement may take beyond the budget
 PREFILL_SHARE = 0.3  # of the budget, the most the context's prefill may take
 COMPILED = 1.5  # a first pass this much dearer than the next one built something: warm up
 # each width first (a GPU); else a width's first pass is one of its timings (a CPU)
-VERSION = 3  # bump when what is measured changes (2: bounded, checked, smoothed curves;
-# 3: with what judges them)
+VERSION = 4  # bump when what is measured changes (2: bounded, checked, smoothed curves;
+# 3: with what judges them; 4: at longer contexts too: a curve of one context priced a 64K
+# round as a 512-token one, so older curves are measured again, not read as flat)
 DRIFT = 1.5  # two timings of one thing this far apart: the slower ran on a busy machine
 
 
@@ -139,10 +158,14 @@ def cached(key: dict[str, Any]) -> CostCurve | None:
                  f"and a later run's ran at {1000 * doc['stale']['plain_paid']:.1f} ms")
         return None
     curve = CostCurve(doc["verify"], doc["plain"], doc["draft"], key, estimate=True,
+                      longer=[Point(**p) for p in doc["longer"]],
                       **{k: doc[k] for k in ("context", "timed", "remeasured", "smoothed",
                                              "seconds", "spread", "measured_at", "load")})
-    if breaks(curve.verify):
+    if any(breaks(v) for v in (curve.verify, *(p.verify for p in curve.longer))):
         disk.say(f"measuring again: {path} prices a wider verify pass under a narrower one")
+        return None
+    if sorted(set(contexts := curve.contexts())) != contexts:
+        disk.say(f"measuring again: {path} has its contexts out of order ({contexts})")
         return None
     return curve
 
@@ -293,77 +316,205 @@ def _linear(c1: float, c16: float, rows: int) -> float:
     return c1 + (c16 - c1) * (rows - 1) / (MAX_ROWS - 1)
 
 
-def measure(runner: Runner, context: int = CONTEXT, repeats: int = REPEATS,
-            bounded: bool | None = None, *, budget_s: float | None = None,
-            progress: Progress | None = None, timer: Timer = wall_clock) -> CostCurve:
-    """Time the trunk over T rows at a `context`-token cache (each shape warmed up first where
-    that compiles, so compiles are not counted), a pipelined plain step and a head draft step,
-    in about `budget_s` (default budget()). A 64-token prefill first says what the rest would
-    cost: where `context` tokens would take more than PREFILL_SHARE of the budget (bf16 on a
-    CPU), the curve is measured at a shorter context (a multiple of 64; `CostCurve.context`): the
-    plain step with it, so what decides (a round against plain steps) stays like for like.
-    Then the passes at 1 and 16 rows plan how many rows and passes fit. Suspect breaks are
-    timed again, then smoothed (see the module's doc). bounded: the session's attention shapes
-    (default: as decoding runs on this backend). progress: told what is measured and how long
-    is left (nothing is printed). timer: how a call is timed (wall_clock; a test passes its
-    own)."""
-    began, load = time.time(), _load()
-    clock = _Clock(timer, progress, budget() if budget_s is None else budget_s)
-    clock.left = clock.budget_s  # until the probes plan it: at most the budget
-    clock.tell("start", "verify costs")
-    vocab = runner.trunk.args.vocab_size
-    ids = [(7 * i + 3) % vocab for i in range(context)]
-    session = Session(runner.trunk, runner.head, SamplingParams(), 1 if runner.head else 0,
-                      bounded=bounded)
-    head_start = min(64, context)  # a real prefill of these says what the rest would cost
-    per_token = clock.time("prefill", head_start, lambda: session.start(ids[:head_start]),
-                           what=f"{head_start}-token prefill") / head_start
-    fits = int(PREFILL_SHARE * clock.budget_s / max(per_token, 1e-9)) // 64 * 64
-    context = max(min(context, fits), head_start)
-    if context > head_start:  # the trunk's cache only: the head's stays short (one layer)
+def contexts_for(runner: Runner, first: int) -> list[int]:
+    """The longer contexts measure() aims at, shortest first: LADDER's below the longest the
+    model takes (its context less GRAIN of room for the passes, at most LONGEST), then that."""
+    top = LONGEST if runner.context is None else min(runner.context - GRAIN, LONGEST)
+    top = top // GRAIN * GRAIN
+    return [c for c in LADDER if first < c < top] + ([top] if top > first else [])
 
-        def extend() -> None:
-            mx.eval(runner.trunk(mx.array(ids[head_start:context])[None], session.cache)[1])
 
-        clock.time("prefill", context - head_start, extend, what=f"{context}-token prefill")
-    cache = session.cache
+class _Bench:
+    """What measure() times at the context the session's trunk cache holds: verify passes over
+    T rows and pipelined plain steps (each put back after it), and prefill on to a longer
+    context; with what prefill has paid so far, per token by position (`rates`)."""
 
-    def verify(rows: int) -> None:
+    def __init__(self, runner: Runner, session: Session, ids: list[int], clock: _Clock) -> None:
+        self.runner, self.session, self.ids, self.clock = runner, session, ids, clock
+        self.warm = False  # each new shape's first pass compiles (a GPU): warm it up first
+        self.rates: list[tuple[float, float]] = []  # (mean position, seconds per token)
+        self.repeats: list[list[float]] = []  # every shape's timings, for the spread
+
+    def verify(self, rows: int) -> None:
+        cache = self.session.cache
         saved = snapshot(cache)
-        _, logits = runner.trunk(mx.array(ids[:rows])[None], cache)
+        _, logits = self.runner.trunk(mx.array(self.ids[:rows])[None], cache)
         mx.eval(greedy(logits[0]))
         rewind(cache, saved, rows, 0)
 
+    def plain(self, count: int) -> None:
+        saved = snapshot(self.session.cache)
+        for _ in self.session.plain_steps(count):
+            pass
+        rewind(self.session.cache, saved, count, 0)
+
+    def prefill(self, start: int, end: int, what: str) -> None:
+        """The trunk's cache from `start` to `end` tokens (the head's stays short: one layer)."""
+        took = self.clock.time("prefill", end - start, lambda: mx.eval(self.runner.trunk(
+            mx.array(self.ids[start:end])[None], self.session.cache)[1]), what=what)
+        self.rates.append(((start + end) / 2, took / (end - start)))
+
+    def slope(self) -> float:
+        """Seconds per token per position of context, as prefill paid it (at least 0)."""
+        (a, ra), (b, rb) = self.rates[0], self.rates[-1]
+        return max((rb - ra) / (b - a), 0.0) if b > a else 0.0
+
+    def prefill_s(self, start: int, end: int) -> float:
+        at, rate = self.rates[-1]
+        return (end - start) * max(rate + self.slope() * ((start + end) / 2 - at), rate)
+
+    def row(self, rows: int, got: list[float], passes: int, est: float, limit: float,
+            warm: bool, where: str = "") -> float:
+        """Passes over `rows` rows into `got` (after a warm-up where `warm`) up to `passes`,
+        fewer once MIN_REPEATS agree within STEADY or the projected end passes `limit`; their
+        median."""
+        clock = self.clock
+        if warm:
+            clock.time("warm-up", rows, lambda: self.verify(rows), est, f"warm-up T={rows}{where}")
+        while len(got) < passes:
+            got.append(clock.time("verify", rows, lambda: self.verify(rows), est,
+                                  f"verify T={rows}{where}"))
+            steady = (len(got) >= MIN_REPEATS
+                      and (max(got) - min(got)) / statistics.median(got) < STEADY)
+            if steady or clock.over(limit):
+                clock.skip((passes - len(got)) * est)
+                break
+        self.repeats.append(got)
+        return statistics.median(got)
+
+    def plain_step(self, total: int, batch: int, step: float, limit: float,
+                   where: str = "") -> float:
+        """The median seconds of a plain step over runs of `batch` (`total` in all, fewer where
+        the projected end passes `limit`); `step`: what one is expected to take."""
+        runs: list[float] = []
+        for i in range(0, total, batch):
+            runs.append(self.clock.time("plain", batch, lambda: self.plain(batch), batch * step,
+                                        f"plain steps {i + 1}-{i + batch}{where}") / batch)
+            if self.clock.over(limit):
+                self.clock.skip((total - i - batch) * step)
+                break
+        self.repeats.append(runs)
+        return statistics.median(runs)
+
+    def passes_s(self, context: int, last: Point, passes: int) -> float:
+        """What `point` would take at `context`: `last`'s costs, each row's grown by the
+        attention prefill paid per token over the keys added."""
+        more = self.slope() * (context - last.context)
+        rows = sum(passes * (last.verify[t - 1] + t * more) for t in SPARSE_ROWS)
+        return rows * (1 + self.warm) + LONG_STEPS * (last.plain + more)
+
+    def point(self, context: int, last: Point, passes: int, limit: float) -> Point:
+        """The curve at the context the cache holds (`context`), SPARSE_ROWS timed."""
+        began, more, where = self.clock.spent, self.slope() * (context - last.context), \
+            f" at {context}"
+        self.clock.left = self.passes_s(context, last, passes)
+        timed = {t: self.row(t, [], passes, last.verify[t - 1] + t * more, limit, self.warm,
+                             where) for t in SPARSE_ROWS}
+        verify, lowered = smooth(interpolate(timed))
+        step = self.plain_step(LONG_STEPS, LONG_STEPS, last.plain + more, limit, where)
+        return Point(context, verify, step, sorted(timed), lowered, self.clock.spent - began)
+
+
+def _longer(bench: _Bench, targets: list[int], first: Point, passes: int) -> list[Point]:
+    """The curve at each of `targets` (longer contexts, shortest first) the budget reaches:
+    the cache prefilled on CHUNK tokens a pass while that and the passes after it fit the
+    budget (priced by what prefill paid, linear in the position), so where the budget ends
+    short of a target the context reached is measured instead, if FARTHER than the last."""
+    clock, points, last, at = bench.clock, [], first, first.context
+    for target in targets:
+        while at < target:
+            end = min(at + CHUNK - at % CHUNK, target)
+            clock.left = min(bench.prefill_s(at, target) + bench.passes_s(target, last, passes),
+                             max(clock.budget_s - clock.spent, 0.0))
+            if (clock.spent + bench.prefill_s(at, end) + bench.passes_s(end, last, passes)
+                    > clock.budget_s):
+                break
+            bench.prefill(at, end, f"prefill to {end} of {target} tokens")
+            at = end
+        if at < FARTHER * last.context:
+            break
+        last = bench.point(at, last, passes, clock.budget_s)
+        points.append(last)
+        if at < target:
+            break
+    return points
+
+
+def measure(runner: Runner, context: int = CONTEXT, repeats: int = REPEATS,
+            bounded: bool | None = None, *, budget_s: float | None = None,
+            progress: Progress | None = None, timer: Timer = wall_clock,
+            longer: list[int] | None = None) -> CostCurve:
+    """Time the trunk over T rows at a `context`-token cache (each shape warmed up first where
+    that compiles, so compiles are not counted), a pipelined plain step and a head draft step,
+    in about 1 - LONG_SHARE of `budget_s` (default budget()); then the same at `longer`
+    contexts (default contexts_for: the model's) in what is left (`_longer`). A 64-token
+    prefill first says what the rest would cost: where `context` tokens would take more than
+    PREFILL_SHARE of that share (bf16 on a CPU), the curve is measured at a shorter context (a
+    multiple of 64; `CostCurve.context`): the plain step with it, so what decides (a round
+    against plain steps) stays like for like. Then the passes at 1 and 16 rows plan how many
+    rows and passes fit. Suspect breaks are timed again, then smoothed (see the module's doc).
+    bounded: the session's attention shapes (default: as decoding runs on this backend).
+    progress: told what is measured and how long is left (nothing is printed). timer: how a
+    call is timed (wall_clock; a test passes its own)."""
+    began, load = time.time(), _load()
+    clock = _Clock(timer, progress, budget() if budget_s is None else budget_s)
+    share = (1 - LONG_SHARE) * clock.budget_s  # the first context's
+    clock.left = clock.budget_s  # until the probes plan it: at most the budget
+    clock.tell("start", "verify costs")
+    targets = contexts_for(runner, context) if longer is None else longer
+    vocab = runner.trunk.args.vocab_size
+    ids = [(7 * i + 3) % vocab for i in range(max([context, *targets]))]
+    session = Session(runner.trunk, runner.head, SamplingParams(), 1 if runner.head else 0,
+                      bounded=bounded)
+    bench = _Bench(runner, session, ids, clock)
+    head_start = min(64, context)  # a real prefill of these says what the rest would cost
+    per_token = clock.time("prefill", head_start, lambda: session.start(ids[:head_start]),
+                           what=f"{head_start}-token prefill") / head_start
+    fits = int(PREFILL_SHARE * share / max(per_token, 1e-9)) // 64 * 64
+    context = max(min(context, fits), head_start)
+    bench.rates.append((head_start / 2, per_token))
+    if context > head_start:
+        bench.rates.clear()  # (the first pass's rate may include its set-up)
+        bench.prefill(head_start, context, f"{context}-token prefill")
+    targets = [t for t in targets if t > context]
+    first, passes = _first(bench, context, share, repeats, targets)
+    points = _longer(bench, targets, Point(context, first.verify, first.plain), passes)
+    clock.left = 0.0
+    result = replace(first, longer=points, seconds=clock.spent,
+                     spread=max((statistics.median(t) / min(t) for t in bench.repeats
+                                 if len(t) > 1), default=1.0), measured_at=began, load=load)
+    clock.tell("done", "verify costs", result)
+    return result
+
+
+def _first(bench: _Bench, context: int, share: float, repeats: int, targets: list[int]
+           ) -> tuple[CostCurve, int]:
+    """The curve at the first `context` (the cache holds it) in about `share` seconds, and the
+    passes per row its plan chose."""
+    clock, head = bench.clock, bench.runner.head is not None
     samples: dict[int, list[float]] = {}
     first: dict[int, float] = {}
     for rows in (1, MAX_ROWS):  # the probes: each shape's first pass may compile
-        first[rows] = clock.time("warm-up", rows, lambda rows=rows: verify(rows),
+        first[rows] = clock.time("warm-up", rows, lambda rows=rows: bench.verify(rows),
                                  what=f"warm-up T={rows}")
-        samples[rows] = [clock.time("verify", rows, lambda rows=rows: verify(rows),
+        samples[rows] = [clock.time("verify", rows, lambda rows=rows: bench.verify(rows),
                                     what=f"verify T={rows}")]
     c1, c16 = samples[1][0], samples[MAX_ROWS][0]
-    warm = any(first[t] > COMPILED * samples[t][0] for t in first)  # else a first pass counts
-    head = runner.head is not None
-    rows_timed, passes, steps, planned = _plan(c1, c16, clock.budget_s - clock.spent, repeats,
-                                               head, warm)
-    clock.left = planned
-    clock.tell("plan", f"{len(rows_timed)} widths x {passes} passes")
-
-    hard = clock.budget_s * (1 + RETRY_SHARE)  # the most a measurement takes, give or take a pass
+    bench.warm = any(first[t] > COMPILED * samples[t][0] for t in first)  # else a first pass
+    # counts
+    rows_timed, passes, steps, planned = _plan(c1, c16, share - clock.spent, repeats, head,
+                                               bench.warm)
+    later = LONG_SHARE * clock.budget_s if targets else 0.0  # at most: see _longer
+    clock.left = planned + later
+    clock.tell("plan", f"{len(rows_timed)} widths x {passes} passes"
+               + (f"; then up to {targets[-1]} tokens" if targets else ""))
+    hard = share * (1 + RETRY_SHARE)  # the most it takes, give or take a pass
 
     def time_row(rows: int, passes: int, fresh: bool) -> float:
         est = _linear(c1, c16, rows) if fresh else statistics.median(samples[rows])
-        if fresh and warm and rows not in samples:
-            clock.time("warm-up", rows, lambda: verify(rows), est, f"warm-up T={rows}")
-        got = samples.setdefault(rows, []) if fresh else []
-        while len(got) < passes:
-            got.append(clock.time("verify", rows, lambda: verify(rows), est, f"verify T={rows}"))
-            steady = (len(got) >= MIN_REPEATS
-                      and (max(got) - min(got)) / statistics.median(got) < STEADY)
-            if steady or clock.over(clock.budget_s if fresh else hard):
-                clock.skip((passes - len(got)) * est)
-                break
-        return statistics.median(got)
+        warm = fresh and bench.warm and rows not in samples
+        return bench.row(rows, samples.setdefault(rows, []) if fresh else [], passes, est,
+                         share if fresh else hard, warm)
 
     timed = {rows: time_row(rows, passes, True) for rows in rows_timed}
     curve = interpolate(timed)
@@ -373,49 +524,37 @@ def measure(runner: Runner, context: int = CONTEXT, repeats: int = REPEATS,
                          if max(r for r in rows_timed if r <= b) <= t
                          <= min(r for r in rows_timed if r >= _cheapest(curve, b))})
         again = sum(max(passes, MIN_REPEATS) * timed[t] for t in region)
-        if again <= max(clock.budget_s - clock.spent - _rest(c1, passes, head, steps),
-                        RETRY_SHARE * clock.budget_s):
+        if again <= max(share - clock.spent - _rest(c1, passes, head, steps),
+                        RETRY_SHARE * share):
             clock.left += again
             for t in region:  # load only slows a pass: the lower median is nearer the truth
                 timed[t] = min(timed[t], time_row(t, max(passes, MIN_REPEATS), False))
             retimed = region
             curve = interpolate(timed)
     curve, lowered = smooth(curve)
+    step, draft = _steps(bench, passes, steps, c1, hard, later)
+    return CostCurve(curve, step, draft, estimate=True, context=context, timed=sorted(timed),
+                     remeasured=retimed, smoothed=lowered), passes
 
-    def plain(count: int) -> None:
-        saved = snapshot(cache)
-        for _ in session.plain_steps(count):
-            pass
-        rewind(cache, saved, count, 0)
 
-    clock.time("plain", PLAIN_WARMUP, lambda: plain(PLAIN_WARMUP), PLAIN_WARMUP * c1,
+def _steps(bench: _Bench, passes: int, steps: int, c1: float, limit: float, later: float
+           ) -> tuple[float, float]:
+    """(a plain step, a head draft step: 0 without a head) at the first context, in runs of
+    steps (a bar moves every second); `later`: the seconds planned after them."""
+    clock = bench.clock
+    clock.time("plain", PLAIN_WARMUP, lambda: bench.plain(PLAIN_WARMUP), PLAIN_WARMUP * c1,
                "plain warm-up")  # its shapes, not a timing
-    total = max(1, passes // 2) * steps  # in runs of `batch` steps: a bar moves every second
-    batch = steps if steps * c1 <= 1.0 else PLAIN_BATCH
-    runs: list[float] = []
-    for i in range(0, total, batch):
-        runs.append(clock.time("plain", batch, lambda: plain(batch), batch * c1,
-                               f"plain steps {i + 1}-{i + batch}") / batch)
-        if clock.over(hard):
-            clock.skip((total - i - batch) * c1)
-            break
-    step = statistics.median(runs)
+    step = bench.plain_step(max(1, passes // 2) * steps,
+                            steps if steps * c1 <= 1.0 else PLAIN_BATCH, c1, limit)
     draft = 0.0
-    if head:
+    if bench.runner.head is not None:
         def head_steps() -> None:
             nonlocal draft
-            draft = _draft_step(session, passes)
+            draft = _draft_step(bench.session, passes)
 
-        clock.time("draft", passes, head_steps, clock.left, "head draft steps")
-    clock.left = 0.0
-    repeats_of = [times for times in (*samples.values(), runs) if len(times) > 1]
-    result = CostCurve(curve, step, draft, estimate=True, context=context, timed=sorted(timed),
-                       remeasured=retimed, smoothed=lowered, seconds=clock.spent,
-                       spread=max((statistics.median(t) / min(t) for t in repeats_of),
-                                  default=1.0),
-                       measured_at=began, load=load)
-    clock.tell("done", "verify costs", result)
-    return result
+        clock.time("draft", passes, head_steps, clock.left - later, "head draft steps")
+    clock.left = later
+    return step, draft
 
 
 def _load() -> float | None:

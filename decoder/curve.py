@@ -1,19 +1,41 @@
 """The cost curve as data: what a verify pass over T rows, a plain step and a head draft step
-cost on this machine (decoder/costs.py measures it), and the pure arithmetic over it that the
-depth policy and `tune` read. Nothing here runs a model.
+cost on this machine (decoder/costs.py measures it), at the contexts it was measured at, and the
+pure arithmetic over it that the depth policy and `tune` read. Nothing here runs a model.
+
+A round's cost grows with the context, and not alike for every T: on an H200 (8B 4-bit, MLX
+CUDA) c(1) / c(2) went 8.5 / 13.2 ms at 1K to 13.1 / 56.4 ms at 64K (multi-row attention off the
+fused kernel), so depth 3 that paid 1.7x at 1K lost 3.7x at 64K; on a CPU or a Mac every T grows
+about alike. So the curve is asked at the session's context (`CostCurve.at`): linear in the
+context between measured ones (attention reads each key once per pass), the last segment's
+slope beyond the longest (never negative), the shortest's costs below it.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
 MAX_ROWS = 16
-CONTEXT = 512  # cache length the curve is measured at (a typical verify position)
+CONTEXT = 512  # cache length the curve is measured at first (a typical verify position)
+GRAIN = 256  # contexts are priced in steps of this many tokens (rounded up): a round costs the
+# same to a percent over 256 more keys, and the priced curve is reused by the rounds that follow
 PAD_GAIN = 0.9  # pad a verify to a wider width only when that is 10% cheaper: a real kernel
 # switch (MLX's quantized matmul from 8 rows on), not the noise between two medians. Also the
 # sanity bound: a wider pass timed more than 10% cheaper is re-measured before it is believed.
+
+
+@dataclass
+class Point:
+    """c(T) (16 rows, interpolated between the `timed` ones and smoothed as at the first
+    context) and the plain step, measured at a longer `context` in `seconds`."""
+
+    context: int
+    verify: list[float]
+    plain: float
+    timed: list[int] = field(default_factory=list)
+    smoothed: list[int] = field(default_factory=list)
+    seconds: float = 0.0
 
 
 @dataclass
@@ -23,7 +45,8 @@ class CostCurve:
     How it was measured: at a `context`-token cache, `timed` the rows timed (the rest
     interpolated; [] given by hand), `remeasured` rows timed again because a wider pass came
     out cheaper, `smoothed` rows that still cost more than a wider pass and are priced and
-    verified at that width, `seconds` the measurement's duration."""
+    verified at that width, `seconds` the measurement's duration (all contexts'); `longer` the
+    same measured at longer contexts, in order (none: priced alike at every context)."""
 
     verify: list[float]
     plain: float
@@ -42,6 +65,31 @@ class CostCurve:
     spread: float = 1.0
     measured_at: float = 0.0
     load: float | None = None
+    longer: list[Point] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._priced: dict[int, CostCurve] = {}  # by context: asked every round
+
+    def at(self, length: int) -> CostCurve:
+        """This curve priced at a `length`-token context (rounded up to GRAIN; see the
+        module's doc): itself where it was measured at one context only."""
+        if not self.longer:
+            return self
+        length = -(-max(length, 1) // GRAIN) * GRAIN
+        if length not in self._priced:
+            points = [(self.context, self.verify, self.plain),
+                      *((p.context, p.verify, p.plain) for p in self.longer)]
+            verify = [along([(c, v[t]) for c, v, _ in points], length)
+                      for t in range(len(self.verify))]
+            smoothed = sorted(set(self.smoothed).union(*(p.smoothed for p in self.longer)))
+            self._priced[length] = replace(
+                self, verify=verify, plain=along([(c, p) for c, _, p in points], length),
+                context=length, smoothed=smoothed, longer=[])
+        return self._priced[length]
+
+    def contexts(self) -> list[int]:
+        """The contexts measured, shortest first."""
+        return [self.context, *(p.context for p in self.longer)]
 
     def width(self, rows: int) -> int:
         """The verify width to run `rows` rows at: the cheapest measured width >= rows where it
@@ -87,6 +135,19 @@ class CostCurve:
 
 
 RECORD = ("spread", "measured_at", "load")  # stored, not printed: how far to trust the timings
+
+
+def along(points: list[tuple[int, float]], length: int) -> float:
+    """The cost at `length` from (context, cost) points, shortest first: linear between two,
+    the last segment's slope (at least 0) beyond the longest, the shortest's cost below it."""
+    (first, cost), *rest = points
+    if length <= first or not rest:
+        return cost
+    for (a, ca), (b, cb) in zip(points, rest, strict=False):
+        if length <= b:
+            return ca + (cb - ca) * (length - a) / (b - a)
+    (a, ca), (b, cb) = points[-2:]
+    return cb + max((cb - ca) / (b - a), 0.0) * (length - b)
 
 
 def breaks(verify: list[float]) -> list[int]:

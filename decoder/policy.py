@@ -1,23 +1,25 @@
 """`--depth auto`: each round's draft source and depth chosen by expected tokens per second.
 
 A round at depth K yields 1 + a_1 + ... + a_K tokens on average, where a_i is the chance that the
-first i drafts are all kept, and costs K head drafts plus a verify pass (`CostCurve.round_cost`).
-A plain step yields one token per `plain` seconds. The a_i are learned online from the rounds of
-this generation (an exponentially decayed count, started from a prior), so the depth follows the
-text: deep on boilerplate, shallow on prose, plain where the head helps nothing. With context
-lookup drafting a round may instead take the tokens that followed an earlier match of the text's
-suffix (decoder/lookup.py): free to draft, tracked apart. With both sources a head round may go
-on with what followed the context's match of the text plus the head's drafts ("chain": the head
-guesses where the text is, the context knows how it goes on), tracked apart again, as the chance
-that each extension token is kept given that all head drafts were. The depth and the extension
-depend only on past rounds and on drafts already made, never on the verify pass, so each round is
-exact.
+first i drafts are all kept, and costs K head drafts plus a verify pass (`CostCurve.round_cost`). A
+plain step yields one token per `plain` seconds. Both are asked of the curve at the session's
+context (`context`, set by the controller before each choice: `CostCurve.at`), so a GPU whose
+multi-row passes grow dear with the keys decodes plainly at 64K before paying for any round. The
+a_i are learned online from the rounds of this generation (an exponentially decayed count, started
+from a prior), so the depth follows the text: deep on boilerplate, shallow on prose, plain where
+the head helps nothing. With context lookup drafting a round may instead take the tokens that
+followed an earlier match of the text's suffix (decoder/lookup.py): free to draft, tracked apart.
+With both sources a head round may go on with what followed the context's match of the text plus
+the head's drafts ("chain": the head guesses where the text is, the context knows how it goes on),
+tracked apart again, as the chance that each extension token is kept given that all head drafts
+were. The depth and the extension depend only on past rounds and on drafts already made, never on
+the verify pass, so each round is exact.
 
 A measured curve is an estimate taken apart from decoding, and on a host-bound GPU a round as
 decoding pays it (head drafts, bookkeeping, the host sync) can cost twice what the curve says. So
 the session reports what each round and each plain stretch really took (`observe_round`,
-`observe_plain`), and the policy scales the curve's costs by the median ratio of paid to
-predicted over the last WINDOW of each (robust to a one-off trace or a stalled host), rounds
+`observe_plain`), and the policy scales the curve's costs at the context by the median ratio of
+paid to predicted over the last WINDOW of each (robust to a one-off trace or a stalled host), rounds
 once MIN_OBSERVED are in. The first round of each shape a runner runs is not counted (on a GPU
 it may have paid a compile), nor is the first round after a plain stretch: it also pays for the
 switch (the head catching up on the stretch). Until plain decoding has been timed, a
@@ -104,9 +106,9 @@ class Tracker:
 class PaidCosts:
     """Ratios of what rounds (per source) and plain steps cost as decoding paid them to what the
     curve predicted: the median of the last WINDOW of each (1.0 before any), and per source and
-    depth (`by_depth`): a round's surplus over the curve grows with its width where the context
-    is longer than the curve's (attention over W x S scores: on a CPU, depth-8 context rounds
-    at 700-950 tokens paid 1.37x the curve while shallow ones paid about what it said), so
+    depth (`by_depth`): what the curve misses may grow with a round's width (before the curve
+    was priced by context, on a CPU depth-8 context rounds at 700-950 tokens paid 1.37x the
+    curve while shallow ones paid about what it said: attention over W x S scores), so
     one scale per source priced every shallow round by the deep ones and locked requests into
     plain steps (docs/benchmarks-history.md, 2026-11-27)."""
 
@@ -189,6 +191,7 @@ class DepthPolicy:
     max_depth: int
     prior: float = PRIOR
     sources: tuple[Source, ...] = (Source.HEAD,)
+    context: int = 0  # tokens the next round attends over: the curve is asked there
     trackers: dict[str, Tracker] = field(default_factory=dict)
     stretch: int = MIN_STRETCH
     chosen: dict[int, int] = field(default_factory=dict)  # depth -> rounds (0: plain steps)
@@ -202,6 +205,11 @@ class DepthPolicy:
             else []
         self.trackers = self.trackers or {k: Tracker(self.max_depth, self.prior) for k in keys}
 
+    @property
+    def priced(self) -> CostCurve:
+        """The curve at the session's context (the curve keeps each context's: asked often)."""
+        return self.curve.at(self.context)
+
     def acceptance(self, source: Source = Source.HEAD, match: int = 0) -> list[float]:
         """a_1..a_max_depth of a source (a lookup's: of matches `match` tokens long)."""
         return self.trackers[tracker_key(source, match)].estimates()
@@ -211,13 +219,13 @@ class DepthPolicy:
         for "head", none for "lookup"): a lookup drafts on the host, for free."""
         if drafted is None:
             drafted = depth if source == Source.HEAD else 0
-        return self.curve.round_cost(depth, drafted)
+        return self.priced.round_cost(depth, drafted)
 
     def rate(self, depth: int, acceptance: list[float] | None = None,
              source: Source = Source.HEAD) -> float:
         """Expected tokens per second at `depth` from `source` (0: plain decoding)."""
         if depth == 0:
-            return 1.0 / (self.curve.plain * self.paid.scale("plain"))
+            return 1.0 / (self.priced.plain * self.paid.scale("plain"))
         a = self.acceptance(source) if acceptance is None else acceptance
         return (1.0 + sum(a[:depth])) / (self.cost(depth, source)
                                         * self.paid.scale(source, depth))
@@ -289,13 +297,13 @@ class DepthPolicy:
         """What a probe after a plain stretch took, committing `tokens` (a measured curve
         only): its cost beyond that many plain steps sets the shortest stretch."""
         if self.curve.estimate:
-            step = self.curve.plain * self.paid.scale("plain")
+            step = self.priced.plain * self.paid.scale("plain")
             self.paid.probes.append(max(seconds / step - tokens, 0.0))
 
     def observe_plain(self, seconds: float, tokens: int) -> None:
         """What `tokens` plain steps really took (a measured curve only)."""
         if self.curve.estimate and tokens > 0:
-            self.paid.add("plain", seconds / tokens, self.curve.plain)
+            self.paid.add("plain", seconds / tokens, self.priced.plain)
 
     def calibration(self) -> int:
         """Plain tokens to decode before the first choice: CALIBRATE while plain decoding has

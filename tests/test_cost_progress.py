@@ -94,9 +94,10 @@ def test_progress_without_a_terminal_is_a_few_lines_with_the_plan(
     assert proc.returncode == 0, proc.stderr
     lines = proc.stderr.splitlines()
     assert lines and lines[0] == MEASURING + " 7 s", lines
-    assert re.fullmatch(r"  verify costs: about \d+ s in all \(\d+ widths x \d+ passes\)",
-                        lines[1]), lines
-    assert re.match(r"  measured in \d+\.\d s", lines[2]), lines
+    assert re.fullmatch(r"  verify costs: about \d+ s in all \(\d+ widths x \d+ passes; then up "
+                        r"to 3840 tokens\)", lines[1]), lines  # (the fixture's 4,096 less a GRAIN)
+    assert re.match(r"  measured in \d+\.\d s; .*at (\d+ tokens too|one context)", lines[2]), \
+        lines  # as far as the budget reached
     assert lines[3:] == [] or len(lines) == 4 and "busy machine" in lines[3], lines  # (a noisy
     # measurement says so: costs.noisy)
     doc = json.loads(proc.stdout)
@@ -148,9 +149,12 @@ def test_the_measurement_holds_its_budget(runner: Runner) -> None:
     for before, after in zip(ticks, ticks[1:], strict=False):
         assert after.done_s >= before.done_s and after.done_s <= after.total_s + 1e-9
 
-    roomy = costs.measure(runner, budget_s=100.0, timer=_linear_timer(0.01, 0.002))
+    calls.clear()
+    roomy = costs.measure(runner, budget_s=100.0, timer=_linear_timer(0.01, 0.002, calls=calls))
     assert roomy.timed == list(range(1, 17)) and roomy.seconds <= 100.0
-    passes = sum(1 for kind, rows in calls if kind == "verify" and rows == 4)
+    prefills = [i for i, (kind, _) in enumerate(calls) if kind == "prefill"] + [len(calls)]
+    first = calls[:prefills[2]]  # (then the longer contexts: 64 + 448 tokens, then CHUNKs)
+    passes = sum(1 for kind, rows in first if kind == "verify" and rows == 4)
     assert passes == costs.MIN_REPEATS, "timings that agree stop a width early"
 
 
@@ -188,7 +192,8 @@ def test_a_cheaper_wider_pass_that_goes_away_is_remeasured(runner: Runner) -> No
             state["loaded"] = False
         return 0.215 if rows == 1 and state["loaded"] else None
 
-    curve = costs.measure(runner, budget_s=100.0, timer=_linear_timer(0.14, 0.007, odd=odd))
+    curve = costs.measure(runner, budget_s=100.0, timer=_linear_timer(0.14, 0.007, odd=odd),
+                          longer=[])  # (the first context's checks: test_context_costs.py)
     assert curve.remeasured == [1, 2] and curve.smoothed == []
     assert curve.verify[0] == pytest.approx(0.147) and breaks(curve.verify) == []
     assert curve.width(1) == 1
@@ -196,14 +201,14 @@ def test_a_cheaper_wider_pass_that_goes_away_is_remeasured(runner: Runner) -> No
 
 def test_a_cheaper_wider_pass_that_stays_is_smoothed_and_flagged(runner: Runner) -> None:
     curve = costs.measure(runner, budget_s=100.0, timer=_linear_timer(
-        0.14, 0.007, odd=lambda rows, n: 0.215 if rows == 1 else None))
+        0.14, 0.007, odd=lambda rows, n: 0.215 if rows == 1 else None), longer=[])
     assert curve.remeasured == [1, 2] and curve.smoothed == [1]
     assert curve.verify[0] == curve.verify[1] == pytest.approx(0.154)
     assert curve.width(1) == 2, "priced at width 2, so verified at width 2 (padding)"
     assert all(b >= a for a, b in zip(curve.verify, curve.verify[1:], strict=False))
 
     spike = costs.measure(runner, budget_s=100.0, timer=_linear_timer(  # 4:8.45 next to 8:1.17
-        0.14, 0.007, odd=lambda rows, n: 8.45 * 0.147 if rows == 4 else None))
+        0.14, 0.007, odd=lambda rows, n: 8.45 * 0.147 if rows == 4 else None), longer=[])
     assert spike.smoothed == [4] and 4 in spike.remeasured
     assert spike.ratios()[3] == pytest.approx(spike.ratios()[4]) and max(spike.ratios()) < 2
     assert spike.width(4) == 5

@@ -1,5 +1,6 @@
 """`mtpkit tune`: this machine's measured cost curve for a bundle (decoder/costs.py), where it is
-cached, and the depth `--depth auto` starts from at a few acceptance levels (decoder/policy.py).
+cached, and the depth `--depth auto` starts from at a few acceptance levels (decoder/policy.py),
+at each context measured and at the longest the model takes (the curve priced there).
 Also the line `serve` prints at start-up, and the stderr progress display of a measurement that
 generate, serve and tune pass down (the decoder itself prints nothing)."""
 
@@ -15,6 +16,7 @@ import click
 
 from mtpkit.decoder.batch_costs import Told
 from mtpkit.decoder.costs import (
+    LONGEST,
     RETRY_SHARE,
     Progress,
     Tick,
@@ -50,6 +52,21 @@ def picks(curve: CostCurve, max_depth: int, source: str = "head") -> list[dict[s
     return out
 
 
+def by_context(curve: CostCurve, longest: int | None, max_depth: int, source: str
+               ) -> list[dict[str, Any]]:
+    """The curve as --depth auto prices a round at each context measured and at the longest
+    the model takes (extrapolated where beyond them; LONGEST where it declares none), with the
+    first picks there."""
+    measured = curve.contexts()
+    top = longest or LONGEST
+    out = []
+    for length in measured + ([top] if top > measured[-1] else []):
+        at = curve.at(length)
+        out.append({"context": length, "measured": length in measured, "verify": at.verify,
+                    "plain": at.plain, "picks": picks(at, max_depth, source)})
+    return out
+
+
 def report(runner: Runner, bundle: str, refresh: bool = False,
            progress: Progress | None = None, batch: int | None = None,
            told: Told | None = None) -> dict[str, Any]:
@@ -68,7 +85,9 @@ def report(runner: Runner, bundle: str, refresh: bool = False,
     doc = {"bundle": bundle, **curve.stored(), "measured": measured,
            "cache": str(path if path is not None and path.exists() else cache_dir()),
            "max_depth": max_depth, "picks": picks(curve, max_depth) if runner.head else [],
-           "lookup_picks": picks(curve, lookup_depth, "lookup")}
+           "lookup_picks": picks(curve, lookup_depth, "lookup"),
+           "by_context": by_context(curve, runner.context, *((max_depth, "head") if runner.head
+                                                             else (lookup_depth, "lookup")))}
     if batch is not None:
         paid, timed = runner.batch_costs(batch, refresh, told)
         doc["batch"] = {"max_batch": batch, "measured": timed, "head": runner.head is not None,
@@ -146,6 +165,11 @@ def how_measured(curve: CostCurve | dict[str, Any]) -> str:
     if doc["remeasured"]:
         parts.append(f"T {_spans(doc['remeasured'])} re-measured (a wider pass came out "
                      "cheaper)")
+    if doc["longer"]:
+        parts.append(f"at {', '.join(str(p['context']) for p in doc['longer'])} tokens too "
+                     "(priced linearly in the context between, extrapolated beyond)")
+    else:
+        parts.append("at one context: priced alike at every context")
     if doc["smoothed"]:
         widths = doc["widths"]
         parts.append("smoothed: " + ", ".join(f"T {t} priced and verified at width "
@@ -273,6 +297,7 @@ def render_text(doc: dict[str, Any]) -> str:
         lines.append(f"  {note}")
     lines.append(f"  plain step {1000 * doc['plain']:.2f} ms (pipelined), head draft step "
                  + (f"{1000 * doc['draft']:.2f} ms" if doc["picks"] else "- (no MTP head)"))
+    lines += _context_text(doc)
     if doc["picks"]:
         lines.append(f"  --depth auto's first pick (a_i = a_1^i, depth <= {doc['max_depth']}; "
                      "then it follows the acceptance it sees):")
@@ -285,6 +310,26 @@ def render_text(doc: dict[str, Any]) -> str:
     if (batch := doc.get("batch")) is not None:
         lines += _batch_text(batch)
     return "\n".join(lines)
+
+
+SHOWN = (1, 2, 4, 8, 16)  # the widths the by-context table shows
+
+
+def _context_text(doc: dict[str, Any]) -> list[str]:
+    """The cost by context as a table: c(T) at a few widths, the plain step, the first picks."""
+    if not doc["longer"]:
+        return []
+    which = "head" if doc["picks"] else "context"
+    lines = [f"  by context, as --depth auto prices a round there (ms; * extrapolated), and its "
+             f"first pick ({which} drafts) at a_1 "
+             + "/".join(f"{100 * a:.0f}" for a in ACCEPTANCE) + "%:",
+             "     context" + "".join(f"{f'c({t})':>9}" for t in SHOWN) + "    plain   picks"]
+    for row in doc["by_context"]:
+        name = f"{row['context']}{'' if row['measured'] else '*'}"
+        costs = "".join(f"{1000 * row['verify'][t - 1]:>9.2f}" for t in SHOWN)
+        chosen = ", ".join(f"d{p['depth']}" if p["depth"] else "plain" for p in row["picks"])
+        lines.append(f"  {name:>10}{costs}{1000 * row['plain']:>9.2f}   {chosen}")
+    return lines
 
 
 def _batch_text(batch: dict[str, Any]) -> list[str]:
