@@ -596,6 +596,8 @@ def tune(bundle: str, as_json: bool, refresh: bool, dtype: str | None,
     with _user_errors("--out"):
         most = batch_option(batch) if batch is not None else None
         runner = load(bundle, dtype=dtype, **_kv(kv_bits, kv_group_size, quantized_kv_start))
+        if most is not None:
+            batch_option(most, runner.kv)  # a batch with --kv-bits: refused before measuring
         doc = report(runner, bundle, refresh, progress_bar(), most,
                      batch_lines())
     click.echo(json.dumps(doc, indent=2) if as_json else render_text(doc))

@@ -181,6 +181,7 @@ class Runner:
         self.load_options.pop("kv", None)
         if kv is not None:  # its own cost curve (decoder/costs.py keys it by load_options)
             self.load_options["kv"] = kv.to_dict()
+        self._costs = None
 
     def costs(self, refresh: bool = False, progress: Progress | None = None) -> CostCurve:
         """This machine's cost curve for this runner (measured once, cached per bundle).

@@ -308,6 +308,7 @@ def test_cli_refuses_a_batch_and_an_endpoint_with_kv_bits(built: Callable[..., P
                                        "--max-batch", "2", *kv]), "--max-batch")
     _refused(CliRunner().invoke(main, ["verify-run", "--endpoint", "http://127.0.0.1:9", *kv]),
              "--kv-bits")
+    _refused(CliRunner().invoke(main, ["tune", bundle, "--max-batch", "2", *kv]), "--max-batch")
     _refused(CliRunner().invoke(main, ["generate", bundle, "hi", "--kv-bits", "4"]),
              "--kv-group-size")
 
