@@ -7,6 +7,11 @@ KVCache with two hooks changed: a multi-row pass sees the keys padded to a multi
 buffer is always allocated in whole 256-position steps) and a bool mask that hides the padding;
 one-row decoding sees exactly what mlx-lm's cache gives it. Query lengths are bounded by the
 callers: verify passes have 1 + depth rows, and long inputs go in `pieces`.
+
+A quantized KV cache (`--kv-bits`, mlx-lm's QuantizedKVCache) is left unpadded: its attention is
+mlx-lm's `quantized_scaled_dot_product_attention`, two quantized matmuls and a softmax, with no
+cuDNN graph per key length. A PaddedKVCache switches to it through mlx-lm's own
+`KVCache.to_quantized` (decoder/caches.py `quantize`), and its passes then run untraced.
 """
 
 from __future__ import annotations
