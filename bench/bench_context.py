@@ -328,9 +328,15 @@ class Eta:
 
 def sweep(setup: Setup, contexts: list[int], arms: list[Arm], args: argparse.Namespace
           ) -> dict[str, Any]:
-    passes_each = args.runs + (1 if args.warmup else 0)
-    eta = Eta([(c, args.tokens) for c in contexts for _ in arms for _ in range(passes_each)]
-              + [(c, 0) for c in contexts if args.curve])
+    def warm(context: int) -> bool:
+        return args.warmup == "all" or (args.warmup == "first" and context == contexts[0])
+
+    def arms_at(context: int) -> list[Arm]:
+        return [a for a in arms if not a.kv_bits or args.kv_contexts is None
+                or context in args.kv_contexts]
+
+    eta = Eta([(c, args.tokens) for c in contexts for _ in arms_at(c)
+               for _ in range(args.runs + warm(c))] + [(c, 0) for c in contexts if args.curve])
     out: dict[str, Any] = {}
     for context in contexts:
         ids = setup.prompt(context)
@@ -351,9 +357,10 @@ def sweep(setup: Setup, contexts: list[int], arms: list[Arm], args: argparse.Nam
             setup.runner.generate(ids, 1, depth=0, prefix=setup.prefix)
             log(f"L={len(ids)} prompt state in the prefix cache after "
                 f"{time.perf_counter() - begin:.0f} s")
-        runs: dict[str, list[dict[str, Any]]] = {a.name: [] for a in arms}
-        for run in range(-1 if args.warmup else 0, args.runs):  # -1: the warm-up
-            for arm in arms:
+        here = arms_at(context)
+        runs: dict[str, list[dict[str, Any]]] = {a.name: [] for a in here}
+        for run in range(-1 if warm(context) else 0, args.runs):  # -1: the warm-up
+            for arm in here:
                 expected = setup.ready(ids, args.tokens, max(run, 0))
                 begin = time.perf_counter()
                 got = run_arm(setup, arm, ids, args)
@@ -365,7 +372,7 @@ def sweep(setup: Setup, contexts: list[int], arms: list[Arm], args: argparse.Nam
                     f"{arm.name:10} ttft {got['ttft_s']:6.2f} s  {got['decode_tps']:7.1f} tok/s  "
                     f"peak {got['peak_gb']:6.2f} GB", got.get("acceptance_by_depth", ""), "|",
                     eta.tick(context, args.tokens, seconds))
-        row["arms"] = summarize(runs, arms)
+        row["arms"] = summarize(runs, here)
         setup.prefix = None
         out[str(context)] = row
     retention(out, arms)
@@ -416,13 +423,19 @@ def ideal(curve: dict[str, Any], acceptance: list[float], depth: int) -> float |
 
 
 def retention(out: dict[str, Any], arms: list[Arm]) -> None:
-    """Each depth's ideal speedup at its context, measured over ideal, and its speedup at each
-    context over its speedup at the first (issue 49: >= 0.85 at 16K and 64K for depth 3)."""
+    """Each depth's ideal speedup at its context, measured over ideal, its speedup at each
+    context over its speedup at the first (issue 49: >= 0.85 at 16K and 64K for depth 3), and a
+    kv arm's speedup over the same depth's with the float cache (issue 49: within 10%)."""
     first = next(iter(out.values()))["arms"]
     for row in out.values():
         for arm in arms:
+            if arm.name not in row["arms"]:  # (kv arms: --kv-contexts)
+                continue
             got = row["arms"][arm.name]
             key = f"tps_over_{arm.baseline}"
+            float_arm = row["arms"].get(arm.mode, {})
+            if arm.kv_bits and key in got and "tps_over_plain" in float_arm:
+                got["speedup_over_float_cache"] = got[key] / float_arm["tps_over_plain"]
             fixed = isinstance(arm.depth, int) and arm.depth > 0
             if fixed and not arm.kv_bits and "acceptance_by_depth" in got:  # (a float curve)
                 best = ideal(row["curve"], got["acceptance_by_depth"], arm.depth) \
@@ -430,7 +443,7 @@ def retention(out: dict[str, Any], arms: list[Arm]) -> None:
                 got["ideal_speedup"] = best
                 if best and key in got:
                     got["measured_over_ideal"] = got[key] / best
-            if arm.mode != "mlx_lm" and key in got and key in first[arm.name]:
+            if arm.mode != "mlx_lm" and key in got and key in first.get(arm.name, {}):
                 got["speedup_over_first_context"] = got[key] / first[arm.name][key]
 
 
@@ -438,13 +451,16 @@ def report(out: dict[str, Any], arms: list[Arm]) -> None:
     """One line per context and arm on stdout."""
     for row in out.values():
         for arm in arms:
-            got = row["arms"][arm.name]
+            got = row["arms"].get(arm.name)
+            if got is None:
+                continue
             parts = [f"L={row['prompt_tokens']:>6} {arm.name:10}",
                      f"{got['decode_tps']['median']:7.1f} tok/s "
                      f"({got['decode_tps']['min']:.1f}-{got['decode_tps']['p95']:.1f})",
                      f"ttft {got['ttft_s']['median']:6.2f} s", f"peak {got['peak_gb']['median']:6.2f} GB"]
             for key in ("tps_over_mlx_lm", f"tps_over_{arm.baseline}", "ideal_speedup",
-                        "speedup_over_first_context", "ttft_s_over_mlx_lm", "peak_gb_over_mlx_lm"):
+                        "speedup_over_first_context", "speedup_over_float_cache",
+                        "ttft_s_over_mlx_lm", "peak_gb_over_mlx_lm"):
                 if got.get(key) is not None and not key.endswith(arm.name):
                     parts.append(f"{key} {got[key]:.2f}")
             if "acceptance_by_depth" in got:
@@ -467,8 +483,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128, help="tokens generated per run")
     ap.add_argument("--drop", type=int, default=16, help="first tokens left out of decode tok/s")
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--no-warmup", dest="warmup", action="store_false",
-                    help="skip the warm-up generation of each arm at each context")
+    ap.add_argument("--warmup", choices=["all", "first", "none"], default="all",
+                    help="a warm-up generation of each arm before the runs: at every context, "
+                    "at the first only (kernels compiled; a GPU's per-shape attention graphs "
+                    "then compile in the first run), or none")
+    ap.add_argument("--kv-contexts", type=lambda v: [int(c) for c in v.split(",")],
+                    help="the contexts the :kvN arms run at (default: every context)")
     ap.add_argument("--passes", type=int, default=7, help="timed passes per c(T) row")
     ap.add_argument("--no-curve", dest="curve", action="store_false",
                     help="skip c(T) at each context (and the ideal speedups it gives)")
