@@ -326,8 +326,10 @@ class Eta:
         return f"{self.spent:6.0f} s spent, ETA {eta:5.0f} s"
 
 
-def sweep(setup: Setup, contexts: list[int], arms: list[Arm], args: argparse.Namespace
-          ) -> dict[str, Any]:
+def sweep(setup: Setup, contexts: list[int], arms: list[Arm], args: argparse.Namespace,
+          done: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """Every context in turn: c(T) there, then the arms' runs; `done` is given the results
+    after each context (ratios across contexts filled in at the end)."""
     def warm(context: int) -> bool:
         return args.warmup == "all" or (args.warmup == "first" and context == contexts[0])
 
@@ -375,6 +377,7 @@ def sweep(setup: Setup, contexts: list[int], arms: list[Arm], args: argparse.Nam
         row["arms"] = summarize(runs, here)
         setup.prefix = None
         out[str(context)] = row
+        done(out)
     retention(out, arms)
     return out
 
@@ -526,24 +529,29 @@ def main() -> None:
         log(f"building the {args.trunk} trunk (random weights, 4-bit)")
         setup = oracle_setup(args.trunk, args.small, traced)
     log(f"ready in {time.perf_counter() - started:.0f} s")
-    out = sweep(setup, contexts, arms, args)
-    report(out, arms)
-    doc = {"machine": machine(), "device": mx.device_info() if hasattr(mx, "device_info") else {},
-           "backend": "gpu" if gpu else "cpu", "commit": commit(), "trunk": args.trunk,
-           "small": args.small, "bundle": str(args.bundle) if args.bundle else None,
-           "dtype": args.dtype, "draft": args.draft, "rates": RATES if setup.oracle else None,
-           "tokens": args.tokens, "drop": args.drop, "runs": args.runs, "warmup": args.warmup,
-           "prefill_step_size": PREFILL_STEP, "kv_group_size": KV_GROUP,
-           "quantized_kv_start": args.kv_start,
-           "traced": setup.runner.trunk.passes is not None, "skipped_arms": skipped,
-           "prefix": args.prefix,
-           "arms": [a.name for a in arms], "contexts": out,
-           "wall_s": time.perf_counter() - started}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"context-{args.trunk}{'-small' if args.small else ''}.json"
-    path.write_text(json.dumps(doc, indent=2, default=str))
-    log(f"saved {path} after {doc['wall_s']:.0f} s")
 
+    def save(out: dict[str, Any], done: bool) -> None:
+        """The document so far (written after every context: a run cut short keeps those)."""
+        doc = {"machine": machine(),
+               "device": mx.device_info() if hasattr(mx, "device_info") else {},
+               "backend": "gpu" if gpu else "cpu", "commit": commit(), "trunk": args.trunk,
+               "small": args.small, "bundle": str(args.bundle) if args.bundle else None,
+               "dtype": args.dtype, "draft": args.draft,
+               "rates": RATES if setup.oracle else None, "tokens": args.tokens,
+               "drop": args.drop, "runs": args.runs, "warmup": args.warmup,
+               "prefill_step_size": PREFILL_STEP, "kv_group_size": KV_GROUP,
+               "quantized_kv_start": args.kv_start, "kv_contexts": args.kv_contexts,
+               "traced": setup.runner.trunk.passes is not None, "skipped_arms": skipped,
+               "prefix": args.prefix, "arms": [a.name for a in arms], "contexts": out,
+               "complete": done, "wall_s": time.perf_counter() - started}
+        path.write_text(json.dumps(doc, indent=2, default=str))
+
+    out = sweep(setup, contexts, arms, args, lambda partial: save(partial, False))
+    report(out, arms)
+    save(out, True)
+    log(f"saved {path} after {time.perf_counter() - started:.0f} s")
 
 if __name__ == "__main__":
     main()
