@@ -144,8 +144,8 @@ def along(points: list[tuple[int, float]], length: int) -> float:
     if length <= first or not rest:
         return cost
     for (a, ca), (b, cb) in zip(points, rest, strict=False):
-        if length <= b:
-            return ca + (cb - ca) * (length - a) / (b - a)
+        if length <= b:  # (at a measured context: exactly what was measured there)
+            return cb if length == b else ca + (cb - ca) * (length - a) / (b - a)
     (a, ca), (b, cb) = points[-2:]
     return cb + max((cb - ca) / (b - a), 0.0) * (length - b)
 
