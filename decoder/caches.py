@@ -120,9 +120,12 @@ def room(cache: list[Any], kv: KVQuant | None) -> int | None:
 
 
 def thawable(state: list[Any], cached: int, kv: KVQuant | None) -> bool:
-    """Whether an export restores exactly at `cached` positions: not where it holds quantized
-    keys cut back below the switch (a fresh run attends to those positions' float keys)."""
-    return kv is None or cached >= kv.start or not any(isinstance(f, FrozenQKV) for f in state)
+    """Whether a trunk's export restores exactly at `cached` positions under `kv`: not where
+    it holds quantized keys cut back below the switch (a fresh run attends to those positions'
+    float keys), nor float keys past it (an export made without kv_bits)."""
+    return kv is None or all(cached >= kv.start if isinstance(f, FrozenQKV)
+                             else cached <= kv.start or not isinstance(f, FrozenKV)
+                             for f in state)
 
 
 def traceable(c: Any) -> bool:

@@ -268,7 +268,7 @@ class Session:
             return
         kind = KINDS[bool(self.mtp_cache)]
         state, cached = self.prefix.fetch(kind, ids)
-        if state is not None and not thawable(state, cached, self.kv):
+        if state is not None and not thawable(state[:len(self.cache)], cached, self.kv):
             state, cached = None, 0
         if state is not None:
             self.restore_state(state, ids, cached)
@@ -298,6 +298,7 @@ class Session:
         self.cache[:] = [f.thaw(c) for c, f in zip(self.cache, state[:n], strict=True)]
         self.mtp_cache[:] = [f.thaw(c) for c, f in zip(self.mtp_cache, state[n:n + m],
                                                         strict=True)]
+        quantize(self.cache, self.kv)  # float keys restored up to the switch: it is here
         if self.lookup is not None:
             self.lookup.extend(ids[:cached])
         if m:

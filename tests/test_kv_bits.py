@@ -236,6 +236,26 @@ def test_prefix_cache_reuse_gives_the_same_tokens(tiny: Runner) -> None:
             assert warm.cached_tokens == cached, (mode, prompt)
 
 
+
+def test_prefix_entries_made_without_kv_bits_restore_only_before_the_switch(
+        tiny: Runner, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One prefix cache shared by a float run and a quantized one (the Python API allows it):
+    float keys restore up to the switch (then turn quantized), never past it."""
+    before, past = LONG[:START], LONG[:30]
+    tiny.quantize_kv(4, 64, START)
+    cold = {tuple(p): tiny.generate(p + [2, 7], 32, depth=3).tokens for p in (before, past)}
+    for prompt, cached in ((before, START), (past, 0)):
+        cache = PrefixCache(1 << 30)
+        tiny.quantize_kv(None)
+        tiny.generate(prompt, 4, depth=3, prefix=cache)
+        tiny.quantize_kv(4, 64, START)
+        with monkeypatch.context() as patch:
+            seen = _passes(patch)
+            warm = tiny.generate(prompt + [2, 7], 32, depth=3, prefix=cache)
+        assert (warm.tokens, warm.cached_tokens) == (cold[tuple(prompt)], cached), prompt
+        assert all(q == (o >= START) for q, o, _ in seen), "restored keys switch at once"
+
+
 # -- batches ---------------------------------------------------------------------------------
 
 def test_batches_decode_one_at_a_time_or_are_refused(tiny: Runner) -> None:
