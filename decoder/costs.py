@@ -88,8 +88,10 @@ LONGEST = 65536  # the longest context measured (an agent's long prompt): beyond
 LADDER = (4096, 16384)  # contexts measured on the way to the longest the model and budget allow
 CHUNK = 1024  # prefill tokens per timed pass on the way to a longer context (whole GRAINs, so
 # each pass ends on a padded cache's step: no mask over every key)
-FARTHER = 2  # a context cut short by the budget is measured if this many times the last one's
-LONG_STEPS = 2 * PLAIN_BATCH  # plain steps timed at a longer context
+FARTHER = 4  # a context cut short by the budget is measured if this many times the last one's
+# (the policy extrapolates its slope: plain steps timed on a busy CPU at 360 ms at 512 tokens
+# and 436 ms at 1,024 priced one at 8K at 1.49 s)
+LONG_STEPS = PLAIN_BATCH  # plain steps timed at a longer context (one run)
 RETRY_SHARE = 0.25  # of the budget, the least a re-measurement may take beyond the budget
 PREFILL_SHARE = 0.3  # of the budget, the most the context's prefill may take
 COMPILED = 1.5  # a first pass this much dearer than the next one built something: warm up

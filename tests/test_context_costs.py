@@ -145,11 +145,11 @@ def test_a_tight_budget_measures_a_shorter_context_or_none(runner: Runner) -> No
     """Prefill at 4 ms a token (3840 tokens: 15 s): the cache is prefilled on while the next
     chunk and the passes after it fit, and the context reached is measured; with less, none."""
     calls: list[tuple[str, int]] = []
-    curve = costs.measure(runner, budget_s=10.0, timer=_steep(4e-3, calls))
+    curve = costs.measure(runner, budget_s=12.0, timer=_steep(4e-3, calls))
     (point,) = curve.longer
-    assert 2 * CONTEXT <= point.context < 3840 and point.context % costs.CHUNK == 0
+    assert costs.FARTHER * CONTEXT <= point.context < 3840 and point.context % costs.CHUNK == 0
     assert curve.at(point.context).verify == pytest.approx(_expected(point.context / 1000))
-    assert curve.seconds <= 10.0 * (1 + costs.RETRY_SHARE)
+    assert curve.seconds <= 12.0 * (1 + costs.RETRY_SHARE)
     assert max(size for kind, size in calls if kind == "prefill") <= costs.CHUNK
     assert costs.measure(runner, budget_s=3.0, timer=_steep(4e-3)).longer == []
 
