@@ -35,12 +35,17 @@ class Controller:
     def choose(self, most: int) -> tuple[Source | None, int, list[int], int]:
         """(source, or None for plain decoding; depth, context drafts, their match length) for
         the next round, up to `most` drafts (priced at the session's context)."""
-        self.policy.context = context(self.session)
-        self.session.stats.plain_s = self.policy.priced.plain
+        self.price()
         lookup = self.session.lookup
         drafts, match = lookup.propose(min(most, self.policy.max_depth)) if lookup else ([], 0)
         source, depth = self.policy.choose(len(drafts), match=match)
         return source, min(depth, most), drafts, match
+
+    def price(self) -> None:
+        """The policy asks the curve at the session's context from now on (a stretch's steps
+        and a round's are predicted, and what they pay compared, there)."""
+        self.policy.context = context(self.session)
+        self.session.stats.plain_s = self.policy.priced.plain
 
     def extend(self, draft: Draft, most: int) -> Draft:
         """A head draft continued by context tokens (a chain round, at most `most` drafts in
@@ -121,6 +126,7 @@ class Controller:
         policy, session = self.policy, self.session
         if count <= 0:
             return
+        self.price()
         if self.interrupt is not None:
             stop = _either(self.interrupt, stop)
         for token in session.plain_steps(count, stop):

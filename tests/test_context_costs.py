@@ -228,3 +228,13 @@ def test_tune_shows_the_cost_by_context(runner: Runner) -> None:
     text = render_text(doc)
     assert "by context, as --depth auto prices a round there" in text
     assert "      4096*" in text and "       512 " in text
+
+
+def test_plain_steps_are_compared_with_their_context_s_price() -> None:
+    """The calibrating stretch of a 3,000-token prompt is predicted at 3,000 tokens: its paid
+    ratio is about 1, not the ratio to a step at the curve's first context (1,000x here)."""
+    runner = tiny_runner()
+    runner._costs = CostCurve([1e-6] * 16, 1e-6, 1e-7, context=256, estimate=True,
+                              longer=[Point(2048, [1e-3] * 16, 1e-3)])
+    runner.generate([(7 * i) % 6 for i in range(3000)], 12, depth="auto")
+    assert runner.paid.timed("plain") and runner.paid.scale("plain") < 100
