@@ -88,9 +88,9 @@ LONGEST = 65536  # the longest context measured (an agent's long prompt): beyond
 LADDER = (4096, 16384)  # contexts measured on the way to the longest the model and budget allow
 CHUNK = 1024  # prefill tokens per timed pass on the way to a longer context (whole GRAINs, so
 # each pass ends on a padded cache's step: no mask over every key)
-FARTHER = 4  # a context cut short by the budget is measured if this many times the last one's
-# (the policy extrapolates its slope: plain steps timed on a busy CPU at 360 ms at 512 tokens
-# and 436 ms at 1,024 priced one at 8K at 1.49 s)
+FARTHER = 4  # a context cut short by the budget is measured if this many times the first one's
+# and twice the last (the policy extrapolates its slope: plain steps timed on a busy CPU at
+# 360 ms at 512 tokens and 436 ms at 1,024 priced one at 8K at 1.49 s)
 LONG_STEPS = PLAIN_BATCH  # plain steps timed at a longer context (one run)
 RETRY_SHARE = 0.25  # of the budget, the least a re-measurement may take beyond the budget
 PREFILL_SHARE = 0.3  # of the budget, the most the context's prefill may take
@@ -421,7 +421,7 @@ def _longer(bench: _Bench, targets: list[int], first: Point, passes: int) -> lis
     """The curve at each of `targets` (longer contexts, shortest first) the budget reaches:
     the cache prefilled on CHUNK tokens a pass while that and the passes after it fit the
     budget (priced by what prefill paid, linear in the position), so where the budget ends
-    short of a target the context reached is measured instead, if FARTHER than the last."""
+    short of a target the context reached is measured instead, if far enough (FARTHER)."""
     clock, points, last, at = bench.clock, [], first, first.context
     for target in targets:
         while at < target:
@@ -433,7 +433,7 @@ def _longer(bench: _Bench, targets: list[int], first: Point, passes: int) -> lis
                 break
             bench.prefill(at, end, f"prefill to {end} of {target} tokens")
             at = end
-        if at < FARTHER * last.context:
+        if at < max(FARTHER * first.context, 2 * last.context):
             break
         last = bench.point(at, last, passes, clock.budget_s)
         points.append(last)
