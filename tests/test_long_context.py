@@ -1,20 +1,22 @@
 """Exactness past one prefill chunk (issue 49): a prompt the session prefills in two chunks
 (decoder/session.py's PREFILL_STEP, mlx-lm's prefill_step_size: 2,048 tokens, fixed; no public
 option shrinks it, so the prompts here are 2,048 + 64 tokens on tiny trunks), then MTP rounds
-of 3 drafts rejected at every draft position and fully kept.
+rejected at every draft position and fully kept.
 
 1. Greedy identity with stock mlx-lm (`stream_generate`, the same 2,048-token chunks) on both
    families: the Llama-shaped fixture (attention KV only, trimmed on rejection) and the
    Qwen3.5-shaped hybrid (GatedDeltaNet states committed per position, and rolled back by
    replay), with an oracle drafter wrong at a random 30% of positions, and the hybrid's own MTP
-   head, whose owed (hidden, token) pairs span both chunks. Untraced and traced (traced passes
-   prefill in padded, bounded chunks: decoder/shapes.py).
-2. The sampled law after a long prompt: decoder/test_exactness.py's stratified chi-square on
+   head, whose owed (hidden, token) pairs span both chunks; after the rounds every trunk cache
+   equals plain decoding's. Untraced and traced (traced passes prefill in padded, bounded
+   chunks: decoder/shapes.py).
+2. The sampled law after a long prompt: tests/test_exactness.py's stratified chi-square on
    its Markov target, the prompt two chunks long.
 
-Power, checked by breaking the decoder once (see the report of 2026-11-28 in
-docs/long-context.md): attention caches trimmed one position too few after a rejection fail
-every greedy test here.
+Power, checked on 2026-11-28 by breaking the decoder once each: attention caches trimmed one
+position too few after a rejection (session.rewind and commit_recorded given one verified
+position less) fail all five greedy tests (the cache check: on the Llama fixture the tokens
+alone stayed equal); the replacement drawn from p fails the law test (p = 4e-13).
 """
 
 from __future__ import annotations
@@ -127,14 +129,18 @@ def test_forced_rejections_after_two_chunks_keep_greedy_equal_to_stock(
 
 
 def test_sampled_law_holds_after_two_chunks() -> None:
-    """Depth 3 at temperature 1 after a two-chunk prompt: every round state's tokens follow
-    the Markov target's law (test_exactness's stratified chi-square), every outcome seen."""
+    """Depths 2 and 4 at temperature 1 after a two-chunk prompt: every round state's tokens
+    follow the Markov target's law (test_exactness's stratified chi-square), every outcome
+    seen. With the replacement drawn from p (test_exactness.replacement_from_p) the same runs
+    score p = 4e-13; depth 3 alone over 900 tokens only 0.05, too weak to fail."""
     runner = tiny_runner(vocab=MV, head_norm=0.3, markov=True, logit_scale=0.15)
-    params = SamplingParams(1.0)
-    law = transition_law(runner, params)
+    law = transition_law(runner, SamplingParams(1.0))
     head = np.random.default_rng(5).integers(0, MV, LENGTH - len(MARKOV_PROMPT))
     ids = [int(t) for t in head] + MARKOV_PROMPT  # its last tokens: what the strata start on
-    tokens, outcomes = rounds_of(runner, ids, 900, 3, seed=3, temperature=1.0)
-    assert_every_outcome(outcomes, (3,))
-    stat, df = stratified_test(law, tokens, outcomes)
+    stat, df = 0.0, 0
+    for depth in (2, 4):
+        tokens, outcomes = rounds_of(runner, ids, 1500, depth, seed=3, temperature=1.0)
+        assert_every_outcome(outcomes, (depth,))
+        s, d = stratified_test(law, tokens, outcomes)
+        stat, df = stat + s, df + d
     assert chi2.sf(stat, df) > ALPHA, (stat, df)
