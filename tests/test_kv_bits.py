@@ -36,6 +36,7 @@ from fixtures.decoder_models import OracleHead, tiny_runner
 from fixtures.fake_servers import in_thread
 from mtpkit.cli import main
 from mtpkit.decoder.caches import unquantizable
+from mtpkit.decoder.curve import CostCurve
 from mtpkit.decoder.options import KVQuant, OptionError
 from mtpkit.decoder.prefix import PrefixCache
 from mtpkit.decoder.runner import Runner
@@ -135,13 +136,17 @@ def test_mtp_greedy_equals_plain_with_the_same_quantized_cache(
     tiny.quantize_kv(None)
     floats = {tuple(p): tiny.generate(p, 48, depth=0).tokens for p in (SHORT, LONG)}
     tiny.quantize_kv(bits, 64, START)
+    # --depth auto by a curve given by hand (cheap verify passes: deep rounds), not measured
+    tiny._costs = CostCurve([0.01 * (1 + 0.05 * t) for t in range(16)], 0.01, 0.002)
     made = _made(monkeypatch, tiny.trunk)
     differs = False
     for prompt in (SHORT, LONG):
         plain = tiny.generate(prompt, 48, depth=0).tokens
         differs |= plain != floats[tuple(prompt)]
         for depth in (1, 3, "auto"):
-            assert tiny.generate(prompt, 48, depth=depth).tokens == plain, (bits, prompt, depth)
+            result = tiny.generate(prompt, 48, depth=depth)
+            assert result.tokens == plain, (bits, prompt, depth)
+            assert result.stats.verify_calls > 0, "rounds were verified"
     assert made and all(type(c) is QuantizedKVCache and c.bits == bits and c.offset > START
                         for cache in made for c in cache), "every session switched"
     assert differs or bits == 8, "4 bits changes the greedy text: the cache is quantized"
