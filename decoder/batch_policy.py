@@ -148,7 +148,6 @@ class BatchPolicy:
     decided: bool = False  # the last depth was chosen on prices (not an exploration or probe)
     pipelines: bool = False  # a depth chosen now would run pipelined (set per round: scheduler)
     overlaps: bool = False  # rounds every row drafts from the head may (probes: set likewise)
-    context: int = 0  # the longest row's tokens (set per round): where the curve is asked
 
     def cost(self, rows: int, depth: int, timed: dict[int, float] | None = None) -> float:
         """Seconds for a round of `rows` rows at `depth` drafts: the median paid where timed
@@ -193,10 +192,9 @@ class BatchPolicy:
         return timed
 
     def _single(self, depth: int) -> float:
-        """One sequence's round at `depth` on the curve at the longest row's context (depth 0:
-        one step through the verify path, as a batch's plain rows take it)."""
-        curve = self.curve.at(self.context)
-        return curve.verify[0] if depth == 0 else curve.round_cost(depth)
+        """One sequence's round at `depth` on the curve (depth 0: one step through the verify
+        path, as a batch's plain rows take it)."""
+        return self.curve.verify[0] if depth == 0 else self.curve.round_cost(depth)
 
     def _explore(self, timed: dict[int, float]) -> int | None:
         """A depth up to EXPLORE not yet timed MIN_OBSERVED times at this size or another
@@ -230,7 +228,6 @@ class BatchPolicy:
             self.plain_left -= 1
             return 1 if self.plain_left == 0 else 0  # the stretch's last round probes
         rows = len(requests) if rows is None else rows
-        self.context = max((len(r.ids) + len(r.tokens) for r in requests), default=0)
         timed = self._timed(rows)
         if (explore := self._explore(timed)) is not None:
             if explore == 0:  # plain is timed as a stretch runs it: pipelined steps

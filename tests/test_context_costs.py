@@ -20,7 +20,6 @@ import pytest
 import mtpkit
 from fixtures.decoder_models import tiny_runner
 from mtpkit.decoder import costs
-from mtpkit.decoder.batch_policy import BatchPolicy
 from mtpkit.decoder.curve import CONTEXT, GRAIN, CostCurve, Point
 from mtpkit.decoder.options import Source
 from mtpkit.decoder.policy import MIN_OBSERVED, DepthPolicy
@@ -87,13 +86,6 @@ def test_what_rounds_pay_corrects_the_prediction_at_their_context() -> None:
     for _ in range(MIN_OBSERVED + 1):  # dearer than the curve at 64K: corrected
         policy.observe_round(2 * at_64k.round_cost(1), 1)
     assert policy.paid.scale(Source.HEAD, 1) == pytest.approx(2.0)
-
-
-def test_the_batch_policy_prices_untimed_rounds_at_its_longest_row() -> None:
-    policy = BatchPolicy(h200(), 3)
-    short = policy.cost(1, 1, {})
-    policy.context = 65536
-    assert policy.cost(1, 1, {}) == h200().at(65536).round_cost(1) > 3 * short
 
 
 def _steep(per_token: float = 1e-4, calls: list[tuple[str, int]] | None = None
