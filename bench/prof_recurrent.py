@@ -49,10 +49,12 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--widths", default="1,2,3,4")
+    ap.add_argument("--traced", action="store_true", help="traced passes (a GPU's default)")
     ap.add_argument("--tag", default="recurrent")
     args = ap.parse_args()
     trunk = trunk_of(args.scale, args.layers)
-    cache = trunk.make_cache()
+    trunk.use_traced(args.traced)
+    cache = trunk.make_cache(bounded=args.traced)
     mx.eval(trunk(mx.arange(args.context)[None] % 1000, cache)[1])
 
     def timed(width: int, record: bool, keep: int | None) -> float:
