@@ -329,7 +329,7 @@ class Eta:
 def sweep(setup: Setup, contexts: list[int], arms: list[Arm], args: argparse.Namespace,
           done: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     """Every context in turn: c(T) there, then the arms' runs; `done` is given the results
-    after each context (ratios across contexts filled in at the end)."""
+    after each run of every arm (ratios across contexts filled in at the end)."""
     def warm(context: int) -> bool:
         return args.warmup == "all" or (args.warmup == "first" and context == contexts[0])
 
@@ -374,10 +374,11 @@ def sweep(setup: Setup, contexts: list[int], arms: list[Arm], args: argparse.Nam
                     f"{arm.name:10} ttft {got['ttft_s']:6.2f} s  {got['decode_tps']:7.1f} tok/s  "
                     f"peak {got['peak_gb']:6.2f} GB", got.get("acceptance_by_depth", ""), "|",
                     eta.tick(context, args.tokens, seconds))
-        row["arms"] = summarize(runs, here)
+            if run >= 0:  # the runs so far, saved: a run cut short keeps them
+                row["arms"], row["runs_done"] = summarize(runs, here), run + 1
+                out[str(context)] = row
+                done(out)
         setup.prefix = None
-        out[str(context)] = row
-        done(out)
     retention(out, arms)
     return out
 
@@ -533,7 +534,7 @@ def main() -> None:
     path = args.out / f"context-{args.trunk}{'-small' if args.small else ''}.json"
 
     def save(out: dict[str, Any], done: bool) -> None:
-        """The document so far (written after every context: a run cut short keeps those)."""
+        """The document so far (written after every run: a sweep cut short keeps those)."""
         doc = {"machine": machine(),
                "device": mx.device_info() if hasattr(mx, "device_info") else {},
                "backend": "gpu" if gpu else "cpu", "commit": commit(), "trunk": args.trunk,
