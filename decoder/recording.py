@@ -6,14 +6,16 @@ trimmed, and their call returns only the final state. While recording, a `StateR
 the layer's module runs it once over the pass, as plain prefill would, and keeps the state it
 started from and the outputs of the layer's linears (`Tap`s: the projections of every position,
 which is where the layer reads its weights). Committing k of the pass's T positions with k < T
-runs the layer again from that start state with its linears played back (no weight read) and
-mlx-lm's right-padded batch API saying each row's length (`ArraysCache.lengths`: positions past
-it change neither the conv window nor the state), and keeps the cache it leaves; the layer's
-output of that call is never read, so MLX never computes it. A row keeping all T positions
-needs nothing: the pass left its state.
+runs the layer again from that start state over those k positions with its linears played back
+(no weight read) and keeps the cache it leaves; in a batch, whose rows keep different counts,
+over all T with mlx-lm's right-padded batch API saying each row's length
+(`ArraysCache.lengths`: positions past it change neither the conv window nor the state). The
+layer's output of that call is never read, so MLX never computes it. A pass whose rows all keep
+T positions needs nothing: it left their state.
 
 So a verify pass costs what prefill of T tokens costs, with no T² rows and no T one-token calls
-(each of which reads the weights again), and a rejection costs the recurrence over T positions.
+(each of which reads the weights again), and a rejection costs the recurrence over the kept
+positions.
 """
 
 from __future__ import annotations
@@ -100,18 +102,23 @@ class StateRecorder(nn.Module):
 
     def commit(self, keep: int | mx.array) -> None:
         """Keep the first `keep` positions of the recorded pass: an int, or one per row (B,)."""
-        x, cache = self._inputs, self.cache
+        x, cache, mask = self._inputs, self.cache, self._mask
         if x is None or cache is None:
             return
-        if not isinstance(keep, int) or keep < x.shape[1]:
+        if isinstance(keep, int) and keep < x.shape[1]:  # one length: replay only those
+            x, mask = x[:, :keep], None if mask is None else mask[:, :keep]
+            for tap in self.taps:
+                tap._out = None if tap._out is None else tap._out[:, :keep]
+            cache.cache = list(self._start)
+            self._with_taps("play", lambda: self.inner(x, mask, cache))
+        elif not isinstance(keep, int):  # a length per row: mlx-lm's right-padded batch
             after = cache.left_padding, cache.lengths
             cache.cache, cache.left_padding = list(self._start), None
-            cache.lengths = mx.broadcast_to(mx.array(keep), (x.shape[0],))
-            mask = cache.make_mask(x.shape[1])
-            if self._mask is not None:
-                mask = mask & self._mask
+            cache.lengths = mx.broadcast_to(keep, (x.shape[0],))
+            held = cache.make_mask(x.shape[1])
             try:
-                self._with_taps("play", lambda: self.inner(x, mask, cache))
+                self._with_taps("play", lambda: self.inner(
+                    x, held if mask is None else held & mask, cache))
             finally:
                 cache.left_padding, cache.lengths = after
         self.release()

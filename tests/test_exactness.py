@@ -29,7 +29,10 @@ fails the round-state law at top_k and top_p_min_p and the six-token law at top_
 temperature and with a draft vocabulary the processed q is the raw one: no mutant there); a
 recurrent state committed one too many fails greedy identity with stock mlx-lm on qwen3_5,
 qwen3_5_moe and qwen3_next and the forced rejections under record; one too few fails the forced
-rejections under record (qwen3_5, qwen3_next). The replacement from p and the bonus from the
+rejections under record (qwen3_5, qwen3_next). Re-run on the replay rollback (2026-11-28,
+decoder/recording.py): replaying one position too many or too few, through the batch's lengths
+or the sliced single-sequence path, fails five tests here each (the forced rejections under
+record and greedy identity with stock mlx-lm). The replacement from p and the bonus from the
 previous position run below as negative controls, written on the device rule.
 """
 
