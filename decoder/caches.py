@@ -4,8 +4,8 @@ serve ask here instead of finding out by duck typing.
 - attention KV (mlx-lm's `KVCache`, our `PaddedKVCache`; the MTP head's too): trimmed to any
   prefix (no snapshot, no recording); exported and restored at any prefix; traced (padded).
 - recurrent (mlx-lm's `ArraysCache`: GatedDeltaNet conv and state): never trimmed; snapshot and
-  restore (rollback by replay), or states recorded per verify position and one committed
-  (decoder/recording.py); exported and restored for prompts that extend the whole export;
+  restore (rollback by replay), or the kept positions replayed from what the verify pass
+  recorded (decoder/recording.py); exported and restored for prompts that extend the whole export;
   traced (states in and out).
 - quantized KV (mlx-lm's `QuantizedKVCache`, what `--kv-bits` turns a trunk's KVCache into
   once it holds `--quantized-kv-start` positions: `quantize`): mlx-lm's own trim; exported

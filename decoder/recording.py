@@ -89,16 +89,18 @@ class StateRecorder(nn.Module):
 
     def kept(self) -> list[mx.array]:
         """What a traced pass hands out for this layer: its input and every tap's output."""
-        assert self._inputs is not None
-        return [self._inputs, *[tap._out for tap in self.taps if tap._out is not None]]
+        outputs = [tap._out for tap in self.taps]
+        assert self._inputs is not None and all(o is not None for o in outputs)
+        return [self._inputs, *outputs]
 
     def adopt(self, cache: Any, start: list[Any], inputs: mx.array | None,
               mask: mx.array | None = None, outputs: list[mx.array] | None = None) -> None:
         """Take `cache` (and the arrays it held before the pass, the layer's input and mask,
         and, from a traced pass, each tap's output) as what this pass recorded."""
         self.cache, self._start, self._inputs, self._mask = cache, start, inputs, mask
-        for tap, out in zip(self.taps, outputs or [], strict=False):
-            tap._out = out
+        if outputs is not None:
+            for tap, out in zip(self.taps, outputs, strict=True):
+                tap._out = out
 
     def commit(self, keep: int | mx.array) -> None:
         """Keep the first `keep` positions of the recorded pass: an int, or one per row (B,)."""
