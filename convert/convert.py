@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from mtpkit.convert.card import model_card
+from mtpkit.convert.errors import ConvertError
 from mtpkit.convert.manifest import build_manifest
 from mtpkit.convert.sidecar import SidecarOptions, build_sidecar
 from mtpkit.convert.trunk import QuantOptions, build_trunk
@@ -28,7 +29,7 @@ from mtpkit.convert.writer import (
 )
 from mtpkit.loaders.bundle import BundleView, open_bundle
 from mtpkit.loaders.digest import sha256_file
-from mtpkit.loaders.findings import Finding, UserError
+from mtpkit.loaders.findings import Finding
 from mtpkit.loaders.model_check import blocking, check_model
 from mtpkit.loaders.paths import bundle_file
 from mtpkit.loaders.weights import SIDECAR_FILE
@@ -43,10 +44,6 @@ BLOCKING = ("files.", "config.", "index.path_escape", "index.missing_shard", "sa
             "mtp.incomplete", "mtp.norm_encoding")
 # Findings a fresh bundle may inherit from its source without the conversion being wrong.
 INHERITED = ("template.", "tokenizer.", "mtp.absent")
-
-
-class ConvertError(UserError):
-    """A source that cannot be converted as asked."""
 
 
 @dataclass

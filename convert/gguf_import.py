@@ -15,7 +15,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mtpkit.convert.convert import ConvertError
+from mtpkit.convert.errors import ConvertError
 from mtpkit.convert.writer import write_text
 from mtpkit.loaders.findings import UserError
 from mtpkit.loaders.gguf_header import HINT, GGUFInvalid, check_gguf
