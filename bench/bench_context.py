@@ -189,13 +189,19 @@ def smollm2_setup(bundle: Path, dtype: str | None, draft: str) -> Setup:
 # -- one generation per arm ----------------------------------------------------------------
 
 def run_mlx_lm(model: Any, ids: list[int], tokens: int, drop: int, kv_bits: int | None,
-               kv_start: int) -> dict[str, Any]:
-    """mlx-lm's generate_step (greedy, prefill_step_size as ours), timed per token."""
+               kv_start: int, sampling: dict[str, Any], seed: int) -> dict[str, Any]:
+    """mlx-lm's generate_step (prefill_step_size as ours; greedy, or mlx-lm's own sampler
+    with `sampling` seeded by `seed`), timed per token."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_sampler
 
     kv = {"kv_bits": kv_bits, "kv_group_size": KV_GROUP, "quantized_kv_start": kv_start} \
         if kv_bits else {}
+    if sampling:
+        mx.random.seed(seed)
+        kv["sampler"] = make_sampler(sampling["temperature"], top_p=sampling["top_p"],
+                                     top_k=sampling["top_k"])
     mx.clear_cache()
     mx.reset_peak_memory()
     start = time.perf_counter()
@@ -209,7 +215,8 @@ def run_mlx_lm(model: Any, ids: list[int], tokens: int, drop: int, kv_bits: int 
 
 
 def run_ours(runner: Any, arm: Arm, ids: list[int], tokens: int, drop: int, draft: str,
-             kv_start: int, prefix: Any = None) -> dict[str, Any]:
+             kv_start: int, sampling: dict[str, Any], seed: int, prefix: Any = None
+             ) -> dict[str, Any]:
     """Our decoder's generation (Runner.stream resets the peak memory itself); a kv arm's
     quantized cache set on the runner for this generation only; `prefix`: a prefix cache
     holding the prompt's state (no prefill: decode speed only)."""
@@ -219,8 +226,8 @@ def run_ours(runner: Any, arm: Arm, ids: list[int], tokens: int, drop: int, draf
 
     def batches() -> Iterator[list[int]]:
         nonlocal result
-        for piece in runner.stream(ids, tokens, depth=arm.depth, prefix=prefix,
-                                   draft=draft if arm.depth != 0 else None):
+        for piece in runner.stream(ids, tokens, depth=arm.depth, prefix=prefix, seed=seed,
+                                   draft=draft if arm.depth != 0 else None, **sampling):
             if piece.result is not None:
                 result = piece.result
             elif piece.tokens:
@@ -239,19 +246,31 @@ def run_ours(runner: Any, arm: Arm, ids: list[int], tokens: int, drop: int, draf
     row = {"tokens": out, "ttft_s": stats.ttft_s, "prefill_s": stats.prefill_s,
            "decode_tps": steady_tps(times, drop), "peak_gb": stats.peak_memory_bytes / 1e9,
            "acceptance_by_depth": stats.acceptance_by_depth}
-    if arm.mode == "auto":
+    if arm.mode == "auto":  # what auto chose, and the paid/predicted scales it chose by
         row["depths"] = {str(d): n for d, n in stats.depths.items()}
+        row["cost_scale"] = dict(stats.cost_scale)
     return row
 
 
-def run_arm(setup: Setup, arm: Arm, ids: list[int], args: argparse.Namespace
+def run_arm(setup: Setup, arm: Arm, ids: list[int], args: argparse.Namespace, run: int
             ) -> dict[str, Any]:
     if arm.mode == "mlx_lm":
         return run_mlx_lm(setup.runner.trunk.model, ids, args.tokens, args.drop, arm.kv_bits,
-                          args.kv_start)
+                          args.kv_start, args.sampling, run)
     prefix = setup.prefix if not arm.kv_bits else None
     return run_ours(setup.runner, arm, ids, args.tokens, args.drop, setup.draft, args.kv_start,
-                    prefix)
+                    args.sampling, run, prefix)
+
+
+def priced(runner: Any, context: int) -> dict[str, Any] | None:
+    """The cost curve `--depth auto` prices rounds by at this context (None: not measured yet):
+    the contexts it was measured at, c(1..4) and the plain step there, in ms."""
+    curve = getattr(runner, "_costs", None)
+    if curve is None:
+        return None
+    at = curve.at(context)
+    return {"measured_at": curve.contexts(), "verify_ms": [v * 1e3 for v in at.verify[:4]],
+            "plain_ms": at.plain * 1e3}
 
 
 # -- the cost curve at a context -------------------------------------------------------------
@@ -365,9 +384,10 @@ def sweep(setup: Setup, contexts: list[int], arms: list[Arm], args: argparse.Nam
             for arm in here:
                 expected = setup.ready(ids, args.tokens, max(run, 0))
                 begin = time.perf_counter()
-                got = run_arm(setup, arm, ids, args)
+                got = run_arm(setup, arm, ids, args, max(run, 0))
                 seconds = time.perf_counter() - begin
-                got["greedy_expected"] = None if expected is None else got["tokens"] == expected
+                got["greedy_expected"] = None if expected is None or args.sampling \
+                    else got["tokens"] == expected
                 if run >= 0:
                     runs[arm.name].append(got)
                 log(f"L={len(ids)} {'warm-up' if run < 0 else f'run {run + 1}/{args.runs}'} "
@@ -375,7 +395,8 @@ def sweep(setup: Setup, contexts: list[int], arms: list[Arm], args: argparse.Nam
                     f"peak {got['peak_gb']:6.2f} GB", got.get("acceptance_by_depth", ""), "|",
                     eta.tick(context, args.tokens, seconds))
             if run >= 0:  # the runs so far, saved: a run cut short keeps them
-                row["arms"], row["runs_done"] = summarize(runs, here), run + 1
+                row["arms"], row["runs_done"] = summarize(runs, here, args.sampling), run + 1
+                row["auto_priced"] = priced(setup.runner, len(ids))
                 out[str(context)] = row
                 done(out)
         setup.prefix = None
@@ -383,9 +404,11 @@ def sweep(setup: Setup, contexts: list[int], arms: list[Arm], args: argparse.Nam
     return out
 
 
-def summarize(runs: dict[str, list[dict[str, Any]]], arms: list[Arm]) -> dict[str, Any]:
+def summarize(runs: dict[str, list[dict[str, Any]]], arms: list[Arm],
+              sampling: dict[str, Any]) -> dict[str, Any]:
     """Per arm: medians and spread, ratios over mlx-lm and over our plain (same KV cache),
-    ideal speedups from the measured acceptance; greedy tokens compared across arms."""
+    ideal speedups from the measured acceptance; greedy tokens compared across arms (not
+    when sampling: each arm draws its own tokens)."""
     rows: dict[str, Any] = {}
     reference: dict[int | None, list[int]] = {}  # per KV cache: quantized keys may differ
     for arm in arms:
@@ -393,7 +416,8 @@ def summarize(runs: dict[str, list[dict[str, Any]]], arms: list[Arm]) -> dict[st
         row: dict[str, Any] = {key: summary([g[key] for g in got])
                                for key in ("ttft_s", "prefill_s", "decode_tps", "peak_gb")}
         first = reference.setdefault(arm.kv_bits, got[0]["tokens"])
-        row["greedy_tokens_identical"] = all(g["tokens"] == first for g in got)
+        row["greedy_tokens_identical"] = None if sampling else \
+            all(g["tokens"] == first for g in got)
         expected = [g["greedy_expected"] for g in got]
         row["greedy_as_expected"] = None if None in expected else all(expected)
         accept = [g["acceptance_by_depth"] for g in got if g.get("acceptance_by_depth")]
@@ -401,6 +425,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]], arms: list[Arm]) -> dict[st
             row["acceptance_by_depth"] = mean_by_position(accept)
         if arm.mode == "auto":
             row["depths"] = [g["depths"] for g in got]
+            row["cost_scale"] = [g["cost_scale"] for g in got]
         rows[arm.name] = row
     for arm in arms:
         row, tps = rows[arm.name], [g["decode_tps"] for g in runs[arm.name]]
@@ -469,7 +494,7 @@ def report(out: dict[str, Any], arms: list[Arm]) -> None:
                     parts.append(f"{key} {got[key]:.2f}")
             if "acceptance_by_depth" in got:
                 parts.append("accept " + "/".join(f"{a:.2f}" for a in got["acceptance_by_depth"]))
-            if not got["greedy_tokens_identical"] or got["greedy_as_expected"] is False:
+            if got["greedy_tokens_identical"] is False or got["greedy_as_expected"] is False:
                 parts.append("TOKENS DIFFER")
             print(" | ".join(parts), flush=True)
 
@@ -504,9 +529,16 @@ def main() -> None:
                     "TTFT and peak memory then say nothing of prefill)")
     ap.add_argument("--kv-start", type=int, default=0, help="kv arms' quantized_kv_start "
                     "(ours and mlx-lm's; 0: the whole context quantized)")
+    ap.add_argument("--sampling", default="0", help="temperature,top_p,top_k of every arm "
+                    "(e.g. 0.6,0.95,20: coding tools' settings; each run seeded by its index), or "
+                    "0: greedy")
     ap.add_argument("--small", action="store_true", help="scaled-down oracle trunks (CPU check)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
+    t, *rest = args.sampling.split(",")
+    args.sampling = {} if float(t) == 0 else {
+        "temperature": float(t), "top_p": float(rest[0]) if rest else 1.0,
+        "top_k": int(rest[1]) if len(rest) > 1 else 0}
 
     import mlx.core as mx
 
@@ -545,7 +577,8 @@ def main() -> None:
                "prefill_step_size": PREFILL_STEP, "kv_group_size": KV_GROUP,
                "quantized_kv_start": args.kv_start, "kv_contexts": args.kv_contexts,
                "traced": setup.runner.trunk.passes is not None, "skipped_arms": skipped,
-               "prefix": args.prefix, "arms": [a.name for a in arms], "contexts": out,
+               "prefix": args.prefix, "sampling": args.sampling,
+               "arms": [a.name for a in arms], "contexts": out,
                "complete": done, "wall_s": time.perf_counter() - started}
         path.write_text(json.dumps(doc, indent=2, default=str))
 
