@@ -43,7 +43,7 @@ BLOCKING = ("files.", "config.", "index.path_escape", "index.missing_shard", "sa
             "tokenizer.invalid", "quant.incomplete", "quant.unsupported", "weights.",
             "mtp.incomplete", "mtp.norm_encoding")
 # Findings a fresh bundle may inherit from its source without the conversion being wrong.
-INHERITED = ("template.", "tokenizer.", "mtp.absent")
+INHERITED = ("template.", "tokenizer.", "mtp.absent", "mtp.unsupported")
 
 
 @dataclass

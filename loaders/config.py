@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mtpkit.loaders.families import family_for
 from mtpkit.loaders.findings import Finding, finding
 from mtpkit.loaders.paths import bundle_file
 
@@ -264,7 +265,7 @@ def read_config(root: Path) -> ModelConfig:
         cfg.findings.append(finding("config.invalid", "model_type is missing", "config.json"))
         return cfg
     cfg.model_type = model_type
-    for key in ("hidden_size", "num_hidden_layers", "vocab_size"):
+    for key in ("hidden_size", family_for(model_type).layers_key, "vocab_size"):
         if cfg.dim(key) is None or cfg.dim(key) <= 0:
             cfg.findings.append(finding("config.invalid", f"{key} must be a positive integer",
                                         f"config.json:{key}"))

@@ -34,17 +34,32 @@ class ShapeRule:
 class Family:
     """How one family stores its MTP head.
 
-    mtp_pattern matches a tensor name and yields `rest` (the name inside the MTP block) and,
-    for families that number their blocks, `block`. block_offset_key names the config value
-    subtracted from `block` (DeepSeek stores its head as layer num_hidden_layers + k).
-    head_roles maps the family's head-level module names to canonical roles.
+    mtp_patterns match a tensor name (first match wins, before the canonical `mtp.` names) and
+    yield `rest` (the name inside the MTP block, `.param` appended when the pattern has that
+    group) and, for families that number their blocks, `block`. block_offset_key names the
+    config value subtracted from `block` (DeepSeek stores its head as layer
+    num_hidden_layers + k). head_roles maps the family's head-level module names to canonical
+    roles; they are per block (`mtp.heads.K.<role>` beyond block 0) unless shared_roles (one
+    head around several physical layers, as Nemotron-H's). required_roles and layer_parts are
+    what a complete head holds (per block for layer_parts). unsupported, when set, says why the
+    decoder cannot run this layout: the head is kept and diagnosed, and `mtp.unsupported` says
+    so wherever it would run. sources: where the names come from (docs/families.md).
     """
 
     name: str
     model_types: tuple[str, ...]
-    mtp_pattern: str | None = None
+    mtp_patterns: tuple[str, ...] = ()
     block_offset_key: str | None = None
     head_roles: dict[str, str] = field(default_factory=dict)
+    shared_roles: bool = False
+    required_roles: tuple[str, ...] = ("fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden",
+                                       "norm")
+    layer_parts: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm", "self_attn",
+                                    "mlp")
+    # A head whose config names no count (LongCat-Flash builds exactly one layer).
+    default_mtp_layers: int = 0
+    unsupported: str = ""
+    sources: str = ""
     zero_centred_norms: bool = False
     concat_order: str = "embedding_first"
     experts_key: str = "num_experts"
@@ -170,29 +185,115 @@ GATED_ATTENTION_RULES = (_GATED_Q, *_ATTENTION_AND_MLP)
 CANONICAL_PATTERN = r"^(?:model\.)?(?:language_model\.)?mtp\.(?P<rest>.+)$"
 HEAD_ROLES = ("fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")
 
+# DeepSeek's "nextn" head roles (enorm, hnorm, eh_proj, shared_head): GLM, Kimi, Step and
+# the rest of the DS-nextn families use these names (docs/families.md).
+_NEXTN_ROLES = {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden",
+                "eh_proj": "fc", "shared_head.norm": "norm", "shared_head.head": "shared_head",
+                "embed_tokens": "embed_tokens"}
+_NEXTN_FINAL = {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "eh_proj": "fc",
+                "final_layernorm": "norm"}
+_AFTER_TRUNK = r"^model\.layers\.(?P<block>\d+)\.(?P<rest>.+)$"
+# Why a recognised head does not run here (the finding mtp.unsupported quotes it).
+_OWN_LAYER = ("its MTP layer is not a layer of the trunk's own class ({}); decoder/head.py builds "
+              "every block from the trunk's layer factory")
+
 FAMILIES: tuple[Family, ...] = (
     Family("qwen3_5", ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_6",
                        "qwen3_6_moe"),
-           CANONICAL_PATTERN, zero_centred_norms=True, shape_rules=GATED_ATTENTION_RULES),
-    Family("qwen3_next", ("qwen3_next",), CANONICAL_PATTERN, zero_centred_norms=True,
+           zero_centred_norms=True, shape_rules=GATED_ATTENTION_RULES),
+    Family("qwen3_next", ("qwen3_next",), zero_centred_norms=True,
            shape_rules=GATED_ATTENTION_RULES),
-    Family("deepseek", ("deepseek_v3", "deepseek_v32", "kimi_k2", "glm4_moe", "glm4_moe_lite"),
-           r"^model\.layers\.(?P<block>\d+)\.(?P<rest>.+)$", block_offset_key="num_hidden_layers",
-           head_roles={"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden",
-                       "eh_proj": "fc", "shared_head.norm": "norm",
-                       "shared_head.head": "shared_head", "embed_tokens": "embed_tokens"},
+    Family("deepseek", ("deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite"),
+           (_AFTER_TRUNK,), block_offset_key="num_hidden_layers", head_roles=_NEXTN_ROLES,
            experts_key="n_routed_experts", sanitize_mtp_layer=True,
            next_hidden="pre_mtp_norm", mtp_layer_kind="after_trunk",
-           shape_rules=PLAIN_ATTENTION_RULES),
-    Family("mimo", ("mimo",), r"^model\.mtp_layers\.(?P<block>\d+)\.(?P<rest>.+)$",
+           shape_rules=PLAIN_ATTENTION_RULES,
+           sources="vLLM deepseek_mtp.py, glm4_moe_mtp.py; mlx-lm deepseek_v3.py, glm4_moe.py"),
+    Family("deepseek_dsa", ("deepseek_v32", "glm_moe_dsa"), (_AFTER_TRUNK,),
+           block_offset_key="num_hidden_layers", head_roles=_NEXTN_ROLES,
+           experts_key="n_routed_experts", sanitize_mtp_layer=True,
+           next_hidden="pre_mtp_norm", mtp_layer_kind="after_trunk",
+           shape_rules=PLAIN_ATTENTION_RULES,
+           unsupported="its sparse (DSA) attention keeps an indexer cache beside the KV cache "
+                       "(mlx-lm's CacheList); the head keeps one KV cache per block",
+           sources="vLLM deepseek_v32 mtp.py (DeepseekV32MTPModel); mlx-lm deepseek_v32.py, "
+                   "glm_moe_dsa.py"),
+    Family("mimo", ("mimo",), (r"^model\.mtp_layers\.(?P<block>\d+)\.(?P<rest>.+)$",),
            head_roles={"token_layernorm": "pre_fc_norm_embedding",
                        "hidden_layernorm": "pre_fc_norm_hidden", "input_proj": "fc",
                        "final_layernorm": "norm"},
            concat_order="hidden_first", zero_first_embedding=True,
            shape_rules=PLAIN_ATTENTION_RULES),
+    Family("ernie4_5", ("ernie4_5_moe",),
+           (r"^model\.mtp_block\.(?P<block>\d+)\.(?P<rest>.+)$",
+            r"^model\.(?P<rest>mtp_emb_norm|mtp_hidden_norm|mtp_linear_proj)\.(?P<block>\d+)"
+            r"\.(?P<param>weight|bias)$"),
+           head_roles={"mtp_emb_norm": "pre_fc_norm_embedding",
+                       "mtp_hidden_norm": "pre_fc_norm_hidden", "mtp_linear_proj": "fc"},
+           required_roles=("fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden"),
+           experts_key="moe_num_experts", zero_first_embedding=True, mtp_layer_kind="after_trunk",
+           next_hidden="pre_mtp_norm",
+           unsupported="its head has no final norm before the LM head (vLLM ernie_mtp.py), and "
+                       "decoder/head.py always applies one",
+           sources="vLLM ernie_mtp.py (ErnieMultiTokenPredictorLayer); mlx-lm ernie4_5_moe.py "
+                   "sanitize"),
+    Family("nemotron_h", ("nemotron_h",), (r"^mtp\.layers\.(?P<block>\d+)\.(?P<rest>.+)$",),
+           head_roles=_NEXTN_FINAL, shared_roles=True, layer_parts=("norm", "mixer"),
+           experts_key="n_routed_experts",
+           unsupported="one draft step runs two pattern layers (attention, then MoE: "
+                       "mtp_hybrid_override_pattern), not one decoder layer per block",
+           sources="vLLM nemotron_h_mtp.py; SGLang nemotron_h_mtp.py; mlx-lm nemotron_h.py"),
+    Family("longcat_flash", ("longcat_flash", "longcat_flash_ngram"),
+           (r"^model\.mtp\.layers\.(?P<block>\d+)\.(?P<rest>.+)$",
+            r"^model\.mtp\.(?P<rest>(?:norm|embed_tokens)\..+)$"),
+           head_roles={"enorm.m": "pre_fc_norm_embedding", "hnorm.m": "pre_fc_norm_hidden",
+                       "eh_proj": "fc", "norm": "norm", "embed_tokens": "embed_tokens"},
+           shared_roles=True, layer_parts=("input_layernorm", "post_attention_layernorm",
+                                           "self_attn", "transformer_layer.mlp"),
+           default_mtp_layers=1, layers_key="num_layers",
+           unsupported=_OWN_LAYER.format("one MLA attention and a dense MLP, where the trunk's "
+                                         "layers are LongCat's dual-attention MoE layers"),
+           sources="vLLM longcat_flash_mtp.py; mlx-lm longcat_flash.py"),
+    Family("step3p5", ("step3p5",), (_AFTER_TRUNK,), block_offset_key="num_hidden_layers",
+           head_roles={**_NEXTN_ROLES, "transformer.shared_head.norm": "norm",
+                       "transformer.shared_head.output": "shared_head"},
+           experts_key="moe_num_experts", zero_centred_norms=True,
+           next_hidden="pre_mtp_norm", mtp_layer_kind="after_trunk",
+           unsupported="its MTP layers are trunk layers N+i, each of the trunk's sliding or full "
+                       "attention kind by its own index; the head builds every block as one kind",
+           sources="vLLM step3p5_mtp.py (docs.vllm.ai); mlx-lm step3p5.py"),
+    Family("kimi_k3", ("kimi_k3", "kimi_linear"),
+           (r"^(?:language_model\.)?model\.layers\.(?P<block>\d+)\.(?P<rest>.+)$",),
+           block_offset_key="num_hidden_layers", head_roles=_NEXTN_ROLES,
+           layer_parts=("input_layernorm", "post_attention_layernorm", "self_attn"),
+           mtp_layer_kind="after_trunk", next_hidden="pre_mtp_norm",
+           unsupported="its draft layer runs without the trunk's block-residual mixing "
+                       "(attn_res_block_size), which mlx-lm's layer class always applies",
+           sources="vLLM kimi_k3 mtp.py; mlx-lm kimi_k3.py"),
+    Family("mimo_v2", ("mimo_v2_flash",),
+           (r"^model\.mtp\.layers\.(?P<block>\d+)\.(?P<rest>.+)$",),
+           head_roles=_NEXTN_FINAL, experts_key="n_routed_experts",
+           layer_parts=("input_layernorm", "self_attn", "pre_mlp_layernorm", "mlp"),
+           unsupported=_OWN_LAYER.format("sliding-window attention with sinks and a dense MLP, "
+                                         "built as DecoderLayer(config, is_moe, "
+                                         "is_sliding_window)"),
+           sources="vLLM mimo_v2_mtp.py; SGLang mimo_v2_flash_nextn.py; mlx-lm mimo_v2_flash.py"),
+    Family("bailing", ("bailing_moe", "bailing_hybrid"), (_AFTER_TRUNK,),
+           block_offset_key="num_hidden_layers", head_roles=_NEXTN_FINAL,
+           layer_parts=("input_layernorm", "attention", "post_attention_layernorm", "mlp"),
+           mtp_layer_kind="after_trunk",
+           unsupported="its trunk embeds through model.word_embeddings, which the decoder's "
+                       "trunk wrapper does not read for the head's input",
+           sources="SGLang bailing_moe_nextn.py; vLLM bailing_moe_mtp.py; mlx-lm bailing_moe.py"),
+    Family("minimax_m3", ("minimax_m3_vl",),
+           (r"^(?:language_model\.)?model\.mtp\.layers\.(?P<block>\d+)\.(?P<rest>.+)$",),
+           head_roles=_NEXTN_FINAL, layer_parts=("transformer_layer",),
+           unsupported=_OWN_LAYER.format("a forced-sparse-attention MoE layer under "
+                                         "transformer_layer"),
+           sources="vLLM minimax_m3 mtp.py; mlx-lm minimax_m3_vl.py"),
     Family("llama", ("llama", "mistral", "smollm3"), shape_rules=PLAIN_ATTENTION_RULES),
 )
-GENERIC = Family("generic", (), CANONICAL_PATTERN)
+GENERIC = Family("generic", ())
 
 
 def family_for(model_type: str | None) -> Family:
@@ -205,28 +306,37 @@ def family_for(model_type: str | None) -> Family:
 def _canonical_from_block(rest: str, block: int, fam: Family) -> str:
     for source, role in sorted(fam.head_roles.items(), key=lambda kv: -len(kv[0])):
         if rest == source or rest.startswith(source + "."):
-            scope = "mtp." if block == 0 else f"mtp.heads.{block}."
+            scope = "mtp." if block == 0 or fam.shared_roles else f"mtp.heads.{block}."
             return scope + role + rest[len(source):]
     return f"mtp.layers.{block}.{rest}"
 
 
+def _family_match(name: str, fam: Family) -> tuple[str, int] | None:
+    """(rest, block) from the first of the family's patterns that matches."""
+    for pattern in fam.mtp_patterns:
+        m = re.match(pattern, name)
+        if m:
+            groups = m.groupdict()
+            rest = m["rest"] + (f".{groups['param']}" if groups.get("param") else "")
+            return rest, int(groups.get("block") or 0)
+    return None
+
+
 def canonical_mtp_name(name: str, fam: Family, config: dict[str, Any]) -> str | None:
-    """The canonical `mtp.` name of tensor `name`, or None when it is not part of an MTP head."""
-    canonical = re.match(CANONICAL_PATTERN, name)
-    if canonical:
-        return "mtp." + canonical["rest"]
-    if fam.mtp_pattern is None:
-        return None
-    m = re.match(fam.mtp_pattern, name)
-    if not m:
-        return None
-    block = int(m["block"])
+    """The canonical `mtp.` name of tensor `name`, or None when it is not part of an MTP head.
+    The family's own names come first: several (Nemotron-H, LongCat, MiMo-V2) start with
+    `mtp.` or `model.mtp.` and would otherwise read as canonical names."""
+    hit = _family_match(name, fam)
+    if hit is None:
+        canonical = re.match(CANONICAL_PATTERN, name)
+        return "mtp." + canonical["rest"] if canonical else None
+    rest, block = hit
     if fam.block_offset_key:
         offset = config.get(fam.block_offset_key)
         if not isinstance(offset, int) or block < offset:
             return None
         block -= offset
-    return _canonical_from_block(m["rest"], block, fam)
+    return _canonical_from_block(rest, block, fam)
 
 
 # MoE expert layouts, family-independent: (layout, pattern over a tensor name).
@@ -291,8 +401,14 @@ NORM_TWINS = {
 }
 
 
+# The final norm of a multi-block head's later blocks (Step-3.5's per-depth shared_head.norm).
+_BLOCK_FINAL_NORM = re.compile(r"(?:^|\.)mtp\.heads\.\d+\.norm\.weight$")
+
+
 def norm_role(name: str) -> str | None:
     """The role of a zero-centred-by-convention RMSNorm gain, or None for any other tensor."""
+    if _BLOCK_FINAL_NORM.search(name):
+        return "final_norm"
     return next((r for suffix, r in NORM_ROLES.items() if name.endswith(suffix)), None)
 
 

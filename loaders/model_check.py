@@ -42,7 +42,7 @@ MX_DTYPES = {
 # config no model should be built from (a 100,000-layer claim), quantized modules already
 # reported. Their own findings name the problem.
 TRUNK_PREREQUISITES = ("files.", "index.", "safetensors.", "config.", "quant.")
-HEAD_PREREQUISITES = ("mtp.incomplete", "mtp.experts_unstacked")
+HEAD_PREREQUISITES = ("mtp.incomplete", "mtp.experts_unstacked", "mtp.unsupported")
 # Quantization methods whose loader path rewrites the tensors before load_weights (mlx-lm's
 # load_model): not modelled here, so such checkpoints are left to their own loader.
 REWRITTEN = ("bitnet", "awq", "gptq")

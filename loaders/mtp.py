@@ -102,6 +102,8 @@ def collect(weights: Weights, fam: Family, cfg: ModelConfig) -> MTPLayout:
                        "trunk" if seen["trunk"] else "sidecar" if seen["sidecar"] else None)
     blocks = {int(m[1]) for c in layout.tensors if (m := re.match(r"mtp\.layers\.(\d+)\.", c))}
     layout.blocks = max(blocks) + 1 if blocks else 0
+    if layout.tensors and not layout.declared_layers:
+        layout.declared_layers = fam.default_mtp_layers
     return layout
 
 
@@ -125,6 +127,10 @@ def check(layout: MTPLayout, weights: Weights, fam: Family, cfg: ModelConfig, ki
             "mtp.stray_sidecar", f"the MTP head is in {layout.stray}, a file MTP runtimes do not "
             f"look for ({', '.join(SIDECAR_NAMES)} or config mlx_lm_extra_tensors.mtp_file), so "
             "they run without it", layout.stray))
+    if fam.unsupported:
+        add(finding("mtp.unsupported", f"{fam.name} MTP head recognised and kept "
+                    f"({len(layout.tensors)} tensors), but mtpkit's decoder cannot run it: "
+                    f"{fam.unsupported}", layout.location or ""))
     _check_placement(layout, weights, kind)
     _check_complete(layout, fam)
     _check_experts(layout, cfg, fam, kind)
@@ -153,17 +159,18 @@ def _has(layout: MTPLayout, prefix: str) -> bool:
 
 
 def _check_complete(layout: MTPLayout, fam: Family) -> None:
+    """Every block holds the family's layer parts, and the head its roles (per block, for
+    families that give each block its own)."""
     n = max(layout.declared_layers, layout.blocks)
-    per_block_heads = fam.head_roles != {}
+    per_block_heads = fam.head_roles != {} and not fam.shared_roles
     missing: list[str] = []
     for k in range(n):
         scope = "mtp." if k == 0 else f"mtp.heads.{k}."
         if k == 0 or per_block_heads:
-            missing += [scope + r for r in HEAD_ROLES if f"{scope}{r}.weight" not in layout.tensors]
+            missing += [scope + r for r in fam.required_roles
+                        if f"{scope}{r}.weight" not in layout.tensors]
         layer = f"mtp.layers.{k}."
-        for part in ("input_layernorm.", "post_attention_layernorm.", "self_attn.", "mlp."):
-            if not _has(layout, layer + part):
-                missing.append(layer + part.rstrip("."))
+        missing += [layer + part for part in fam.layer_parts if not _has(layout, f"{layer}{part}.")]
         if _has(layout, layer + "self_attn.") and not _has(layout, layer + "self_attn.o_proj."):
             missing.append(layer + "self_attn.o_proj")
     if missing:
