@@ -26,18 +26,21 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from mtpkit.decoder import store as disk
 from mtpkit.decoder.batch import Batch
-from mtpkit.decoder.batch_policy import EXPLORE, PIPED, BatchPolicy, piped
+from mtpkit.decoder.batch_policy import EXPLORE, PIPED, BatchPolicy, Row, piped
 from mtpkit.decoder.caches import is_recurrent
-from mtpkit.decoder.costs import cache_file
 from mtpkit.decoder.policy import MIN_OBSERVED, WINDOW
 from mtpkit.decoder.scheduler import Request, Scheduler
 
 if TYPE_CHECKING:
-    from mtpkit.decoder.runner import Runner
+    from mtpkit.decoder.curve import CostCurve
+    from mtpkit.decoder.head import MTPHead
+    from mtpkit.decoder.options import Depth
+    from mtpkit.decoder.policy import DepthPolicy
+    from mtpkit.decoder.trunk import Trunk
 
 ROUNDS = MIN_OBSERVED + 2  # times per shape: the first may have compiled something (a GPU)
 MARGIN = 0.95  # the stock pass takes a shape only where its rounds cost under 0.95x traced ones
@@ -46,6 +49,21 @@ MAX_TOKENS = 100_000  # the requests never end by length: the timing policy ends
 Paid = dict[tuple[int, int], deque]
 Stock = dict[tuple[int, int], bool]  # (rows, width) -> the stock pass is the faster one
 Told = Callable[[str, int, int], None]  # (what, shapes done, shapes in all)
+
+
+class Preparing(Protocol):
+    """What timing batches uses of a runner (decoder/runner.py's Runner, named by its parts:
+    the runner imports this module): its model, its curve and policy, and its requests."""
+
+    trunk: Trunk
+    head: MTPHead | None
+
+    def costs(self) -> CostCurve: ...
+
+    def policy(self, depth: Depth) -> tuple[int, DepthPolicy | None]: ...
+
+    def prepare(self, prompt: list[int], max_tokens: int, *, depth: Depth, draft: str
+                ) -> Request: ...
 
 
 @dataclass
@@ -60,7 +78,7 @@ class _Timing(BatchPolicy):
     def wanted(self, rows: int) -> int | None:
         return missing(self.paid, rows, self.max_depth)
 
-    def depth(self, requests: list[Request], rows: int | None = None) -> int:
+    def depth(self, requests: list[Row], rows: int | None = None) -> int:
         self.decided = False
         if self.plain_left > 0:
             self.plain_left -= 1
@@ -77,7 +95,7 @@ class _Timing(BatchPolicy):
         return shape
 
 
-def deepest(runner: Runner) -> int:
+def deepest(runner: Preparing) -> int:
     """The deepest depth timed up front: the runner's, at most EXPLORE."""
     return min(runner.policy("auto")[0], EXPLORE)
 
@@ -107,7 +125,7 @@ def sizes_up_to(most: int) -> list[int]:
     return [*out, most] if most >= 2 else []
 
 
-def measure(runner: Runner, most: int, told: Told | None = None, paid: Paid | None = None,
+def measure(runner: Preparing, most: int, told: Told | None = None, paid: Paid | None = None,
             seed: int = 0, stock: Stock | None = None) -> Paid:
     """Round times by (rows, shape) at every size of sizes_up_to(most), through the real
     engine, into `paid` (so an interrupted run leaves what it timed there); depths up to
@@ -141,7 +159,7 @@ def measure(runner: Runner, most: int, told: Told | None = None, paid: Paid | No
     return paid
 
 
-def _time(runner: Runner, sizes: list[int], paid: Paid, told: Told | None, done: int,
+def _time(runner: Preparing, sizes: list[int], paid: Paid, told: Told | None, done: int,
           total: int, seed: int, how: str = "") -> None:
     """Every shape at every size, through a Scheduler driven by the timing policy."""
     curve = runner.costs()
@@ -190,7 +208,7 @@ def _name(shape: int) -> str:
 
 
 def _path(key: dict[str, Any]) -> Path:
-    return cache_file({**key, "kind": "batch"}, ".batch.json")
+    return disk.cache_file({**key, "kind": "batch"}, ".batch.json")
 
 
 def store(key: dict[str, Any], paid: Paid, stock: Stock | None = None) -> Path:

@@ -42,18 +42,23 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from mtpkit.decoder.batch import Ask
 from mtpkit.decoder.curve import CostCurve
 from mtpkit.decoder.options import Source
-from mtpkit.decoder.policy import MARGIN, MAX_STRETCH, MIN_OBSERVED, MIN_STRETCH, WINDOW
-from mtpkit.decoder.session import RoundOutcome
-
-if TYPE_CHECKING:
-    from mtpkit.decoder.scheduler import Request
+from mtpkit.decoder.policy import MARGIN, MAX_STRETCH, MIN_OBSERVED, MIN_STRETCH, WINDOW, DepthPolicy
+from mtpkit.decoder.session import RoundOutcome, Session
 
 EXPLORE = 3  # depths timed at each batch size before any is chosen (deeper ones extend them)
+
+
+class Row(Protocol):
+    """What the policy reads of a row (decoder/scheduler.py's Request, named by its parts: the
+    scheduler imports this module): its session and, under auto, its own depth policy."""
+
+    session: Session
+    policy: DepthPolicy | None
 
 
 def piped(depth: int) -> int:
@@ -119,7 +124,7 @@ class Prices(dict):
         return age if age > STALE_S and worked >= PROBE_ROUNDS else None
 
 
-def _offers(request: Request, width: int, headed: bool
+def _offers(request: Row, width: int, headed: bool
             ) -> tuple[list[float], list[int], int, list[float]]:
     """What a row can draft now, up to `width`: its head's acceptance ([] where it has no head
     drafts: `headed` false or not a source), and its context's drafts, their match length and
@@ -204,7 +209,7 @@ class BatchPolicy:
                 return depth
         return None
 
-    def gains(self, request: Request) -> list[float]:
+    def gains(self, request: Row) -> list[float]:
         """A row's expected kept drafts in a round at each depth 0..max_depth: its best
         source's, as `ask` picks it. A context's are those of the match it would draft from
         now (its tracker by match length) and only as many as it offers: the one-token
@@ -220,7 +225,7 @@ class BatchPolicy:
             out[k] = max(sum(head[:k]), sum(context[:k]))
         return out
 
-    def depth(self, requests: list[Request], rows: int | None = None) -> int:
+    def depth(self, requests: list[Row], rows: int | None = None) -> int:
         """The depth of the next round for these requests (0: plain steps); `rows`: the
         batch's, where mates at fixed depths share the pass (its cost is that many rows')."""
         self.decided = False
@@ -271,7 +276,7 @@ class BatchPolicy:
         self.paid.timed(rows, piped(probe))  # (asked once, even if cut short)
         return probe
 
-    def ask(self, request: Request, depth: int, most: int, headed: bool) -> Ask:
+    def ask(self, request: Row, depth: int, most: int, headed: bool) -> Ask:
         """A row's draft in a round at `depth` (at most `most` drafts): context drafts where
         they are expected to keep at least what the head's would, else the head's."""
         depth = min(depth, most)

@@ -37,16 +37,14 @@ makes real steps dearer than a true curve.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import mlx.core as mx
 
@@ -65,10 +63,14 @@ from mtpkit.decoder.curve import (
 from mtpkit.decoder.sampling import SamplingParams, greedy
 from mtpkit.decoder.session import Session
 from mtpkit.decoder.state import rewind
+from mtpkit.decoder.store import (
+    cache_dir,  # noqa: F401 (verify/tune.py's import, until it takes it from store)
+    cache_file,
+    versions,
+)
 
 if TYPE_CHECKING:
     from mtpkit.decoder.head import MTPHead
-    from mtpkit.decoder.runner import Runner
     from mtpkit.decoder.trunk import Trunk
 
 REPEATS = 7  # most timed passes per row (their median counts)
@@ -102,14 +104,15 @@ VERSION = 4  # bump when what is measured changes (2: bounded, checked, smoothed
 DRIFT = 1.5  # two timings of one thing this far apart: the slower ran on a busy machine
 
 
-def versions() -> dict[str, str | None]:
-    out = {}
-    for package in ("mlx", "mlx-lm", "mtpkit"):
-        try:
-            out[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            out[package] = None
-    return out
+class Loaded(Protocol):
+    """What a measurement reads of a loaded bundle (decoder/runner.py's Runner, named by its
+    parts: the runner imports this module)."""
+
+    trunk: Trunk
+    head: MTPHead | None
+    context: int | None  # the model's longest context (None: it declares none)
+    root: Path | None  # the bundle's folder (None: not loaded from one, so nothing is cached)
+    load_options: dict[str, Any]  # what else keys the cache (dtype, kv, ...)
 
 
 def weights_fingerprint(root: Path) -> str:
@@ -132,20 +135,6 @@ def cache_key(root: Path, options: dict[str, Any]) -> dict[str, Any]:
     return {"weights": weights_fingerprint(root), "load": options,
             "backend": f"{device.type.name}:{info.get('device_name', '')}",
             "versions": versions(), "format": VERSION}
-
-
-def cache_dir() -> Path:
-    return disk.root() / "costs"
-
-
-def key_name(key: dict[str, Any]) -> str:
-    """A file name for what was measured under `key` (the cost curve, kernel choices, warm-ups)."""
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
-
-
-def cache_file(key: dict[str, Any], suffix: str = ".json") -> Path:
-    """Where what was measured under `key` is kept (the cost curve; `suffix` for others)."""
-    return cache_dir() / f"{key_name(key)}{suffix}"
 
 
 def cached(key: dict[str, Any]) -> CostCurve | None:
@@ -318,7 +307,7 @@ def _linear(c1: float, c16: float, rows: int) -> float:
     return c1 + (c16 - c1) * (rows - 1) / (MAX_ROWS - 1)
 
 
-def contexts_for(runner: Runner, first: int) -> list[int]:
+def contexts_for(runner: Loaded, first: int) -> list[int]:
     """The longer contexts measure() aims at, shortest first: LADDER's below the longest the
     model takes (its context less GRAIN of room for the passes, at most LONGEST), then that."""
     top = LONGEST if runner.context is None else min(runner.context - GRAIN, LONGEST)
@@ -331,7 +320,7 @@ class _Bench:
     T rows and pipelined plain steps (each put back after it), and prefill on to a longer
     context; with what prefill has paid so far, per token by position (`rates`)."""
 
-    def __init__(self, runner: Runner, session: Session, ids: list[int], clock: _Clock) -> None:
+    def __init__(self, runner: Loaded, session: Session, ids: list[int], clock: _Clock) -> None:
         self.runner, self.session, self.ids, self.clock = runner, session, ids, clock
         self.warm = False  # each new shape's first pass compiles (a GPU): warm it up first
         self.rates: list[tuple[float, float]] = []  # (mean position, seconds per token)
@@ -442,7 +431,7 @@ def _longer(bench: _Bench, targets: list[int], first: Point, passes: int) -> lis
     return points
 
 
-def measure(runner: Runner, context: int = CONTEXT, repeats: int = REPEATS,
+def measure(runner: Loaded, context: int = CONTEXT, repeats: int = REPEATS,
             bounded: bool | None = None, *, budget_s: float | None = None,
             progress: Progress | None = None, timer: Timer = wall_clock,
             longer: list[int] | None = None) -> CostCurve:
@@ -640,7 +629,7 @@ def _cheapest(curve: list[float], rows: int) -> int:
     return min(range(rows + 1, len(curve) + 1), key=lambda t: (curve[t - 1], t))
 
 
-def costs_for(runner: Runner, refresh: bool = False, progress: Progress | None = None,
+def costs_for(runner: Loaded, refresh: bool = False, progress: Progress | None = None,
               budget_s: float | None = None) -> CostCurve:
     """The runner's cost curve: cached for a bundle-loaded runner, else measured now (telling
     `progress`, within `budget_s`)."""

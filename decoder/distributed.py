@@ -16,7 +16,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
 import mlx.core as mx
 import numpy as np
@@ -29,15 +29,24 @@ from mtpkit.decoder.state import commit_recorded, rewind
 from mtpkit.decoder.trunk import Trunk
 from mtpkit.loaders.findings import UserError
 
-if TYPE_CHECKING:
-    from mtpkit.decoder.runner import Runner
-
 MAGIC = 0x4D545031  # "MTP1": a message from another protocol version is refused, not obeyed
 HEADER = 8  # magic, op, value, token count, rank 0's committed length, real, recording, and
 PRESENT = HEADER - 1  # the followers present: each adds 1, so rank 0 sees one that is gone
 ROOM = 32  # tokens carried in the message itself; a longer pass (prefill) sends a second array
 CACHE, PASS, QUIT = 1, 2, 3  # ops; value: CACHE bounded, QUIT the exit code
 LOST = ("[ring]", "[jaccl]", "[mpi]", "[nccl]")  # how MLX's backends word a lost peer
+
+
+class Sharded(Protocol):
+    """What leading and following use of a runner (decoder/runner.py's Runner, named by its
+    parts: the runner imports this module): its trunk, which rank 0 wraps, and whether it was
+    loaded as a shard."""
+
+    trunk: Trunk
+    load_options: dict[str, Any]
+
+
+R = TypeVar("R", bound=Sharded)  # the runner handed in is the runner handed back
 
 
 class Desync(RuntimeError):
@@ -240,7 +249,7 @@ class Follower:
                          f"(caches: {committed(self.cache)})")
 
 
-def attach(runner: Runner, group: mx.distributed.Group, mode: str) -> Runner:
+def attach(runner: R, group: mx.distributed.Group, mode: str) -> R:
     """Rank 0's runner drives the followers through a LeaderTrunk."""
     from mtpkit.decoder.sharding import recurrent_elsewhere
 
@@ -251,7 +260,7 @@ def attach(runner: Runner, group: mx.distributed.Group, mode: str) -> Runner:
     return runner
 
 
-def follow(runner: Runner) -> Follower:
+def follow(runner: Sharded) -> Follower:
     """Run a follower rank's part until rank 0 quits (its exit code in `.code`)."""
     follower = Follower(runner.trunk, mx.distributed.init())
     with _lost_peers():
@@ -259,13 +268,13 @@ def follow(runner: Runner) -> Follower:
     return follower
 
 
-def finish(runner: Runner, code: int = 0) -> None:
+def finish(runner: Sharded, code: int = 0) -> None:
     """Rank 0 is done: the followers settle and exit with `code`."""
     if isinstance(runner.trunk, LeaderTrunk):
         runner.trunk.quit(code)
 
 
-def is_follower(runner: Runner) -> bool:
+def is_follower(runner: Sharded) -> bool:
     return "shard" in runner.load_options and mx.distributed.init().rank() > 0
 
 
@@ -286,10 +295,10 @@ def _lost_peers() -> Iterator[None]:
         raise SystemExit(PEER_LOST) from None
 
 
-_LEADING: list[list[Runner]] = []  # per command running under leading(): the runners it led
+_LEADING: list[list[Sharded]] = []  # per command running under leading(): the runners it led
 
 
-def lead(runner: Runner) -> Runner:
+def lead(runner: R) -> R:
     """For a command: on a follower rank, follow rank 0 and exit with rank 0's exit code; on
     rank 0 (or unsharded) return the runner; under leading(), its followers are told to exit
     with the command's code when the command ends."""
@@ -304,7 +313,7 @@ def lead(runner: Runner) -> Runner:
 def leading() -> Iterator[None]:
     """Around a command (also a decorator) that may lead followers (see lead): a lost rank is
     one line and PEER_LOST; on the way out the followers get the command's exit code."""
-    led: list[Runner] = []
+    led: list[Sharded] = []
     _LEADING.append(led)
     code = 1
     try:

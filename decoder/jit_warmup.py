@@ -26,8 +26,8 @@ import mlx.core as mx
 
 from mtpkit.decoder import kernel_choice
 from mtpkit.decoder import store as disk
-from mtpkit.decoder.costs import key_name
 from mtpkit.decoder.kernel_choice import stderr_line
+from mtpkit.decoder.store import key_name
 
 # every width of a batch's rounds (up to 16 rows x depth 3, 8 x 7); powers of two for prefills
 ROWS = (*range(1, 65), 128, 256, 512, 1024, 2048)

@@ -28,7 +28,7 @@ import mlx.core as mx
 
 from mtpkit.decoder import kernels
 from mtpkit.decoder import store as disk
-from mtpkit.decoder.costs import key_name, versions
+from mtpkit.decoder.store import key_name, versions
 
 MARGIN = 0.9  # MLX's op takes a row count only where it needs under 0.9x the kernel's time
 PRODUCTS = 8  # products per timing, in one eval: one ~0.1 ms product would time the launch

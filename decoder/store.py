@@ -13,15 +13,20 @@ and its caller measures again. Writes go to a temp file created exclusively in t
 folder (mkstemp: O_EXCL, so a symlink planted at the temp name is refused, not followed) and
 renamed over the target (a rename replaces a symlink at the target name, never writes through
 it): concurrent processes never read half a file.
+
+A document is found by what it was measured under (its key: weights, device, `versions`, ...),
+hashed into its file name (`key_name`), so a changed key is a new file, never a stale read.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import stat
 import sys
 import tempfile
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +42,32 @@ def root() -> Path:
     base = os.environ.get("MTPKIT_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mtpkit")
     return Path(base)
+
+
+def versions() -> dict[str, str | None]:
+    """The versions a measurement depends on (part of every key: an upgrade measures again)."""
+    out = {}
+    for package in ("mlx", "mlx-lm", "mtpkit"):
+        try:
+            out[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            out[package] = None
+    return out
+
+
+def key_name(key: dict[str, Any]) -> str:
+    """A file name for what was measured under `key` (the cost curve, kernel choices, warm-ups)."""
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def cache_dir() -> Path:
+    """Where cost curves and batch prices live."""
+    return root() / "costs"
+
+
+def cache_file(key: dict[str, Any], suffix: str = ".json") -> Path:
+    """Where what was measured under `key` is kept (the cost curve; `suffix` for others)."""
+    return cache_dir() / f"{key_name(key)}{suffix}"
 
 
 def say(line: str) -> None:

@@ -48,7 +48,7 @@ def _curve_doc(**changes: Any) -> dict[str, Any]:
 ])
 def test_a_stored_curve_that_is_not_a_curve_is_measured_again(
         cache: Path, capfd: pytest.CaptureFixture[str], bad: dict[str, Any], why: str) -> None:
-    path = costs.cache_file(KEY)
+    path = store.cache_file(KEY)
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps(_curve_doc(**bad)))  # (json writes NaN and Infinity unasked)
     assert costs.cached(KEY) is None
@@ -106,7 +106,7 @@ def test_a_planted_symlink_redirects_no_write(cache: Path, tmp_path: Path, plant
     writer would once have used (`<name>.<pid>.tmp`), it is never used."""
     victim = tmp_path / "victim"
     victim.write_text("untouched")
-    path = costs.cache_file(KEY)
+    path = store.cache_file(KEY)
     path.parent.mkdir(parents=True)
     link = path if planted == "target" else path.with_suffix(f".{os.getpid()}.tmp")
     link.symlink_to(victim)
@@ -119,7 +119,7 @@ def test_a_planted_symlink_redirects_no_write(cache: Path, tmp_path: Path, plant
 
 def test_a_symlink_or_a_fifo_is_not_read(cache: Path, tmp_path: Path,
                                          capfd: pytest.CaptureFixture[str]) -> None:
-    path = costs.cache_file(KEY)
+    path = store.cache_file(KEY)
     path.parent.mkdir(parents=True)
     elsewhere = tmp_path / "doc.json"
     elsewhere.write_text(json.dumps(_curve_doc()))
@@ -192,7 +192,7 @@ def test_a_stored_curve_real_steps_beat_by_far_is_measured_again(
 
     monkeypatch.setattr(costs, "measure", counting)
     fresh = runner.costs()
-    path = costs.cache_file(fresh.key)
+    path = store.cache_file(fresh.key)
     doc = json.loads(path.read_text())
     doctored = {**doc, "plain": 20 * doc["plain"]}
     path.write_text(json.dumps(doctored))
@@ -221,5 +221,5 @@ def test_real_steps_dearer_than_the_curve_prove_nothing(runner: Runner,
     curve = runner.costs()
     assert not costs.check_plain(curve, 10 * curve.plain)
     assert not costs.check_plain(curve, curve.plain / 1.2)
-    assert "stale" not in json.loads(costs.cache_file(curve.key).read_text())
+    assert "stale" not in json.loads(store.cache_file(curve.key).read_text())
     assert capfd.readouterr().err == ""

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 import mtpkit
-from mtpkit.decoder import costs
+from mtpkit.decoder import costs, store
 from mtpkit.decoder.costs import Tick
 from mtpkit.decoder.curve import CONTEXT, CostCurve, breaks
 from mtpkit.decoder.runner import Runner
@@ -226,7 +226,7 @@ def test_a_cached_curve_that_breaks_the_check_is_measured_again(runner: Runner) 
     costs.store(CostCurve(broken, 0.14, 0.01, key))
     assert runner.costs().verify != broken, "a curve that fails the check is not trusted"
     assert breaks(runner.costs().verify) == []
-    stored = json.loads(next(costs.cache_dir().glob("*.json")).read_text())
+    stored = json.loads(next(store.cache_dir().glob("*.json")).read_text())
     assert stored["verify"] == runner.costs().verify and stored["timed"], "and is replaced"
 
 
