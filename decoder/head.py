@@ -60,7 +60,8 @@ class _Roles(nn.Module):
         self.pre_fc_norm_embedding = nn.RMSNorm(hidden, eps=eps)
         self.pre_fc_norm_hidden = nn.RMSNorm(hidden, eps=eps)
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
-        self.norm = nn.RMSNorm(hidden, eps=eps)
+        if "norm" in names or not names:  # ERNIE's head has none: its block feeds the LM head
+            self.norm = nn.RMSNorm(hidden, eps=eps)
         if "shared_head" in names:
             self.shared_head = nn.Linear(hidden, vocab, bias=False)
         if "embed_tokens" in names:
@@ -205,7 +206,7 @@ class MTPHead(nn.Module):
             x = mx.take_along_axis(x, pick[:, None, None], axis=1)
         elif last_only:
             x = x[:, -1:]
-        post = roles.norm(x)
+        post = roles.norm(x) if "norm" in roles else x
         logits = self.draft_logits(roles, post)
         if full_vocab:
             logits = self._full(logits)

@@ -233,8 +233,6 @@ FAMILIES: tuple[Family, ...] = (
            required_roles=("fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden"),
            experts_key="moe_num_experts", zero_first_embedding=True, mtp_layer_kind="after_trunk",
            next_hidden="pre_mtp_norm",
-           unsupported="its head has no final norm before the LM head (vLLM ernie_mtp.py), and "
-                       "decoder/head.py always applies one",
            sources="vLLM ernie_mtp.py (ErnieMultiTokenPredictorLayer); mlx-lm ernie4_5_moe.py "
                    "sanitize"),
     Family("nemotron_h", ("nemotron_h",), (r"^mtp\.layers\.(?P<block>\d+)\.(?P<rest>.+)$",),
@@ -442,7 +440,9 @@ IN_FEATURES_RULES: tuple[tuple[str, Callable[[dict[str, Any]], int | None] | str
     (r"(?:^|\.)(?:fc|eh_proj|input_proj)$", lambda c: 2 * c["hidden_size"]),
     (r"\.down_proj$", "up_proj"),
     (r"\.w2$", "w3"),
-    (r"\.self_attn\.o_proj$", _attn_out),
+    (r"\.fc2$", "fc1"),  # Nemotron-H's stacked non-gated experts (mlx-lm's names)
+    (r"\.(?:self_attn|mixer)\.o_proj$|\.attention\.dense$", _attn_out),
+    (r"\.mixer\.out_proj$", _product("mamba_num_heads", "mamba_head_dim")),
     (r"\.linear_attn\.out_proj$", _product("linear_num_value_heads", "linear_value_head_dim")),
     (r"\.q_b_proj$", _product("q_lora_rank")),
     (r"\.(?:kv_b_proj|unembed_out)$", _product("kv_lora_rank")),

@@ -1,0 +1,192 @@
+"""The issue-51 families: their heads are found under the names the published checkpoints use,
+convert keeps them, doctor diagnoses them with the codes the other families get (and --fix
+repairs what it repairs there), and the decoder runs the ones whose layer it can build exactly
+as stock mlx-lm decodes; the others are refused with mtp.unsupported, never dropped."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_exactness import LONG_PROMPT, PROMPT, assert_every_outcome, rounds_of, stock_greedy
+
+import mtpkit
+from fixtures import breaker
+from fixtures.configs import HEAD_FAMILIES
+from fixtures.decoder_models import OracleHead
+from fixtures.heads import build_head_hf, head_weights
+from mtpkit.convert.convert import ConvertOptions, convert
+from mtpkit.convert.repair import repair
+from mtpkit.convert.sidecar import SidecarOptions
+from mtpkit.convert.trunk import QuantOptions
+from mtpkit.decoder.runner import Runner
+from mtpkit.loaders.families import canonical_mtp_name, family_for
+from mtpkit.loaders.findings import UserError
+from mtpkit.loaders.safetensors_header import read_header
+from mtpkit.schemas import finding_codes
+from mtpkit.verify.doctor import report
+
+RUNNABLE = ("glm4_moe", "ernie4_5_moe")
+MOE_HEADS = ("glm4_moe", "glm_moe_dsa", "nemotron_h", "bailing_moe")
+
+
+def baseline(family: str) -> set[str]:
+    """What doctor says of a healthy bundle of the family: nothing, or that it cannot run it."""
+    return set() if family in RUNNABLE else {"mtp.unsupported"}
+
+
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, bool], Path]:
+    """bundles(family, hf) -> the family's checkpoint, or its conversion (trunk 4-bit, sidecar
+    layers at group 32), built once per module."""
+    root = tmp_path_factory.mktemp("heads")
+    cache: dict[tuple[str, bool], Path] = {}
+
+    def get(family: str, hf: bool = False) -> Path:
+        if (family, hf) not in cache:
+            src = build_head_hf(family, root / f"{family}-hf") if hf else get(family, True)
+            cache[(family, hf)] = src if hf else convert(
+                str(src), root / f"{family}-mlx",
+                ConvertOptions(quant=QuantOptions(quantize=True),
+                               sidecar=SidecarOptions(group_size=32))).out
+        return cache[(family, hf)]
+
+    return get
+
+
+def codes(path: Path, deep: bool = False) -> set[str]:
+    return {f["code"] for f in report(path, deep=deep)["findings"]} - {"mtp.absent"}
+
+
+@pytest.mark.parametrize("family", HEAD_FAMILIES)
+def test_every_published_head_tensor_is_found_and_named_once(bundles, family):
+    view = mtpkit.open_bundle(bundles(family, True))
+    published = head_weights(family)
+    assert sorted(view.mtp.source_names.values()) == sorted(published)
+    assert view.family.name != "generic" and view.kind == "hf"
+    canon = list(view.mtp.tensors)
+    assert len(set(canon)) == len(published) and all(c.startswith("mtp.") for c in canon)
+    # canonical names read back as themselves: a converted sidecar is found the same way
+    assert all(canonical_mtp_name(c, view.family, view.config.text) == c for c in canon)
+    assert codes(bundles(family, True)) == baseline(family)
+
+
+@pytest.mark.parametrize("family", HEAD_FAMILIES)
+def test_convert_keeps_the_head_in_its_sidecar(bundles, family):
+    out = bundles(family)
+    view = mtpkit.open_bundle(out)
+    sidecar = read_header(out / "mtp.safetensors").tensors
+    assert view.mtp.location == "sidecar" and set(sidecar) == set(view.mtp.source_names.values())
+    assert not [n for n in view.weights.trunk if canonical_mtp_name(n, view.family,
+                                                                    view.config.text)]
+    source = mtpkit.open_bundle(bundles(family, True))
+    weights = {c for c in source.mtp.tensors if c.endswith(".weight")}
+    kept = {n for n in sidecar if n.endswith(".weight")}
+    experts = {c for c in weights if ".experts." in c}
+    # every non-expert module, quantized or not; MLA's kv_b_proj as mlx-lm's sanitize splits it
+    split = {c for c in weights if c.endswith(".kv_b_proj.weight")
+             and view.family.sanitize_mtp_layer}
+    assert weights - experts - split <= kept
+    assert all(c.replace("kv_b_proj", part) in kept for c in split
+               for part in ("embed_q", "unembed_out"))
+    assert bool(experts) == any(".switch_mlp." in n for n in kept) == (family in MOE_HEADS)
+    quantized = view.config.mtp_quantization["quantized_modules"]
+    assert quantized and all(m.startswith("mtp.layers.") for m in quantized)
+    assert codes(out) == baseline(family)
+
+
+@pytest.mark.parametrize("family", HEAD_FAMILIES)
+def test_a_converted_bundle_converts_again_to_the_same_sidecar(bundles, family, tmp_path):
+    first = bundles(family)
+    again = convert(str(first), tmp_path / "again", ConvertOptions(
+        sidecar=SidecarOptions(group_size=32))).out
+    assert (read_header(again / "mtp.safetensors").tensors.keys()
+            == read_header(first / "mtp.safetensors").tensors.keys())
+
+
+# The sidecar codes every family's bundle is diagnosed with (fixtures/breaker.py's damage).
+DAMAGE = {"mtp.missing": breaker.mtp_missing, "mtp.incomplete": breaker.mtp_incomplete,
+          "mtp.in_trunk": breaker.mtp_in_trunk, "mtp.unknown_policy": breaker.mtp_unknown_policy,
+          "mtp.group_mismatch": breaker.mtp_group_mismatch,
+          "mtp.stray_sidecar": breaker.mtp_stray_sidecar,
+          "mtp.experts_unstacked": breaker.mtp_experts_unstacked}
+KNOCK_ON = {"mtp.missing": {"mtp.group_mismatch"}}
+CASES = [(f, c) for f in HEAD_FAMILIES for c in DAMAGE
+         if c != "mtp.experts_unstacked" or f in MOE_HEADS]
+
+
+@pytest.mark.parametrize(("family", "code"), CASES)
+def test_doctor_names_the_damage_and_fix_repairs_it(bundles, family, code, tmp_path):
+    path = tmp_path / "bundle"
+    shutil.copytree(bundles(family), path)
+    (path / "mtpkit.json").unlink()  # the damage would make it stale too (manifest.stale)
+    DAMAGE[code](path)
+    found = codes(path)
+    expected = baseline(family) - ({"mtp.unsupported"} if code == "mtp.missing" else set())
+    assert code in found and found - {code} <= expected | KNOCK_ON.get(code, set()), found
+    if finding_codes()[code]["fixable"]:
+        repair(path, tmp_path / "fixed")
+        assert codes(tmp_path / "fixed") == baseline(family)
+
+
+def test_an_empty_head_is_found_by_the_deep_scan(bundles, tmp_path):
+    path = tmp_path / "bundle"
+    shutil.copytree(bundles("nemotron_h"), path)
+    breaker.mtp_empty(path)
+    assert "mtp.empty" in codes(path, deep=True)
+
+
+def test_zero_centred_step_heads_are_shifted_once_per_block(bundles):
+    """Step-3.5's head norms are stored zero-centred (mlx-lm's sanitize adds +1 to a vanilla
+    checkpoint's): converted, every block's gains sit at 1 +- 0.05 like the trunk's."""
+    import mlx.core as mx
+
+    arrays = mx.load(str(bundles("step3p5") / "mtp.safetensors"))
+    norms = {k: float(v.astype(mx.float32).mean()) for k, v in arrays.items()
+             if k.endswith("norm.weight")}
+    assert {"mtp.heads.1.norm.weight", "mtp.heads.2.norm.weight", "mtp.norm.weight"} <= set(norms)
+    assert all(0.9 < m < 1.1 for m in norms.values()), norms
+
+
+@pytest.mark.parametrize("family", sorted(set(HEAD_FAMILIES) - set(RUNNABLE)))
+def test_a_head_the_decoder_cannot_run_is_refused_with_its_code(bundles, family):
+    with pytest.raises(UserError) as err:
+        mtpkit.load(bundles(family))
+    assert err.value.code == "mtp.unsupported" and "\n" not in str(err.value)
+    assert family_for(mtpkit.open_bundle(bundles(family)).config.model_type).unsupported
+
+
+@pytest.mark.parametrize("family", RUNNABLE)
+def test_greedy_tokens_equal_stock_mlx_lm(bundles, family):
+    path = bundles(family)
+    reference, reason = stock_greedy(path, PROMPT, 64)
+    runner = mtpkit.load(path, dtype="float32")
+    assert runner.head is not None
+    assert runner.head.blocks == mtpkit.open_bundle(path).mtp.declared_layers
+    for depth in (0, 1, 3):
+        result = runner.generate(PROMPT, 64, depth=depth)
+        assert result.tokens == reference and result.finish_reason == reason, (family, depth)
+        if depth:  # the head drafted every round (its blocks chained), and was verified
+            assert result.stats.proposed[0] == result.stats.verify_calls > 0
+
+
+@pytest.mark.parametrize("family", RUNNABLE)
+def test_forced_rejections_keep_greedy_equal_to_stock(bundles, family):
+    """A drafter wrong at a random 30% of positions over the family's trunk: every rejection
+    point and full acceptance happen, and the tokens still equal stock mlx-lm's."""
+    path = bundles(family)
+    reference, _ = stock_greedy(path, LONG_PROMPT, 96)
+    runner = mtpkit.load(path, dtype="float32")
+    seq = LONG_PROMPT + reference
+    vocab = runner.trunk.args.vocab_size
+    wrong = np.random.default_rng(1).random(len(seq)) < 0.3
+    script = {i: (t + 1) % vocab if wrong[i] else t for i, t in enumerate(seq)}
+    oracle = Runner(runner.trunk, OracleHead(vocab, script, len(LONG_PROMPT)),  # type: ignore[arg-type]
+                    None)
+    for depth in (2, 3):
+        tokens, outcomes = rounds_of(oracle, LONG_PROMPT, len(reference), depth)
+        assert tokens == reference, (family, depth)
+        assert_every_outcome(outcomes, (depth,))
