@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mtpkit.decoder.runner import Result
+from mtpkit.serve.channels import Delta
 from mtpkit.serve.protocol import (
     MAX_MESSAGES,
     Request,
@@ -30,7 +31,7 @@ from mtpkit.serve.protocol import (
     stops,
     text,
 )
-from mtpkit.serve.service import Delta, tool_calls, usage
+from mtpkit.serve.service import tool_calls, usage
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 411: "invalid_request_error", 413: "request_too_large",

@@ -8,7 +8,28 @@ until resolved, so a stream never shows text a non-streamed answer would not.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mtpkit.decoder.runner import Result
+
 OPEN, CLOSE = "<think>", "</think>"
+
+
+@dataclass
+class Delta:
+    """Text committed by the decoder, split by channel; the last one carries the result (here,
+    below the service that makes them and the worker that carries them, so neither imports
+    the other's module)."""
+
+    reasoning: str = ""
+    content: str = ""
+    result: Result | None = None
+    tokens: int = 0  # committed tokens behind this text
+    draft: str | None = None  # with the result: the draft source used (None: plain decoding)
+    stop_sequence: str | None = None  # with the result: the stop sequence that ended it
+    cached: bool = False  # with the result: the prompt went through the prefix cache
 
 
 def _held_back(text: str, marker: str) -> int:

@@ -7,8 +7,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from mtpkit.serve.channels import Delta
 from mtpkit.serve.protocol import Request, completion_id, envelope
-from mtpkit.serve.service import Delta, tool_calls, usage
+from mtpkit.serve.service import tool_calls, usage
 
 
 def models(model_id: str) -> dict[str, Any]:

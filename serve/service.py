@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from mtpkit.decoder.batch import Batch
@@ -20,7 +20,7 @@ from mtpkit.decoder.scheduler import Event, Scheduler
 from mtpkit.decoder.scheduler import Request as Batched
 from mtpkit.loaders.findings import UserError
 from mtpkit.loaders.templates import RENDER_ERRORS, describe_failure
-from mtpkit.serve.channels import OPEN, ChannelSplitter, StopScanner
+from mtpkit.serve.channels import OPEN, ChannelSplitter, Delta, StopScanner
 from mtpkit.serve.metrics import Metrics
 from mtpkit.serve.protocol import Request, RequestError, load_json, refused
 from mtpkit.serve.worker import Ticket, Worker
@@ -28,19 +28,6 @@ from mtpkit.serve.worker import Ticket, Worker
 MAX_QUEUE = 16  # requests that may wait behind the running one by default
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
-
-
-@dataclass
-class Delta:
-    """Text committed by the decoder, split by channel; the last one carries the result."""
-
-    reasoning: str = ""
-    content: str = ""
-    result: Result | None = None
-    tokens: int = 0  # committed tokens behind this text
-    draft: str | None = None  # with the result: the draft source used (None: plain decoding)
-    stop_sequence: str | None = None  # with the result: the stop sequence that ended it
-    cached: bool = False  # with the result: the prompt went through the prefix cache
 
 
 def tool_calls(content: str) -> tuple[str, list[dict[str, Any]]]:

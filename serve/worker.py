@@ -27,7 +27,7 @@ from mtpkit.serve.protocol import RequestError
 
 if TYPE_CHECKING:
     from mtpkit.decoder.scheduler import Event, Request, Scheduler
-    from mtpkit.serve.service import Delta
+    from mtpkit.serve.channels import Delta
 
     Shape = Callable[[Event], list[Delta]]  # a batched request's events as its deltas
 
