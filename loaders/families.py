@@ -235,7 +235,8 @@ FAMILIES: tuple[Family, ...] = (
            next_hidden="pre_mtp_norm",
            sources="vLLM ernie_mtp.py (ErnieMultiTokenPredictorLayer); mlx-lm ernie4_5_moe.py "
                    "sanitize"),
-    Family("nemotron_h", ("nemotron_h",), (r"^mtp\.layers\.(?P<block>\d+)\.(?P<rest>.+)$",),
+    Family("nemotron_h", ("nemotron_h",),
+           (r"^(?:language_model\.)?mtp\.layers\.(?P<block>\d+)\.(?P<rest>.+)$",),
            head_roles=_NEXTN_FINAL, shared_roles=True, layer_parts=("norm", "mixer"),
            experts_key="n_routed_experts",
            unsupported="one draft step runs two pattern layers (attention, then MoE: "
@@ -257,9 +258,11 @@ FAMILIES: tuple[Family, ...] = (
                        "transformer.shared_head.output": "shared_head"},
            experts_key="moe_num_experts", zero_centred_norms=True,
            next_hidden="pre_mtp_norm", mtp_layer_kind="after_trunk",
-           unsupported="its MTP layers are trunk layers N+i, each of the trunk's sliding or full "
-                       "attention kind by its own index; the head builds every block as one kind",
-           sources="vLLM step3p5_mtp.py (docs.vllm.ai); mlx-lm step3p5.py"),
+           unsupported="its depth layers are sliding-window attention blocks (their own head "
+                       "count and window) at indices past the trunk's layer_types; the head "
+                       "builds each block as trunk layer N over a full causal KV cache",
+           sources="vLLM step3p5_mtp.py (docs.vllm.ai); NeMo/Megatron Step-3.5 bridge "
+                   "(transformer.shared_head.{norm,output} per depth); mlx-lm step3p5.py"),
     Family("kimi_k3", ("kimi_k3", "kimi_linear"),
            (r"^(?:language_model\.)?model\.layers\.(?P<block>\d+)\.(?P<rest>.+)$",),
            block_offset_key="num_hidden_layers", head_roles=_NEXTN_ROLES,
