@@ -130,7 +130,7 @@ def check(layout: MTPLayout, weights: Weights, fam: Family, cfg: ModelConfig, ki
     if fam.unsupported:
         add(finding("mtp.unsupported", f"{fam.name} MTP head recognised and kept "
                     f"({len(layout.tensors)} tensors), but mtpkit's decoder cannot run it: "
-                    f"{fam.unsupported}", layout.location or ""))
+                    f"{fam.unsupported}", next(iter(layout.tensors.values())).file))
     _check_placement(layout, weights, kind)
     _check_complete(layout, fam)
     _check_experts(layout, cfg, fam, kind)

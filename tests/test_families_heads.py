@@ -157,7 +157,9 @@ def test_a_head_the_decoder_cannot_run_is_refused_with_its_code(bundles, family)
     with pytest.raises(UserError) as err:
         mtpkit.load(bundles(family))
     assert err.value.code == "mtp.unsupported" and "\n" not in str(err.value)
-    assert family_for(mtpkit.open_bundle(bundles(family)).config.model_type).unsupported
+    fam = family_for(mtpkit.open_bundle(bundles(family)).config.model_type)
+    [hit] = [f for f in report(bundles(family))["findings"] if f["code"] == "mtp.unsupported"]
+    assert hit["location"] == "mtp.safetensors" and fam.unsupported in hit["message"]
 
 
 @pytest.mark.parametrize("family", RUNNABLE)
