@@ -28,6 +28,7 @@ from mtpkit.convert.writer import (
     write_text,
 )
 from mtpkit.loaders.bundle import BundleView, open_bundle
+from mtpkit.loaders.config import MTP_COUNT_KEYS
 from mtpkit.loaders.digest import sha256_file
 from mtpkit.loaders.findings import Finding
 from mtpkit.loaders.model_check import blocking, check_model
@@ -113,7 +114,7 @@ def write_config(stage: Path, config: dict[str, Any], mtp_record: dict[str, Any]
     if mtp_record is not None:
         config["mtplx_mtp_quantization"] = mtp_record
         scope = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-        if not any(k in scope for k in ("mtp_num_hidden_layers", "num_nextn_predict_layers")):
+        if not any(k in scope for k in MTP_COUNT_KEYS):
             scope["mtp_num_hidden_layers"] = num_mtp_layers
     save_config(config, stage / "config.json")
 

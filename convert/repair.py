@@ -27,6 +27,7 @@ from mtpkit.convert.quant_record import config_entries, measured_policy, sidecar
 from mtpkit.convert.writer import staged_output, write_safetensors, write_shards, write_text
 from mtpkit.loaders.arrays import mtp_arrays
 from mtpkit.loaders.bundle import BundleView, open_bundle
+from mtpkit.loaders.config import MTP_COUNT_KEYS
 from mtpkit.loaders.findings import Finding
 from mtpkit.loaders.manifest import MANIFEST_FILE
 from mtpkit.loaders.mtp import DELTA_ENCODINGS
@@ -193,8 +194,7 @@ def _mtp_config(view: BundleView, config: dict[str, Any], codes: set[str],
     if view.config.num_mtp_layers == 0:
         scope = config.get("text_config") if isinstance(config.get("text_config"), dict) \
             else config
-        key = next((k for k in ("mtp_num_hidden_layers", "num_nextn_predict_layers")
-                    if k in scope), "mtp_num_hidden_layers")
+        key = next((k for k in MTP_COUNT_KEYS if k in scope), "mtp_num_hidden_layers")
         scope[key] = max(view.mtp.declared_layers, view.mtp.blocks)
         if "config.invalid" in codes:
             result.note("config.invalid", "declared the MTP layer count")

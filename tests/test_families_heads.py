@@ -218,3 +218,13 @@ def test_published_names_of_families_without_a_fixture(key, canonical):
     fam = family_for(model_type)
     assert fam.unsupported
     assert canonical_mtp_name(name, fam, {"num_hidden_layers": 4}) == canonical
+
+
+def test_minimax_counts_its_modules():
+    """MiniMax-M3 names its count num_mtp_modules (inside text_config): a head it declares is
+    not reported as undeclared."""
+    from mtpkit.loaders.config import ModelConfig
+
+    assert ModelConfig(text={"num_mtp_modules": 2}).num_mtp_layers == 2
+    assert ModelConfig(text={"num_nextn_predict_layers": 1, "num_mtp_modules": 2}
+                       ).num_mtp_layers == 1
