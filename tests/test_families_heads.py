@@ -29,8 +29,8 @@ from mtpkit.loaders.safetensors_header import read_header
 from mtpkit.schemas import finding_codes
 from mtpkit.verify.doctor import report
 
-RUNNABLE = ("glm4_moe", "ernie4_5_moe")
-MOE_HEADS = ("glm4_moe", "glm_moe_dsa", "nemotron_h", "bailing_moe")
+RUNNABLE = ("glm4_moe", "glm4_moe_lite", "ernie4_5_moe")
+MOE_HEADS = ("glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "nemotron_h", "bailing_moe")
 
 
 def baseline(family: str) -> set[str]:
