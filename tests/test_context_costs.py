@@ -146,6 +146,25 @@ def test_a_tight_budget_measures_a_shorter_context_or_none(runner: Runner) -> No
     assert costs.measure(runner, budget_s=3.0, timer=_steep(4e-3)).longer == []
 
 
+def test_a_first_prefill_that_compiles_does_not_price_the_context_down(runner: Runner) -> None:
+    """A cold GPU process compiles every kernel in its first pass (seconds): the H200's first
+    measurement took its 64-token probe for the prefill rate and measured the curve at 64
+    tokens, none longer, so `--depth auto` priced 16K and 64K rounds as at 64. The next piece
+    says what prefill costs warm."""
+    steep, first = _steep(), [True]
+
+    def cold(kind: str, size: int, run: Callable[[], object]) -> float:
+        took = steep(kind, size, run)
+        if kind == "prefill" and first[0]:
+            first[0] = False
+            return took + 5.0  # the compile
+        return took
+
+    curve = costs.measure(runner, budget_s=20.0, timer=cold)
+    assert curve.contexts() == [CONTEXT, 3840]
+    assert curve.verify == pytest.approx(_expected(0.512))
+
+
 def test_the_store_keeps_the_contexts_and_refuses_a_tampered_curve(
         cache: Path, capfd: pytest.CaptureFixture[str]) -> None:
     curve = replace(h200(), key=KEY, estimate=True, timed=[1, 16])
