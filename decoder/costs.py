@@ -438,10 +438,11 @@ def measure(runner: Loaded, context: int = CONTEXT, repeats: int = REPEATS,
     """Time the trunk over T rows at a `context`-token cache (each shape warmed up first where
     that compiles, so compiles are not counted), a pipelined plain step and a head draft step,
     in about 1 - LONG_SHARE of `budget_s` (default budget()); then the same at `longer`
-    contexts (default contexts_for: the model's) in what is left (`_longer`). A 64-token
-    prefill first says what the rest would cost: where `context` tokens would take more than
-    PREFILL_SHARE of that share (bf16 on a CPU), the curve is measured at a shorter context (a
-    multiple of 64; `CostCurve.context`): the plain step with it, so what decides (a round
+    contexts (default contexts_for: the model's) in what is left (`_longer`). The cache is
+    prefilled in doubling pieces from 64 tokens, each saying what the next would cost: where
+    `context` tokens would take more than PREFILL_SHARE of that share (bf16 on a CPU), the curve
+    is measured at a shorter context (64 tokens times a power of two; `CostCurve.context`): the
+    plain step with it, so what decides (a round
     against plain steps) stays like for like. Then the passes at 1 and 16 rows plan how many
     rows and passes fit. Suspect breaks are timed again, then smoothed (see the module's doc).
     bounded: the session's attention shapes (default: as decoding runs on this backend).
@@ -462,17 +463,17 @@ def measure(runner: Loaded, context: int = CONTEXT, repeats: int = REPEATS,
     per_token = clock.time("prefill", head_start, lambda: session.start(ids[:head_start]),
                            what=f"{head_start}-token prefill") / head_start
     bench.rates.append((head_start / 2, per_token))
-    held = head_start
-    if context >= 2 * head_start:  # the first pass may have compiled every kernel (a cold GPU
-        # process: seconds), which priced the context down to 64 tokens; the next is warm
-        bench.rates.clear()
-        bench.prefill(held, 2 * held, f"{2 * held}-token prefill")
-        held, per_token = 2 * held, min(per_token, bench.rates[-1][1])
-    fits = int(PREFILL_SHARE * share / max(per_token, 1e-9)) // 64 * 64
-    context = max(min(context, fits), held)
-    if context > held:
-        bench.rates.clear()  # (the first passes' rates may include their set-up)
-        bench.prefill(held, context, f"{context}-token prefill")
+    held = head_start  # on to `context` in doubling pieces while, at the last piece's rate, the
+    # whole prefill fits PREFILL_SHARE; the second piece always (no dearer than the first): a
+    # first pass that compiled every kernel (a cold GPU process: seconds) priced the H200's
+    # curve down to 64 tokens, and on a GPU each new shape compiles again
+    while held < context and (held == head_start or min(context, 2 * held)
+                              * bench.rates[-1][1] <= PREFILL_SHARE * share):
+        end = min(context, 2 * held)
+        bench.rates.clear()  # (the earlier pieces' rates may include their set-up)
+        bench.prefill(held, end, f"{end}-token prefill")
+        held = end
+    context = held
     targets = [t for t in targets if t > context]
     first, passes = _first(bench, context, share, repeats, targets)
     points = _longer(bench, targets, Point(context, first.verify, first.plain), passes)

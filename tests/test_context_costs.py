@@ -147,18 +147,15 @@ def test_a_tight_budget_measures_a_shorter_context_or_none(runner: Runner) -> No
 
 
 def test_a_first_prefill_that_compiles_does_not_price_the_context_down(runner: Runner) -> None:
-    """A cold GPU process compiles every kernel in its first pass (seconds): the H200's first
-    measurement took its 64-token probe for the prefill rate and measured the curve at 64
-    tokens, none longer, so `--depth auto` priced 16K and 64K rounds as at 64. The next piece
-    says what prefill costs warm."""
-    steep, first = _steep(), [True]
+    """A cold GPU process compiles every kernel in its first pass (seconds), and again for each
+    new shape: the H200's first measurement took its 64-token probe for the prefill rate and
+    measured the curve at 64 tokens, none longer, so `--depth auto` priced 16K and 64K rounds
+    as at 64 (and one more warm piece only reached 128). Each piece says what the next costs."""
+    steep, compiles = _steep(), [5.0, 0.6]  # the first two prefill pieces' set-up, in seconds
 
     def cold(kind: str, size: int, run: Callable[[], object]) -> float:
         took = steep(kind, size, run)
-        if kind == "prefill" and first[0]:
-            first[0] = False
-            return took + 5.0  # the compile
-        return took
+        return took + compiles.pop(0) if kind == "prefill" and compiles else took
 
     curve = costs.measure(runner, budget_s=20.0, timer=cold)
     assert curve.contexts() == [CONTEXT, 3840]
