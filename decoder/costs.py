@@ -63,11 +63,7 @@ from mtpkit.decoder.curve import (
 from mtpkit.decoder.sampling import SamplingParams, greedy
 from mtpkit.decoder.session import Session
 from mtpkit.decoder.state import rewind
-from mtpkit.decoder.store import (
-    cache_dir,  # noqa: F401 (verify/tune.py's import, until it takes it from store)
-    cache_file,
-    versions,
-)
+from mtpkit.decoder.store import cache_file, versions
 
 if TYPE_CHECKING:
     from mtpkit.decoder.head import MTPHead

@@ -20,12 +20,11 @@ from mtpkit.decoder.costs import (
     RETRY_SHARE,
     Progress,
     Tick,
-    cache_dir,
-    cache_file,
     noisy,
 )
 from mtpkit.decoder.curve import CostCurve
 from mtpkit.decoder.policy import DepthPolicy
+from mtpkit.decoder.store import cache_dir, cache_file
 
 if TYPE_CHECKING:
     from mtpkit.decoder.runner import Runner
