@@ -25,6 +25,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import maybe_quantize_kv_cache
+from mlx_lm.models.base import quantized_scaled_dot_product_attention
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
 
 from mtpkit.decoder.options import KV_GROUP_SIZES, KVQuant
@@ -97,6 +98,29 @@ def unquantizable(cache: list[Any], kv: KVQuant) -> tuple[str, str, str] | None:
             return ("kv_group_size", f"{{name}} {kv.group_size} does not divide the attention "
                     f"heads' width ({width})", f"use kv_group_size {max(fits)}" if fits
                     else "drop kv_bits: no group size divides this width")
+    if (error := attends_quantized(quantized[0], kv)) is not None:
+        return ("kv_bits", f"{{name}}: MLX on this device cannot attend over a quantized KV "
+                f"cache ({error[:160]})", "drop kv_bits here: mlx-lm's own generate fails "
+                "the same way on this device")
+    return None
+
+
+def attends_quantized(c: KVCache, kv: KVQuant) -> str | None:
+    """None where this device runs mlx-lm's attention over `c`'s keys quantized as `kv` says,
+    through the sliced views a QuantizedKVCache hands it; else MLX's error. MLX 0.32's CUDA
+    quantized matmul takes only contiguous keys, so without this check mlx-lm (and we) fail
+    mid-decode with a RuntimeError."""
+    keys, values = (a[..., :1, :] for a in (c.keys, c.values))
+    probe = QuantizedKVCache(kv.group_size, kv.bits)
+    probe.update_and_fetch(keys, values)
+    keys, values = probe.update_and_fetch(keys, values)  # 2 of a buffer's 256 positions
+    queries = mx.zeros((*keys[0].shape[:2], 1, c.keys.shape[-1]), c.keys.dtype)
+    try:
+        mx.eval(quantized_scaled_dot_product_attention(
+            queries, keys, values, scale=1.0, mask=None, group_size=kv.group_size,
+            bits=kv.bits))
+    except RuntimeError as err:
+        return str(err).splitlines()[0] if str(err) else type(err).__name__
     return None
 
 

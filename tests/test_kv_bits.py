@@ -35,7 +35,8 @@ import mtpkit
 from fixtures.decoder_models import OracleHead, tiny_runner
 from fixtures.fake_servers import in_thread
 from mtpkit.cli import main
-from mtpkit.decoder.caches import unquantizable
+from mtpkit.decoder import caches
+from mtpkit.decoder.caches import attends_quantized, unquantizable
 from mtpkit.decoder.curve import CostCurve
 from mtpkit.decoder.options import KVQuant, OptionError
 from mtpkit.decoder.prefix import PrefixCache
@@ -45,6 +46,18 @@ from mtpkit.decoder.trunk import Trunk
 from mtpkit.serve.server import Server
 from mtpkit.serve.service import Service
 
+
+def _attention_runs() -> bool:
+    cache = KVCache()
+    cache.update_and_fetch(*(mx.zeros((1, 2, 3, 64)),) * 2)
+    return attends_quantized(cache, KVQuant(4, 64, 0)) is None
+
+
+# MLX 0.32's CUDA quantized matmul takes only contiguous keys, so attention over mlx-lm's
+# quantized cache fails there in mlx-lm's generate_step as in ours: on such a device load
+# refuses kv_bits (test_a_device_without_quantized_attention_is_refused) and nothing decodes
+DECODES = pytest.mark.skipif(not _attention_runs(), reason="MLX on this device cannot attend "
+                             "over a quantized KV cache (load refuses kv_bits here)")
 V = 32
 START = 24  # --quantized-kv-start in these tests
 SHORT = [1, 5, 7, 3, 9, 2, 11, 4]  # shorter than START: the switch falls in the decode
@@ -130,6 +143,7 @@ def _oracle(runner: Runner, prompt: list[int], reference: list[int]) -> Runner:
 
 # -- exactness -------------------------------------------------------------------------------
 
+@DECODES
 @pytest.mark.parametrize("bits", [8, 4])
 def test_mtp_greedy_equals_plain_with_the_same_quantized_cache(
         tiny: Runner, bits: int, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -152,6 +166,7 @@ def test_mtp_greedy_equals_plain_with_the_same_quantized_cache(
     assert differs or bits == 8, "4 bits changes the greedy text: the cache is quantized"
 
 
+@DECODES
 def test_plain_switches_where_mlx_lm_generate_step_does(tiny: Runner) -> None:
     """A prompt shorter than the switch: stock mlx-lm's decode steps switch at the same
     position (inside a prompt mlx-lm switches at the end of its prefill chunk; mtpkit at the
@@ -163,6 +178,7 @@ def test_plain_switches_where_mlx_lm_generate_step_does(tiny: Runner) -> None:
     assert tiny.generate(SHORT, 48, depth=0).tokens == want
 
 
+@DECODES
 def test_no_pass_crosses_the_switch(tiny: Runner, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every pass attends either wholly before the switch in float or wholly after it,
     quantized: the prompt is split there, a round's drafts are cut short before it."""
@@ -178,6 +194,7 @@ def test_no_pass_crosses_the_switch(tiny: Runner, monkeypatch: pytest.MonkeyPatc
     assert (False, 0, START) in seen, "the long prompt was split at the switch"
 
 
+@DECODES
 @pytest.mark.parametrize("bits", [8, 4])
 def test_forced_rejections_with_a_quantized_cache(tiny: Runner, bits: int,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
@@ -191,6 +208,7 @@ def test_forced_rejections_with_a_quantized_cache(tiny: Runner, bits: int,
             assert_every_outcome(outcomes, (depth,))
 
 
+@DECODES
 @pytest.mark.parametrize("rollback", ["record", "replay"])
 def test_forced_rejections_on_a_hybrid_trunk(built: Callable[..., Path], rollback: str,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
@@ -212,6 +230,7 @@ def test_forced_rejections_on_a_hybrid_trunk(built: Callable[..., Path], rollbac
         assert_every_outcome(outcomes, (depth,))
 
 
+@DECODES
 def test_sampled_rounds_cut_before_the_switch(tiny: Runner,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """A sampled round cut short keeps its q rows and uniforms in step (seeded: reproducible)."""
@@ -224,6 +243,7 @@ def test_sampled_rounds_cut_before_the_switch(tiny: Runner,
 
 # -- the prefix cache ------------------------------------------------------------------------
 
+@DECODES
 def test_prefix_cache_reuse_gives_the_same_tokens(tiny: Runner) -> None:
     """Exports of quantized caches restore at any prefix past the switch; one cut back below it
     is not restored (a cold run attends to those positions' float keys)."""
@@ -242,6 +262,7 @@ def test_prefix_cache_reuse_gives_the_same_tokens(tiny: Runner) -> None:
 
 
 
+@DECODES
 def test_prefix_entries_made_without_kv_bits_restore_only_before_the_switch(
         tiny: Runner, monkeypatch: pytest.MonkeyPatch) -> None:
     """One prefix cache shared by a float run and a quantized one (the Python API allows it):
@@ -263,6 +284,7 @@ def test_prefix_entries_made_without_kv_bits_restore_only_before_the_switch(
 
 # -- batches ---------------------------------------------------------------------------------
 
+@DECODES
 def test_batches_decode_one_at_a_time_or_are_refused(tiny: Runner) -> None:
     """mlx-lm has no batched quantized cache: max_batch above 1 is refused; at 1 the scheduler
     decodes each prompt as alone."""
@@ -306,6 +328,25 @@ def test_caches_mlx_lm_cannot_quantize_are_refused(built: Callable[..., Path]) -
     assert err.value.option == "kv_bits"
 
 
+def test_a_device_without_quantized_attention_is_refused(built: Callable[..., Path], tiny: Runner,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where MLX has no kernel for attention over a quantized cache (CUDA, MLX 0.32), load,
+    quantize_kv and the CLI refuse kv_bits with one line instead of a RuntimeError mid-decode."""
+    def no_kernel(*args: Any, **kwargs: Any) -> mx.array:
+        raise RuntimeError("[quantized_matmul] No implementation for problem shape: 1x25x64x2")
+
+    monkeypatch.setattr(caches, "quantized_scaled_dot_product_attention", no_kernel)
+    with pytest.raises(OptionError) as err:
+        mtpkit.load(built("mimo"), kv_bits=4, kv_group_size=32)
+    assert (err.value.code, err.value.option) == ("options.invalid", "kv_bits")
+    assert "No implementation" in str(err.value)
+    with pytest.raises(OptionError):
+        tiny.quantize_kv(8, 32, 0)
+    _refused(CliRunner().invoke(main, ["generate", str(built("mimo")), "hi", "--raw", "-m", "4",
+                                       "--kv-bits", "4", "--kv-group-size", "32"]),
+             "--kv-bits")
+
+
 def _refused(result: Any, flag: str) -> None:
     """One error line with the code and the flag as typed, one hint line, exit 2."""
     lines = [line for line in result.output.splitlines() if line.strip()]
@@ -340,6 +381,7 @@ def test_cli_refuses_a_batch_and_an_endpoint_with_kv_bits(built: Callable[..., P
 
 # -- entries that run --------------------------------------------------------------------------
 
+@DECODES
 def test_generate_runs_a_quantized_cache(built: Callable[..., Path]) -> None:
     bundle = str(built("mimo"))
     common = ["generate", bundle, "hi", "--raw", "-m", "24", "--dtype", "float32", "--json"]
@@ -358,6 +400,7 @@ def _post(url: str, path: str, body: dict) -> tuple[int, dict]:
         return response.status, json.loads(response.read())
 
 
+@DECODES
 def test_serve_answers_both_apis_over_a_quantized_cache(built: Callable[..., Path]) -> None:
     """The cache is the server's option: both APIs decode over it, MTP equal to plain."""
     runner = mtpkit.load(built("mimo"), dtype="float32", kv_bits=8, kv_group_size=32,
