@@ -179,10 +179,14 @@ class DecodeOptions:
             seed = _integer("seed", seed, -SEED_BOUND, SEED_BOUND - 1)
         return cls(depth_option(depth), source_option(draft), sampling, seed)  # type: ignore[arg-type]
 
-    def source(self, has_head: bool) -> Source:
+    def source(self, has_head: bool, unsupported: str | None = None) -> Source:
         """The draft source this generation uses: as asked, else both under auto, the head at a
         forced depth, the context for a bundle without a head. The head asked of a bundle
-        without one is refused (options.no_head); "both" there is the context alone."""
+        without one is refused (options.no_head; mtp.unsupported, saying why, where the bundle
+        has a head the decoder cannot run); "both" there is the context alone."""
+        if self.draft is Source.HEAD and not has_head and unsupported is not None:
+            raise OptionError("mtp.unsupported", "draft", f'{{name}} "head": {unsupported}',
+                              'use "lookup" or "both" (context drafts), or depth 0 (plain)')
         if self.draft is Source.HEAD and not has_head:
             raise OptionError("options.no_head", "draft",
                               '{name} "head" drafts with an MTP head; this model has none',

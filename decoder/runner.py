@@ -46,7 +46,7 @@ from mtpkit.decoder.stats import Stats
 from mtpkit.decoder.trunk import Trunk
 from mtpkit.loaders.arrays import mtp_arrays
 from mtpkit.loaders.bundle import BundleView, open_bundle
-from mtpkit.loaders.findings import UserError, root_rank
+from mtpkit.loaders.findings import Finding, UserError, root_rank
 from mtpkit.loaders.model_check import blocking as load_errors
 from mtpkit.loaders.mtp import DELTA_ENCODINGS
 from mtpkit.loaders.norms import ABSOLUTE, absolute_from_delta, reencode
@@ -58,7 +58,7 @@ MAX_AUTO_DEPTH = 8  # deepest round --depth auto considers (the cost curve cover
 # Findings that do not stop the weights from running: the template and tokenizer only matter for
 # text and chat prompts (checked when used), a stale manifest is reported by doctor, and a
 # declared-but-missing head still allows plain decoding.
-NON_BLOCKING = ("template.", "tokenizer.", "manifest.", "mtp.missing")
+NON_BLOCKING = ("template.", "tokenizer.", "manifest.", "mtp.missing", "mtp.unsupported")
 # A chat prompt on a bundle without a usable template (none, unsafe, or not rendering): refused
 # by Runner.render, the one place every entry (generate, serve, the Python API) goes through.
 NO_TEMPLATE = "the bundle has no usable chat template, so a chat prompt cannot be rendered"
@@ -153,6 +153,7 @@ class Runner:
         self.rollback = rollback
         self.root, self.load_options = root, load_options or {}
         self.dtype_note = ""  # what dtype="auto" chose and why (decoder/dtypes.py)
+        self.unsupported: str | None = None  # why the bundle's head is not run (mtp.unsupported)
         self._costs: CostCurve | None = None
         self.paid = PaidCosts()  # what rounds and plain steps really cost here (policy.py)
         self.batch_paid = Prices()  # what a batch's rounds cost, by (rows, depth): batch_policy.py
@@ -228,7 +229,7 @@ class Runner:
     def draft_source(self, depth: Depth, draft: str | None) -> Source:
         """The draft source for a depth and draft argument on this bundle (checked as every
         entry checks it: decoder/options.py)."""
-        return DecodeOptions.of(depth, draft).source(self.head is not None)
+        return DecodeOptions.of(depth, draft).source(self.head is not None, self.unsupported)
 
     def policy(self, depth: Depth, draft: Source = Source.HEAD
                ) -> tuple[int, DepthPolicy | None]:
@@ -325,7 +326,7 @@ class Runner:
         """One generation's options checked (decoder/options.py), its prompt encoded and
         bounded, and the session that will decode it (see stream for the arguments)."""
         options = DecodeOptions.of(depth, draft, temperature, top_p, top_k, min_p, seed)
-        source = options.source(self.head is not None)
+        source = options.source(self.head is not None, self.unsupported)
         deepest, policy = self.policy(options.depth, source)
         ids = self.encode(prompt)
         if not ids:
@@ -438,21 +439,7 @@ def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None
         raise UserError("usage", "keeping the quantized weights and casting them to "
                         f"{dtype} contradict each other", "drop --keep-quantized or --dtype")
     view = open_bundle(path)
-    # Refused before mlx-lm opens or builds anything, root cause first (a file no loader may
-    # open leaves shards missing, the shards that would have said "MLX bundle" included); a
-    # tensor the model class or the head would refuse or misread, as doctor reports it.
-    errors = load_errors(view)
-    blocking = sorted((f for f in errors if not f.code.startswith(NON_BLOCKING)),
-                      key=root_rank)
-    if view.kind != "mlx" and not (blocking and blocking[0].code in (
-            "files.not_regular", "index.path_escape")):
-        raise UserError("load.not_converted", f"{path} is a Hugging Face checkpoint, not an MLX "
-                        "bundle", "mtpkit convert it first")
-    if blocking:
-        first = blocking[0]
-        where = f" [{first.location}]" if first.location else ""
-        raise UserError(first.code, f"{path}: {first.message}{where}", first.hint or
-                        "mtpkit doctor BUNDLE shows every finding")
+    unsupported = _refuse(view, path)
     # never runs bundle code (auto_map); a file transformers chokes on is one UserError, before
     # the weights load
     tokenizer = load_wrapper(view.root, view.tokenizer, str(path)) if view.tokenizer.kind else None
@@ -460,6 +447,10 @@ def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None
                                 "concat_order": concat_order})
     group = sharding.join(shard) if shard is not None else None
     model, _ = load_model(view.root, lazy=True, trust_remote_code=False)  # never bundle code
+    if unsupported is not None and not Trunk.wraps(model):
+        raise UserError(unsupported.code, f"{path}: {unsupported.message}; its trunk does not "
+                        "run in the decoder either (its mlx-lm class has no inner `model`)",
+                        unsupported.hint or "")
     chosen = choose_dtype(dtype, [a for _, a in tree_flatten(model.parameters())],
                           dequantize is False)
     dtype = chosen.dtype
@@ -472,7 +463,7 @@ def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None
         sharding.shard_tensor(model, group)
     trunk = Trunk(model, contract.hidden_feed)
     head = None
-    if view.mtp.tensors and (group is None or group.rank() == 0):
+    if view.mtp.tensors and unsupported is None and (group is None or group.rank() == 0):
         head = MTPHead(trunk, _head_arrays(view), contract, view.family.mtp_layer_kind,
                        view.mtp_quantization)
         if flat:
@@ -501,10 +492,32 @@ def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None
     runner = Runner(trunk, head, tokenizer, safe_template(view), view.tokenizer.special_tokens(),
                     rollback, Path(view.root), options, context_of(view.config.text))
     runner.dtype_note = chosen.reason
+    runner.unsupported = unsupported.message if unsupported is not None else None
     runner.quantize_kv(kv_bits, kv_group_size, quantized_kv_start)
     runner.template_code = next((f.code for f in view.findings if f.code.startswith("template.")
                                  and f.severity == "error"), "template.missing")
     return distributed.attach(runner, group, shard) if group is not None else runner
+
+
+def _refuse(view: BundleView, path: str | Path) -> Finding | None:
+    """Refuse a bundle before mlx-lm opens or builds anything, root cause first (a file no
+    loader may open leaves shards missing, the shards that would have said "MLX bundle"
+    included); a tensor the model class or the head would refuse or misread, as doctor reports
+    it. Returns the mtp.unsupported finding, if any: such a head is kept on disk and the trunk
+    still runs (plain decoding and context drafts)."""
+    errors = load_errors(view)
+    blocking = sorted((f for f in errors if not f.code.startswith(NON_BLOCKING)),
+                      key=root_rank)
+    if view.kind != "mlx" and not (blocking and blocking[0].code in (
+            "files.not_regular", "index.path_escape")):
+        raise UserError("load.not_converted", f"{path} is a Hugging Face checkpoint, not an MLX "
+                        "bundle", "mtpkit convert it first")
+    if blocking:
+        first = blocking[0]
+        where = f" [{first.location}]" if first.location else ""
+        raise UserError(first.code, f"{path}: {first.message}{where}", first.hint or
+                        "mtpkit doctor BUNDLE shows every finding")
+    return next((f for f in errors if f.code == "mtp.unsupported"), None)
 
 
 def numerics_note(runner: Runner) -> str | None:

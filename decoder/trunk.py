@@ -52,6 +52,11 @@ class Trunk:
         self.passes: TracedPasses | None = None
         self.kv: KVQuant | None = None  # --kv-bits: the caches' quantization (Runner.quantize_kv)
 
+    @staticmethod
+    def wraps(model: nn.Module) -> bool:
+        """Whether `model`'s mlx-lm class has the inner text model the halves come from."""
+        return hasattr(getattr(model, "language_model", model), "model")
+
     @property
     def tied(self) -> bool:
         return not hasattr(self.text, "lm_head")

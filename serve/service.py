@@ -154,7 +154,8 @@ class Service:
         draft = req.draft or self.draft
         try:  # as every entry checks them (decoder/options.py)
             DecodeOptions.of(self.depth if req.depth is None else req.depth, draft,
-                             **req.sampling).source(self.runner.head is not None)
+                             **req.sampling).source(self.runner.head is not None,
+                                                    self.runner.unsupported)
         except OptionError as err:
             raise refused(err) from None
         ids, opened = self._prompt(req)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
 from test_exactness import LONG_PROMPT, PROMPT, assert_every_outcome, rounds_of, stock_greedy
 
 import mtpkit
@@ -18,10 +19,12 @@ from fixtures import breaker
 from fixtures.configs import HEAD_FAMILIES
 from fixtures.decoder_models import OracleHead
 from fixtures.heads import build_head_hf, head_weights
+from mtpkit.cli import main
 from mtpkit.convert.convert import ConvertOptions, convert
 from mtpkit.convert.repair import repair
 from mtpkit.convert.sidecar import SidecarOptions
 from mtpkit.convert.trunk import QuantOptions
+from mtpkit.decoder.options import OptionError
 from mtpkit.decoder.runner import Runner
 from mtpkit.loaders.families import canonical_mtp_name, family_for
 from mtpkit.loaders.findings import UserError
@@ -152,14 +155,45 @@ def test_zero_centred_step_heads_are_shifted_once_per_block(bundles):
     assert all(0.9 < m < 1.1 for m in norms.values()), norms
 
 
-@pytest.mark.parametrize("family", sorted(set(HEAD_FAMILIES) - set(RUNNABLE)))
-def test_a_head_the_decoder_cannot_run_is_refused_with_its_code(bundles, family):
-    with pytest.raises(UserError) as err:
-        mtpkit.load(bundles(family))
-    assert err.value.code == "mtp.unsupported" and "\n" not in str(err.value)
-    fam = family_for(mtpkit.open_bundle(bundles(family)).config.model_type)
-    [hit] = [f for f in report(bundles(family))["findings"] if f["code"] == "mtp.unsupported"]
+UNWRAPPED = ("nemotron_h",)  # mlx-lm's class keeps its layers in a `backbone`, not a `model`
+
+
+def _unsupported_finding(path: Path) -> None:
+    fam = family_for(mtpkit.open_bundle(path).config.model_type)
+    [hit] = [f for f in report(path)["findings"] if f["code"] == "mtp.unsupported"]
     assert hit["location"] == "mtp.safetensors" and fam.unsupported in hit["message"]
+
+
+@pytest.mark.parametrize("family", sorted(set(HEAD_FAMILIES) - set(RUNNABLE) - set(UNWRAPPED)))
+def test_a_head_the_decoder_cannot_run_is_kept_and_its_trunk_runs(bundles, family):
+    """The head stays on disk and doctor says why; asked to draft, the decoder refuses with
+    mtp.unsupported (one line, the Python API and the CLI); the trunk decodes plainly as stock
+    mlx-lm does, and with context drafts exactly."""
+    path = bundles(family)
+    _unsupported_finding(path)
+    runner = mtpkit.load(path, dtype="float32")
+    fam = family_for(mtpkit.open_bundle(path).config.model_type)
+    assert runner.head is None and fam.unsupported in (runner.unsupported or "")
+    with pytest.raises(OptionError) as err:
+        runner.generate(PROMPT, 4, depth=1, draft="head")
+    assert err.value.code == "mtp.unsupported" and "\n" not in str(err.value)
+    reference, _ = stock_greedy(path, PROMPT, 24)
+    assert runner.generate(PROMPT, 24, depth=0).tokens == reference
+    assert runner.generate(PROMPT, 24, depth=3, draft="lookup").tokens == reference
+    if family == "glm_moe_dsa":  # the CLI says the same, once
+        result = CliRunner().invoke(main, ["generate", str(path), "hi", "--raw", "-m", "4",
+                                           "--depth", "1", "--draft", "head"])
+        assert result.exit_code == 2 and "error [mtp.unsupported]" in result.output, \
+            result.output
+
+
+@pytest.mark.parametrize("family", UNWRAPPED)
+def test_a_head_and_a_trunk_the_decoder_cannot_run_are_refused_with_its_code(bundles, family):
+    path = bundles(family)
+    _unsupported_finding(path)
+    with pytest.raises(UserError) as err:
+        mtpkit.load(path)
+    assert err.value.code == "mtp.unsupported" and "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("family", RUNNABLE)
