@@ -447,10 +447,6 @@ def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None
                                 "concat_order": concat_order})
     group = sharding.join(shard) if shard is not None else None
     model, _ = load_model(view.root, lazy=True, trust_remote_code=False)  # never bundle code
-    if unsupported is not None and not Trunk.wraps(model):
-        raise UserError(unsupported.code, f"{path}: {unsupported.message}; its trunk does not "
-                        "run in the decoder either (its mlx-lm class has no inner `model`)",
-                        unsupported.hint or "")
     chosen = choose_dtype(dtype, [a for _, a in tree_flatten(model.parameters())],
                           dequantize is False)
     dtype = chosen.dtype

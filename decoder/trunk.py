@@ -21,6 +21,9 @@ from mtpkit.decoder.recording import install, recorded
 from mtpkit.decoder.shapes import bounded_caches
 from mtpkit.decoder.traced import TracedPasses
 
+INNER = ("model", "backbone")  # where mlx-lm's classes keep the inner text model (Nemotron-H:
+# backbone)
+
 
 class _NormTap(nn.Module):
     """The trunk's final norm, remembering its input (the pre-norm hidden state)."""
@@ -41,7 +44,7 @@ class Trunk:
     def __init__(self, model: nn.Module, hidden_feed: str = "post_norm") -> None:
         self.model = model
         self.text = getattr(model, "language_model", model)
-        self.inner = self.text.model
+        self.inner = next(getattr(self.text, n) for n in INNER if hasattr(self.text, n))
         self.args = self.text.args
         self.hidden_feed = hidden_feed
         self._tap: _NormTap | None = None
@@ -51,11 +54,6 @@ class Trunk:
         self.recorders = install(list(self.inner.layers))
         self.passes: TracedPasses | None = None
         self.kv: KVQuant | None = None  # --kv-bits: the caches' quantization (Runner.quantize_kv)
-
-    @staticmethod
-    def wraps(model: nn.Module) -> bool:
-        """Whether `model`'s mlx-lm class has the inner text model the halves come from."""
-        return hasattr(getattr(model, "language_model", model), "model")
 
     @property
     def tied(self) -> bool:
