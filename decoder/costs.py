@@ -460,9 +460,9 @@ def measure(runner: Loaded, context: int = CONTEXT, repeats: int = REPEATS,
                            what=f"{head_start}-token prefill") / head_start
     bench.rates.append((head_start / 2, per_token))
     held = head_start  # on to `context` in doubling pieces while, at the last piece's rate, the
-    # whole prefill fits PREFILL_SHARE; the second piece always (no dearer than the first): a
-    # first pass that compiled every kernel (a cold GPU process: seconds) priced the H200's
-    # curve down to 64 tokens, and on a GPU each new shape compiles again
+    # whole prefill fits PREFILL_SHARE; the second piece always (no dearer than the first): the
+    # first pass of a cold GPU process compiles every kernel (seconds), and each new shape
+    # compiles again, so no one piece's rate prices the whole context
     while held < context and (held == head_start or min(context, 2 * held)
                               * bench.rates[-1][1] <= PREFILL_SHARE * share):
         end = min(context, 2 * held)
