@@ -148,9 +148,9 @@ def test_a_tight_budget_measures_a_shorter_context_or_none(runner: Runner) -> No
 
 def test_a_first_prefill_that_compiles_does_not_price_the_context_down(runner: Runner) -> None:
     """A cold GPU process compiles every kernel in its first pass (seconds), and again for each
-    new shape: the H200's first measurement took its 64-token probe for the prefill rate and
-    measured the curve at 64 tokens, none longer, so `--depth auto` priced 16K and 64K rounds
-    as at 64 (and one more warm piece only reached 128). Each piece says what the next costs."""
+    new shape: taken for the prefill rate, the 64-token probe would measure the curve at 64
+    tokens and none longer, so `--depth auto` would price 16K and 64K rounds as at 64 (one more
+    warm piece alone reaches 448 here). Each piece says what the next costs."""
     steep, compiles = _steep(), [5.0, 0.6]  # the first two prefill pieces' set-up, in seconds
 
     def cold(kind: str, size: int, run: Callable[[], object]) -> float:
