@@ -94,9 +94,10 @@ RETRY_SHARE = 0.25  # of the budget, the least a re-measurement may take beyond 
 PREFILL_SHARE = 0.3  # of the budget, the most the context's prefill may take
 COMPILED = 1.5  # a first pass this much dearer than the next one built something: warm up
 # each width first (a GPU); else a width's first pass is one of its timings (a CPU)
-VERSION = 4  # bump when what is measured changes (2: bounded, checked, smoothed curves;
+VERSION = 5  # bump when what is measured changes (2: bounded, checked, smoothed curves;
 # 3: with what judges them; 4: at longer contexts too: a curve of one context priced a 64K
-# round as a 512-token one, so older curves are measured again, not read as flat)
+# round as a 512-token one, so older curves are measured again, not read as flat; 5: the
+# first context prefilled in pieces: a first pass that compiled could cut a curve to 64 tokens)
 DRIFT = 1.5  # two timings of one thing this far apart: the slower ran on a busy machine
 
 
