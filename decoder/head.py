@@ -16,9 +16,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import CacheList
 
-from mtpkit.decoder.shapes import PaddedKVCache
+from mtpkit.decoder.shapes import bounded_caches
 from mtpkit.decoder.trunk import Trunk
 from mtpkit.loaders.quant import ModuleQuant
 
@@ -107,6 +107,12 @@ def _dequantize_float_only(head: nn.Module, weights: dict[str, mx.array],
     return out
 
 
+def _positions(cache: Any) -> Any:
+    """The cache that says a block's positions (offset, mask): a DSA layer's CacheList holds
+    its KV cache first and its indexer's second, and mlx-lm's model reads the first."""
+    return cache[0] if isinstance(cache, CacheList) else cache
+
+
 class MTPHead(nn.Module):
     """Predicts token t+2 from the trunk hidden at t and token t+1; chains on its own output."""
 
@@ -125,8 +131,8 @@ class MTPHead(nn.Module):
                          default=0)
         role_sets = 1 + max((int(m[1]) for n in names if (m := re.match(r"^roles\.(\d+)\.", n))),
                             default=0)
-        build = trunk.layer_factory(layer_kind)
-        self.layers = [build() for _ in range(blocks)]
+        self._build = trunk.layer_factory(layer_kind)
+        self.layers = [self._build() for _ in range(blocks)]
         self.roles = [_Roles(args.hidden_size, args.rms_norm_eps, _role_names(names, k),
                              args.vocab_size) for k in range(role_sets)]
         specs = {_module_name(p): q.quant for p, q in quant.items() if q.quant is not None}
@@ -161,8 +167,11 @@ class MTPHead(nn.Module):
     def blocks(self) -> int:
         return len(self.layers)
 
-    def make_cache(self, bounded: bool = False) -> list[KVCache]:
-        return [PaddedKVCache() if bounded else KVCache() for _ in self.layers]
+    def make_cache(self, bounded: bool = False) -> list[Any]:
+        """One cache per block, of the kind mlx-lm's model makes for the block's trunk twin
+        (decoder/trunk.py's LayerFactory); `bounded`: a plain KVCache padded, as the trunk's."""
+        caches = [self._build.cache() for _ in self.layers]
+        return bounded_caches(caches) if bounded else caches
 
     def _roles(self, block: int) -> _Roles:
         return self.roles[block] if len(self.roles) > 1 else self.roles[0]
@@ -184,7 +193,7 @@ class MTPHead(nn.Module):
             parts.reverse()
         return roles.fc(mx.concatenate(parts, axis=-1))
 
-    def __call__(self, hidden: mx.array, tokens: mx.array, cache: list[KVCache] | None,
+    def __call__(self, hidden: mx.array, tokens: mx.array, cache: list[Any] | None,
                  step: int, full_vocab: bool = True, last_only: bool = False,
                  pick: mx.array | None = None) -> tuple[mx.array, mx.array]:
         """hidden (1, S, H) paired with the next tokens (1, S) -> (logits, hidden to chain).
@@ -198,10 +207,10 @@ class MTPHead(nn.Module):
         block = step % self.blocks
         roles = self._roles(block)
         layer_cache = cache[block] if cache is not None else None  # None: training, causal
-        offset = 0 if layer_cache is None else layer_cache.offset
+        kv = _positions(layer_cache)
+        offset = 0 if kv is None else kv.offset
         x = self.layer_input(hidden, tokens, block, offset == 0)  # per row in a batch
-        x = self.layers[block](x, create_attention_mask(x, layer_cache, return_array=True),
-                               layer_cache)
+        x = self.layers[block](x, create_attention_mask(x, kv, return_array=True), layer_cache)
         if pick is not None:
             x = mx.take_along_axis(x, pick[:, None, None], axis=1)
         elif last_only:

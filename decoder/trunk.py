@@ -8,7 +8,7 @@ layer. The pre-norm hidden (for heads trained on it) is read by wrapping the fin
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -113,20 +113,38 @@ class Trunk:
         """Verify passes (every row's logits) traced once per shape (decoder/traced.py)."""
         self.passes = TracedPasses(self) if on else None
 
-    def layer_factory(self, kind: str) -> Callable[[], nn.Module]:
+    def layer_factory(self, kind: str) -> LayerFactory:
         """A constructor for one more decoder layer of the trunk's own class and kind: the MTP
         layer is "full_attention" (like the trunk's softmax-attention layers) or "after_trunk"
         (built as layer num_hidden_layers, e.g. DeepSeek's MoE nextn layer)."""
         layers = list(self.inner.layers)
         if kind == "after_trunk":
-            index, template = len(layers), layers[-1]
+            index, twin = len(layers), len(layers) - 1
         else:
-            index, template = next((i, layer) for i, layer in enumerate(layers)
-                                   if not getattr(layer, "is_linear", False))
-        cls = type(template)
-        takes_index = "layer_idx" in inspect.signature(cls.__init__).parameters
+            twin = next(i for i, layer in enumerate(layers)
+                        if layer is not None and not getattr(layer, "is_linear", False))
+            index = twin
+        return LayerFactory(type(layers[twin]), self.args, index, self.model,
+                            twin - len(layers))
 
-        def build() -> nn.Module:
-            return cls(self.args, layer_idx=index) if takes_index else cls(self.args)
 
-        return build
+@dataclass(frozen=True)
+class LayerFactory:
+    """Builds one more decoder layer of the trunk's class (called), and the cache mlx-lm's
+    model makes for its twin, the trunk layer of the same kind (`cache`): a DSA layer reads a
+    CacheList of its KV and indexer caches, a sliding-window one a RotatingKVCache. So the
+    head's caches are of the kinds the trunk's are, and whatever handles those handles them."""
+
+    cls: type[nn.Module]
+    args: Any
+    index: int
+    model: nn.Module
+    twin: int  # counted from the last layer: a pipeline stage's caches cover its last layers
+
+    def __call__(self) -> nn.Module:
+        if "layer_idx" in inspect.signature(self.cls.__init__).parameters:
+            return self.cls(self.args, layer_idx=self.index)
+        return self.cls(self.args)
+
+    def cache(self) -> Any:
+        return make_prompt_cache(self.model)[self.twin]

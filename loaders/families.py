@@ -214,8 +214,6 @@ FAMILIES: tuple[Family, ...] = (
            experts_key="n_routed_experts", sanitize_mtp_layer=True,
            next_hidden="pre_mtp_norm", mtp_layer_kind="after_trunk",
            shape_rules=PLAIN_ATTENTION_RULES,
-           unsupported="its sparse (DSA) attention keeps an indexer cache beside the KV cache "
-                       "(mlx-lm's CacheList); the head keeps one KV cache per block",
            sources="vLLM deepseek_v32 mtp.py (DeepseekV32MTPModel); mlx-lm deepseek_v32.py, "
                    "glm_moe_dsa.py"),
     Family("mimo", ("mimo",), (r"^model\.mtp_layers\.(?P<block>\d+)\.(?P<rest>.+)$",),

@@ -9,9 +9,11 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from mlx_lm.models.cache import CacheList, KVCache
 from test_exactness import LONG_PROMPT, PROMPT, assert_every_outcome, rounds_of, stock_greedy
 
 import mtpkit
@@ -19,6 +21,7 @@ from fixtures import breaker
 from fixtures.configs import HEAD_FAMILIES
 from fixtures.decoder_models import OracleHead
 from fixtures.heads import build_head_hf, head_weights
+from fixtures.numerics import assert_close
 from mtpkit.cli import main
 from mtpkit.convert.convert import ConvertOptions, convert
 from mtpkit.convert.repair import repair
@@ -26,13 +29,16 @@ from mtpkit.convert.sidecar import SidecarOptions
 from mtpkit.convert.trunk import QuantOptions
 from mtpkit.decoder.options import OptionError
 from mtpkit.decoder.runner import Runner
+from mtpkit.decoder.sampling import SamplingParams
+from mtpkit.decoder.session import Session
 from mtpkit.loaders.families import canonical_mtp_name, family_for
 from mtpkit.loaders.safetensors_header import read_header
 from mtpkit.schemas import finding_codes
 from mtpkit.verify.doctor import report
 
-RUNNABLE = ("glm4_moe", "glm4_moe_lite", "ernie4_5_moe")
-MOE_HEADS = ("glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "nemotron_h", "bailing_moe")
+RUNNABLE = ("glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "deepseek_v32", "ernie4_5_moe")
+INDEXED = ("glm_moe_dsa", "deepseek_v32")  # DSA attention: an indexer cache beside the KV cache
+MOE_HEADS = ("glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "deepseek_v32", "nemotron_h", "bailing_moe")
 
 
 def baseline(family: str) -> set[str]:
@@ -176,7 +182,7 @@ def test_a_head_the_decoder_cannot_run_is_kept_and_its_trunk_runs(bundles, famil
     reference, _ = stock_greedy(path, PROMPT, 24)
     assert runner.generate(PROMPT, 24, depth=0).tokens == reference
     assert runner.generate(PROMPT, 24, depth=3, draft="lookup").tokens == reference
-    if family == "glm_moe_dsa":  # the CLI says the same, once
+    if family == "longcat_flash":  # the CLI says the same, once
         result = CliRunner().invoke(main, ["generate", str(path), "hi", "--raw", "-m", "4",
                                            "--depth", "1", "--draft", "head"])
         assert result.exit_code == 2 and "error [mtp.unsupported]" in result.output, \
@@ -214,6 +220,41 @@ def test_forced_rejections_keep_greedy_equal_to_stock(bundles, family):
         tokens, outcomes = rounds_of(oracle, LONG_PROMPT, len(reference), depth)
         assert tokens == reference, (family, depth)
         assert_every_outcome(outcomes, (depth,))
+
+
+def _positions(cache: KVCache | CacheList) -> list[tuple[str, mx.array]]:
+    """A head block's cached positions by name: a DSA block's CacheList holds its KV cache and
+    its indexer's keys (mlx-lm's deepseek_v32)."""
+    parts = cache.caches if isinstance(cache, CacheList) else (cache,)
+    return [(f"{i}.{name}", getattr(c, name)[..., :c.offset, :]) for i, c in enumerate(parts)
+            for name in ("keys", "values") if c.offset]
+
+
+@pytest.mark.parametrize("family", RUNNABLE)
+def test_the_head_cache_holds_exactly_the_committed_pairs(bundles, family):
+    """After rounds of the family's own head drafting 3 deep, every cache of its first block
+    (a DSA block's indexer cache too) equals a fresh head pass over the (trunk hidden, next
+    token) pairs of the committed text, and later blocks keep none: chained draft entries
+    never survive a round."""
+    runner = mtpkit.load(bundles(family), dtype="float32")
+    assert runner.head is not None
+    session = Session(runner.trunk, runner.head, SamplingParams(), 3)
+    seq = [*PROMPT, session.start(PROMPT)]
+    for _ in range(12):
+        seq += session.round(session.head_draft(3)).committed
+    assert session.stats.verify_calls == 12 and session.stats.corrections > 0
+    first, *later = session.mtp_cache
+    n = _positions(first)[0][1].shape[-2]
+    assert session.owed is not None and n + session.owed[1].shape[1] == len(seq) - 1
+    assert all(not _positions(c) for c in later)
+    hidden, _ = runner.trunk(mx.array([seq[:n]]), runner.trunk.make_cache(), logits_for=0)
+    fresh = runner.head.make_cache()
+    runner.head(hidden, mx.array([seq[1:n + 1]]), fresh, 0)
+    got, want = _positions(first), _positions(fresh[0])
+    assert [name for name, _ in got] == [name for name, _ in want]
+    assert len(got) == (4 if family in INDEXED else 2)
+    for (name, x), (_, y) in zip(got, want, strict=True):
+        assert_close(x, y, f"{family} head cache {name}")
 
 
 # Families with no tiny checkpoint here (Kimi-K3's and MiniMax-M3's multimodal configs): their
