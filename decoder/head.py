@@ -20,6 +20,7 @@ from mlx_lm.models.cache import CacheList
 
 from mtpkit.decoder.shapes import bounded_caches
 from mtpkit.decoder.trunk import Trunk
+from mtpkit.loaders.families import family_for
 from mtpkit.loaders.quant import ModuleQuant
 
 HIDDEN_FEEDS = ("post_norm", "pre_norm")
@@ -131,10 +132,11 @@ class MTPHead(nn.Module):
                          default=0)
         role_sets = 1 + max((int(m[1]) for n in names if (m := re.match(r"^roles\.(\d+)\.", n))),
                             default=0)
-        self._build = trunk.layer_factory(layer_kind)
+        family = family_for(getattr(args, "model_type", None))
+        self._build = trunk.layer_factory(layer_kind, family.mtp_layer_args)
         self.layers = [self._build() for _ in range(blocks)]
-        self.roles = [_Roles(args.hidden_size, args.rms_norm_eps, _role_names(names, k),
-                             args.vocab_size) for k in range(role_sets)]
+        self.roles = [_Roles(args.hidden_size, getattr(args, family.eps_key),
+                             _role_names(names, k), args.vocab_size) for k in range(role_sets)]
         specs = {_module_name(p): q.quant for p, q in quant.items() if q.quant is not None}
         weights = _dequantize_float_only(self, weights, specs)
         if specs:

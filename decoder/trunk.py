@@ -113,19 +113,23 @@ class Trunk:
         """Verify passes (every row's logits) traced once per shape (decoder/traced.py)."""
         self.passes = TracedPasses(self) if on else None
 
-    def layer_factory(self, kind: str) -> LayerFactory:
+    def layer_factory(self, kind: str, layer_args: dict[str, Any] | None = None
+                      ) -> LayerFactory:
         """A constructor for one more decoder layer of the trunk's own class and kind: the MTP
         layer is "full_attention" (like the trunk's softmax-attention layers) or "after_trunk"
-        (built as layer num_hidden_layers, e.g. DeepSeek's MoE nextn layer)."""
-        layers = list(self.inner.layers)
+        (built as layer num_hidden_layers, e.g. DeepSeek's MoE nextn layer). layer_args: the
+        constructor's keyword arguments beyond the config (the family table's); the layer's
+        twin, whose cache it gets, is the first attention layer that keeps the same values."""
+        layers, layer_args = list(self.inner.layers), layer_args or {}
         if kind == "after_trunk":
             index, twin = len(layers), len(layers) - 1
         else:
             twin = next(i for i, layer in enumerate(layers)
-                        if layer is not None and not getattr(layer, "is_linear", False))
+                        if layer is not None and not getattr(layer, "is_linear", False)
+                        and all(getattr(layer, k, v) == v for k, v in layer_args.items()))
             index = twin
         return LayerFactory(type(layers[twin]), self.args, index, self.model,
-                            twin - len(layers))
+                            twin - len(layers), layer_args)
 
 
 @dataclass(frozen=True)
@@ -140,11 +144,12 @@ class LayerFactory:
     index: int
     model: nn.Module
     twin: int  # counted from the last layer: a pipeline stage's caches cover its last layers
+    layer_args: dict[str, Any]
 
     def __call__(self) -> nn.Module:
         if "layer_idx" in inspect.signature(self.cls.__init__).parameters:
-            return self.cls(self.args, layer_idx=self.index)
-        return self.cls(self.args)
+            return self.cls(self.args, layer_idx=self.index, **self.layer_args)
+        return self.cls(self.args, **self.layer_args)
 
     def cache(self) -> Any:
         return make_prompt_cache(self.model)[self.twin]

@@ -74,6 +74,14 @@ class Family:
     hidden_feed: str = "post_norm"
     next_hidden: str = "post_mtp_norm"
     mtp_layer_kind: str = "full_attention"
+    # Keyword arguments of the draft layer's mlx-lm constructor beyond the config (MiMo-V2's
+    # DecoderLayer(config, is_moe, is_sliding_window)); its cache is the one mlx-lm makes for
+    # the first trunk layer whose attributes agree with those it keeps (decoder/trunk.py).
+    mtp_layer_args: dict[str, Any] = field(default_factory=dict)
+    # The head's layer modules the checkpoint names apart from mlx-lm's class (published ->
+    # mlx-lm), and the config key of the head's RMSNorm epsilon.
+    layer_names: dict[str, str] = field(default_factory=dict)
+    eps_key: str = "rms_norm_eps"
     # MiMo zeroes the token embedding of the MTP input at sequence position 0.
     zero_first_embedding: bool = False
     # The config value that counts the trunk's decoder layers (`layers.0` .. `layers.N-1`).
@@ -272,10 +280,11 @@ FAMILIES: tuple[Family, ...] = (
     Family("mimo_v2", ("mimo_v2_flash",),
            (r"^model\.mtp\.layers\.(?P<block>\d+)\.(?P<rest>.+)$",),
            head_roles=_NEXTN_FINAL, experts_key="n_routed_experts",
-           layer_parts=("input_layernorm", "self_attn", "pre_mlp_layernorm", "mlp"),
-           unsupported=_OWN_LAYER.format("sliding-window attention with sinks and a dense MLP, "
-                                         "built as DecoderLayer(config, is_moe, "
-                                         "is_sliding_window)"),
+           mtp_layer_args={"is_moe": False, "is_sliding_window": True},
+           layer_names={"pre_mlp_layernorm": "post_attention_layernorm"},
+           eps_key="layernorm_epsilon",
+           unsupported="its draft layer's sliding-window cache (mlx-lm's RotatingKVCache) is not "
+                       "rolled back once past the window, where drafts are verified and cut",
            sources="vLLM mimo_v2_mtp.py; SGLang mimo_v2_flash_nextn.py; mlx-lm mimo_v2_flash.py"),
     Family("bailing", ("bailing_moe", "bailing_hybrid"), (_AFTER_TRUNK,),
            block_offset_key="num_hidden_layers", head_roles=_NEXTN_FINAL,
@@ -307,7 +316,8 @@ def _canonical_from_block(rest: str, block: int, fam: Family) -> str:
         if rest == source or rest.startswith(source + "."):
             scope = "mtp." if block == 0 or fam.shared_roles else f"mtp.heads.{block}."
             return scope + role + rest[len(source):]
-    return f"mtp.layers.{block}.{rest}"
+    first, dot, tail = rest.partition(".")
+    return f"mtp.layers.{block}.{fam.layer_names.get(first, first)}{dot}{tail}"
 
 
 def _family_match(name: str, fam: Family) -> tuple[str, int] | None:

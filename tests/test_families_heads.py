@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from mlx_lm.models.cache import CacheList, KVCache
+from mlx_lm.models.cache import CacheList, KVCache, RotatingKVCache
 from test_exactness import LONG_PROMPT, PROMPT, assert_every_outcome, rounds_of, stock_greedy
 
 import mtpkit
@@ -27,8 +27,9 @@ from mtpkit.convert.convert import ConvertOptions, convert
 from mtpkit.convert.repair import repair
 from mtpkit.convert.sidecar import SidecarOptions
 from mtpkit.convert.trunk import QuantOptions
+from mtpkit.decoder.head import Contract, MTPHead
 from mtpkit.decoder.options import OptionError
-from mtpkit.decoder.runner import Runner
+from mtpkit.decoder.runner import Runner, _head_arrays, cast_floats, dequantize_for_cpu
 from mtpkit.decoder.sampling import SamplingParams
 from mtpkit.decoder.session import Session
 from mtpkit.loaders.families import canonical_mtp_name, family_for
@@ -37,6 +38,8 @@ from mtpkit.schemas import finding_codes
 from mtpkit.verify.doctor import report
 
 RUNNABLE = ("glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "deepseek_v32", "ernie4_5_moe")
+# Unsupported only past its sliding window (no rollback there): its head runs inside it.
+WINDOWED = ("mimo_v2_flash",)
 INDEXED = ("glm_moe_dsa", "deepseek_v32")  # DSA attention: an indexer cache beside the KV cache
 MOE_HEADS = ("glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "deepseek_v32", "nemotron_h", "bailing_moe")
 
@@ -222,21 +225,56 @@ def test_forced_rejections_keep_greedy_equal_to_stock(bundles, family):
         assert_every_outcome(outcomes, (depth,))
 
 
-def _positions(cache: KVCache | CacheList) -> list[tuple[str, mx.array]]:
+def _drafting(bundles: Callable[[str], Path], family: str) -> Runner:
+    """A runner that drafts with the family's head: as load builds it, or for a head the
+    decoder refuses (WINDOWED) built from its sidecar as load would build it."""
+    runner = mtpkit.load(bundles(family), dtype="float32")
+    if family in RUNNABLE:
+        return runner
+    view = mtpkit.open_bundle(bundles(family))
+    head = MTPHead(runner.trunk, _head_arrays(view), Contract(), view.family.mtp_layer_kind,
+                   view.mtp_quantization)
+    dequantize_for_cpu(head)
+    cast_floats(head, mx.float32)
+    return Runner(runner.trunk, head, None)
+
+
+@pytest.mark.parametrize("family", WINDOWED)
+def test_a_windowed_head_drafts_exactly_inside_its_window(bundles, family):
+    """MiMo-V2-Flash's draft layer is built as the table says (mlx-lm's DecoderLayer(config,
+    is_moe=False, is_sliding_window=True), the published pre_mlp_layernorm loaded as its
+    post_attention_layernorm) over the RotatingKVCache mlx-lm makes for the trunk's sliding
+    layers; inside the window its drafts verify into stock mlx-lm's tokens at depths 1 and 3.
+    Past the window nothing rolls a RotatingKVCache back: the family stays unsupported."""
+    runner = _drafting(bundles, family)
+    assert runner.head is not None and runner.head.layers[0].self_attn.is_sliding_window
+    window = runner.trunk.args.sliding_window_size
+    assert [type(c) for c in runner.head.make_cache()] == [RotatingKVCache]
+    assert runner.head.make_cache()[0].max_size == window
+    n = window - len(PROMPT) - 8  # every pass ends inside the window
+    reference, reason = stock_greedy(bundles(family), PROMPT, n)
+    for depth in (1, 3):
+        result = runner.generate(PROMPT, n, depth=depth)
+        assert result.tokens == reference and result.finish_reason == reason, depth
+        assert result.stats.proposed[0] == result.stats.verify_calls > 0
+
+
+def _positions(cache: KVCache | CacheList | RotatingKVCache) -> list[tuple[str, mx.array]]:
     """A head block's cached positions by name: a DSA block's CacheList holds its KV cache and
-    its indexer's keys (mlx-lm's deepseek_v32)."""
+    its indexer's keys (mlx-lm's deepseek_v32); a RotatingKVCache that has not wrapped holds
+    them in order."""
     parts = cache.caches if isinstance(cache, CacheList) else (cache,)
     return [(f"{i}.{name}", getattr(c, name)[..., :c.offset, :]) for i, c in enumerate(parts)
             for name in ("keys", "values") if c.offset]
 
 
-@pytest.mark.parametrize("family", RUNNABLE)
+@pytest.mark.parametrize("family", RUNNABLE + WINDOWED)
 def test_the_head_cache_holds_exactly_the_committed_pairs(bundles, family):
     """After rounds of the family's own head drafting 3 deep, every cache of its first block
     (a DSA block's indexer cache too) equals a fresh head pass over the (trunk hidden, next
     token) pairs of the committed text, and later blocks keep none: chained draft entries
     never survive a round."""
-    runner = mtpkit.load(bundles(family), dtype="float32")
+    runner = _drafting(bundles, family)
     assert runner.head is not None
     session = Session(runner.trunk, runner.head, SamplingParams(), 3)
     seq = [*PROMPT, session.start(PROMPT)]
