@@ -118,18 +118,27 @@ class Trunk:
         """A constructor for one more decoder layer of the trunk's own class and kind: the MTP
         layer is "full_attention" (like the trunk's softmax-attention layers) or "after_trunk"
         (built as layer num_hidden_layers, e.g. DeepSeek's MoE nextn layer). layer_args: the
-        constructor's keyword arguments beyond the config (the family table's); the layer's
-        twin, whose cache it gets, is the first attention layer that keeps the same values."""
+        constructor's keyword arguments beyond the config (the family table's)."""
         layers, layer_args = list(self.inner.layers), layer_args or {}
-        if kind == "after_trunk":
-            index, twin = len(layers), len(layers) - 1
-        else:
-            twin = next(i for i, layer in enumerate(layers)
-                        if layer is not None and not getattr(layer, "is_linear", False)
-                        and all(getattr(layer, k, v) == v for k, v in layer_args.items()))
-            index = twin
-        return LayerFactory(type(layers[twin]), self.args, index, self.model,
-                            twin - len(layers), layer_args)
+        twin = _twin(layers, kind, layer_args)
+        index = len(layers) if kind == "after_trunk" else twin
+        return LayerFactory(type(layers[twin]), self.args, index, self.model, self.inner, kind,
+                            layer_args)
+
+
+def _twin(layers: list[Any], kind: str, layer_args: dict[str, Any]) -> int:
+    """The trunk layer the MTP layer is like: the last one ("after_trunk"), else the first
+    attention layer that keeps the constructor arguments' values (None in `layers`: another
+    pipeline stage's)."""
+    if kind == "after_trunk":
+        return len(layers) - 1
+    twins = (i for i, layer in enumerate(layers)
+             if layer is not None and not getattr(layer, "is_linear", False)
+             and all(getattr(layer, k, v) == v for k, v in layer_args.items()))
+    twin = next(twins, None)
+    if twin is None:
+        raise ValueError(f"no trunk layer of this stage is like the MTP layer ({kind})")
+    return twin
 
 
 @dataclass(frozen=True)
@@ -143,7 +152,8 @@ class LayerFactory:
     args: Any
     index: int
     model: nn.Module
-    twin: int  # counted from the last layer: a pipeline stage's caches cover its last layers
+    inner: nn.Module
+    kind: str
     layer_args: dict[str, Any]
 
     def __call__(self) -> nn.Module:
@@ -152,4 +162,8 @@ class LayerFactory:
         return self.cls(self.args, **self.layer_args)
 
     def cache(self) -> Any:
-        return make_prompt_cache(self.model)[self.twin]
+        """A fresh cache of the twin's kind, read where it is now: a pipeline stage's caches
+        are its own layers', the last of the inner model's list (the earlier ones None)."""
+        caches = make_prompt_cache(self.model)
+        layers = list(self.inner.layers)[len(self.inner.layers) - len(caches):]
+        return caches[_twin(layers, self.kind, self.layer_args)]
