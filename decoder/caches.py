@@ -31,7 +31,8 @@ from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
 from mtpkit.decoder.options import KV_GROUP_SIZES, KVQuant
 from mtpkit.decoder.shapes import PaddedKVCache
 
-Snapshot = list[list[Any] | None]
+Snapshot = list[Any]  # per cache: None (trimmed instead), a recurrent cache's arrays, or a
+# wrapped sliding-window cache's mlx-lm `state`
 
 
 def is_recurrent(c: Any) -> bool:
@@ -50,8 +51,26 @@ def trim(cache: list[Any], counts: list[int]) -> None:
 
 
 def snapshot(cache: list[Any]) -> Snapshot:
-    """The untrimmable caches' states (references), to restore them after a pass."""
-    return [None if c.is_trimmable() else list(c.cache) for c in cache]
+    """The untrimmable caches' states (references), to restore them after a pass: a recurrent
+    cache's arrays; a sliding-window cache that has wrapped (mlx-lm's RotatingKVCache: it
+    overwrites its oldest keys, so a trim cannot bring them back) by its `state`, its buffers
+    and where it writes next (a multi-row pass rebuilds the buffers, never writes into them)."""
+    return [None if c.is_trimmable() else list(c.cache) if is_recurrent(c) else c.state
+            for c in cache]
+
+
+def restore(c: Any, saved: Any) -> None:
+    """Put back what `snapshot` kept of one cache."""
+    if is_recurrent(c):
+        c.cache = saved
+    else:
+        c.state = saved
+
+
+def recordable(cache: list[Any]) -> bool:
+    """Whether a recording pass can commit in place: every cache trims, or is recurrent (its
+    layers replay what the pass recorded). Else the round restores and replays."""
+    return all(c.is_trimmable() or is_recurrent(c) for c in cache)
 
 
 def _keys(c: Any) -> mx.array | None:

@@ -28,6 +28,7 @@ from mtpkit.decoder.caches import (
     FrozenHidden,
     freeze,
     quantize,
+    recordable,
     room,
     snapshot,
     thawable,
@@ -448,7 +449,7 @@ class Session:
         verdict = judge(draft, logits[0], self.params)
         # the round's one host read: drafts, kept count and emitted token
         *drafts, kept, token = mx.concatenate([tokens[0, 1:].astype(mx.int32), verdict]).tolist()
-        if self.recorders:
+        if self.recorders and recordable(self.cache):
             commit_recorded(self.cache, self.recorders, width, kept + 1)
         elif rewind(self.cache, saved, width, kept + 1):
             self.trunk(tokens[:, :kept + 1], self.cache, logits_for=0)

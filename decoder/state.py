@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mtpkit.decoder.caches import Snapshot, trimmable
+from mtpkit.decoder.caches import Snapshot, restore, trimmable
 from mtpkit.decoder.recording import StateRecorder
 
 
@@ -29,7 +29,7 @@ def rewind(cache: list[Any], saved: Snapshot, verified: int, keep: int) -> bool:
         if state is None:
             c.trim(verified)
         else:
-            c.cache = state
+            restore(c, state)
     return keep > 0
 
 

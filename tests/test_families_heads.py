@@ -192,6 +192,21 @@ def test_a_head_the_decoder_cannot_run_is_kept_and_its_trunk_runs(bundles, famil
             result.output
 
 
+@pytest.mark.parametrize("rollback", ["record", "replay"])
+def test_a_sliding_window_trunk_rolls_back_past_its_window(bundles, rollback):
+    """MiMo-V2-Flash's sliding layers keep mlx-lm's RotatingKVCache (a 128-token window here):
+    once it wraps it overwrites its oldest keys, so a rejected draft cannot be trimmed away; the
+    round restores the cache's state and replays the kept tokens. Past the window, with
+    rejections, context drafts at depths 1 and 3 and auto give stock mlx-lm's tokens."""
+    path = bundles("mimo_v2_flash")
+    prompt = [(7 * i + 3) % 97 + 2 for i in range(40)] * 4  # 160 tokens that lookup can copy
+    reference, _ = stock_greedy(path, prompt, 96)
+    runner = mtpkit.load(path, dtype="float32", rollback=rollback)
+    results = {d: runner.generate(prompt, 96, depth=d, draft="lookup") for d in (1, 3, "auto")}
+    assert all(r.tokens == reference for r in results.values())
+    assert 0 < results[3].stats.acceptance_by_depth[2] < 1, "rounds kept and rejected drafts"
+
+
 @pytest.mark.parametrize("family", RUNNABLE)
 def test_greedy_tokens_equal_stock_mlx_lm(bundles, family):
     path = bundles(family)
