@@ -283,8 +283,8 @@ FAMILIES: tuple[Family, ...] = (
            mtp_layer_args={"is_moe": False, "is_sliding_window": True},
            layer_names={"pre_mlp_layernorm": "post_attention_layernorm"},
            eps_key="layernorm_epsilon",
-           unsupported="its draft layer's sliding-window cache (mlx-lm's RotatingKVCache) is not "
-                       "rolled back once past the window, where drafts are verified and cut",
+           unsupported="its draft layer's sliding-window cache (mlx-lm's RotatingKVCache) is "
+                       "trimmed per block after each round, which no wrapped window allows",
            sources="vLLM mimo_v2_mtp.py; SGLang mimo_v2_flash_nextn.py; mlx-lm mimo_v2_flash.py"),
     Family("bailing", ("bailing_moe", "bailing_hybrid"), (_AFTER_TRUNK,),
            block_offset_key="num_hidden_layers", head_roles=_NEXTN_FINAL,
