@@ -597,7 +597,7 @@ def tune(bundle: str, as_json: bool, refresh: bool, dtype: str | None,
         most = batch_option(batch) if batch is not None else None
         runner = load(bundle, dtype=dtype, **_kv(kv_bits, kv_group_size, quantized_kv_start))
         if most is not None:
-            batch_option(most, runner.kv)  # a batch with --kv-bits: refused before measuring
+            batch_option(most, runner.kv, runner.batchable)  # refused before measuring
         doc = report(runner, bundle, refresh, progress_bar(), most,
                      batch_lines())
     click.echo(json.dumps(doc, indent=2) if as_json else render_text(doc))
@@ -776,12 +776,13 @@ def serve(bundle: str, host: str, port: int, api_keys: tuple[str, ...],
             keys = api_keys_from(api_keys, api_key_file, os.environ)
             check_bind(host, keys)  # before the (slow) load
             check_port(host, port)
-            if kv_bits is not None and click.get_current_context().get_parameter_source(
-                    "max_batch") is click.core.ParameterSource.DEFAULT:
-                max_batch = 1  # a quantized KV cache serves one at a time (decoder/options.py)
             runner = lead(load(bundle, "auto" if not keep_quantized else False, dtype=dtype,
                                shard=shard, **_kv(kv_bits, kv_group_size, quantized_kv_start)))
-            batch_option(max_batch, runner.kv)  # --max-batch N asked with --kv-bits: refused
+            alone = kv_bits is not None or not runner.batchable  # (decoder/options.py)
+            if alone and click.get_current_context().get_parameter_source(
+                    "max_batch") is click.core.ParameterSource.DEFAULT:
+                max_batch = 1  # a quantized KV cache, a sliding window: one at a time
+            batch_option(max_batch, runner.kv, runner.batchable)  # --max-batch N asked: refused
             runner.max_prompt_tokens = max_prompt_tokens
             source = runner.draft_source(depth_opt, draft)
             if advice := numerics_note(runner):
@@ -806,7 +807,8 @@ def serve(bundle: str, host: str, port: int, api_keys: tuple[str, ...],
     together = (f"up to {service.max_batch} requests at once" if service.max_batch > 1 else
                 "one request at a time" + (" (--shard serves one at a time)"
                                            if shard is not None and max_batch > 1 else "")
-                + (" (--kv-bits: mlx-lm has no batched quantized cache)" if kv_bits else ""))
+                + (" (--kv-bits: mlx-lm has no batched quantized cache)" if kv_bits else "")
+                + (" (this model's caches join no batch)" if not runner.batchable else ""))
     how = ""
     try:
         click.echo(f"serving {bundle} on http://{host}:{server.server_address[1]}/v1 "

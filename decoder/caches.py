@@ -39,6 +39,13 @@ def is_recurrent(c: Any) -> bool:
     return isinstance(c, ArraysCache)
 
 
+def batchable(cache: list[Any]) -> bool:
+    """Whether decoder/batch_cache.py can hold these caches as rows of one batch: mlx-lm's
+    KVCache (a quantized one is refused on its own: options.batch_option) and recurrent
+    ArraysCache; not a sliding window's RotatingKVCache nor a CacheList (DSA attention)."""
+    return all(type(c) in (KVCache, QuantizedKVCache) or is_recurrent(c) for c in cache)
+
+
 def trimmable(cache: list[Any]) -> bool:
     return all(c.is_trimmable() for c in cache)
 

@@ -18,7 +18,7 @@ from mlx_lm.utils import dequantize_model, load_model
 from mtpkit.decoder import batch_costs, distributed, kernels, sharding
 from mtpkit.decoder.batch import Batch
 from mtpkit.decoder.batch_policy import Prices
-from mtpkit.decoder.caches import unquantizable
+from mtpkit.decoder.caches import batchable, unquantizable
 from mtpkit.decoder.context import check_prompt, context_of
 from mtpkit.decoder.controller import Controller
 from mtpkit.decoder.costs import Progress, costs_for
@@ -207,7 +207,7 @@ class Runner:
         """What batches of up to `most` rows pay per round here (decoder/batch_costs.py):
         stored for this bundle where they cover `most` rows, else timed now and stored; they
         become this runner's batch prices. Returns them and whether they were timed now."""
-        most = batch_option(most, self.kv)
+        most = batch_option(most, self.kv, self.batchable)
         key = self.costs().key
         found, stock = batch_costs.read(key) if key and not refresh else ({}, {})
         complete = all(batch_costs.missing(found, size, batch_costs.deepest(self)) is None
@@ -225,6 +225,11 @@ class Runner:
         self.batch_paid.update(paid)
         self._stock(stock)
         return paid, timed
+
+    @property
+    def batchable(self) -> bool:
+        """Whether its trunk's caches can decode as rows of one batch (caches.batchable)."""
+        return batchable(self.trunk.make_cache())
 
     def draft_source(self, depth: Depth, draft: str | None) -> Source:
         """The draft source for a depth and draft argument on this bundle (checked as every
@@ -346,7 +351,7 @@ class Runner:
         (prompt index, Piece) as text is committed; each prompt's last piece carries its
         Result. `options` apply to every prompt, `each[i]` (max_tokens included) to prompt i
         only."""
-        scheduler = Scheduler(Batch(self.trunk, self.head), batch_option(max_batch, self.kv),
+        scheduler = Scheduler(Batch(self.trunk, self.head), batch_option(max_batch, self.kv, self.batchable),
                               self.batch_paid)
         asks = [options | {"max_tokens": max_tokens} | (dict(each[i]) if each else {})
                 for i in range(len(prompts))]

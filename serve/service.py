@@ -88,8 +88,8 @@ class Service:
         caches = runner.trunk.make_cache()
         self.prefix = PrefixCache(cache_bytes) if cache_bytes > 0 and exportable(caches) else None
         self.trimmable = trimmable(caches)
-        self.max_batch = (batch_option(max_batch, runner.kv) if "shard" not in runner.load_options
-                          else 1)
+        self.max_batch = (batch_option(max_batch, runner.kv, runner.batchable)
+                          if "shard" not in runner.load_options else 1)
         prefix = self.prefix
         self.metrics = Metrics(lambda: self.queue.depth, lambda: self.queue.busy,
                                lambda: prefix.nbytes if prefix else 0,

@@ -207,6 +207,20 @@ def test_a_sliding_window_trunk_rolls_back_past_its_window(bundles, rollback):
     assert 0 < results[3].stats.acceptance_by_depth[2] < 1, "rounds kept and rejected drafts"
 
 
+@pytest.mark.parametrize("family", ["mimo_v2_flash", "glm_moe_dsa"])
+def test_caches_no_batch_holds_decode_one_at_a_time(bundles, family):
+    """A sliding window's RotatingKVCache and DSA attention's CacheList join no batch (the
+    batch's rows are KVCache and recurrent caches): a batch asked for is refused with
+    options.invalid, before any decoding, and one at a time decodes as alone."""
+    runner = mtpkit.load(bundles(family), dtype="float32")
+    assert not runner.batchable
+    with pytest.raises(OptionError) as err:
+        runner.generate_batch([PROMPT, PROMPT], 8)
+    assert (err.value.code, err.value.option) == ("options.invalid", "max_batch")
+    [alone] = runner.generate_batch([PROMPT], 8, max_batch=1)
+    assert alone.tokens == runner.generate(PROMPT, 8).tokens
+
+
 @pytest.mark.parametrize("family", RUNNABLE)
 def test_greedy_tokens_equal_stock_mlx_lm(bundles, family):
     path = bundles(family)
