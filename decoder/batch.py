@@ -35,15 +35,17 @@ from mtpkit.decoder.trunk import Trunk
 @dataclass(frozen=True)
 class Ask:
     """What a row drafts this round: `context` drafts (from its context index, with the
-    `match` they came from), else `depth` head drafts; neither: a plain step."""
+    `match` they came from), else `depth` drafts from its draft model (`model`, drafted by the
+    row's own proposer) or the head; neither: a plain step."""
 
     depth: int = 0
     context: tuple[int, ...] = ()
     match: int = 0
+    model: bool = False
 
     @property
     def head_steps(self) -> int:
-        return 0 if self.context else self.depth
+        return 0 if self.context or self.model else self.depth
 
 
 Owed = tuple[mx.array, mx.array, mx.array, int]  # hidden, tokens, counts (rows,), width
@@ -295,8 +297,7 @@ class Batch:
         """Row b's session takes what its round committed (its context index, last token,
         acceptance counts)."""
         session = self.rows[b]
-        if session.lookup is not None:
-            session.lookup.extend(outcome.committed)
+        session.taken(outcome.committed)
         session.last = outcome.committed[-1]
         if outcome.depth > 0:
             session.stats.count_round(SOURCE_NAMES[outcome.source], outcome.depth,
@@ -359,8 +360,7 @@ class Batch:
             steps.append(got)
             for session, token in zip(self.rows, got, strict=True):
                 session.last = token
-                if session.lookup is not None:
-                    session.lookup.extend([token])
+                session.taken([token])
             yield got, time.perf_counter() - begin
             begin = time.perf_counter()
             n += 1
@@ -376,8 +376,9 @@ class Batch:
                             [got[b] for got in steps])
 
     def _drafts(self, asks: list[Ask]) -> list[Draft]:
-        """Every row's draft: context drafts and plain steps as a lone session makes them,
-        head drafts chained for every row at once (`_head`)."""
+        """Every row's draft: context drafts, a draft model's and plain steps as a lone session
+        makes them (a draft model's pass per row, on its own cache), head drafts chained for
+        every row at once (`_head`)."""
         noise = [s.round_noise(a.head_steps) if a.head_steps else (None, None)
                  for s, a in zip(self.rows, asks, strict=True)]
         steps = max(a.head_steps for a in asks)
@@ -390,6 +391,8 @@ class Batch:
         for b, (session, ask) in enumerate(zip(self.rows, asks, strict=True)):
             if ask.context:
                 drafts.append(session.context_draft(list(ask.context), ask.match))
+            elif ask.model and session.model is not None and ask.depth > 0:
+                drafts.append(session.model.propose(ask.depth) or session.head_draft(0))
             elif ask.depth == 0:
                 drafts.append(session.head_draft(0))
             else:

@@ -43,6 +43,7 @@ class Source(StrEnum):
     HEAD = "head"  # the bundle's MTP head
     LOOKUP = "lookup"  # the context: what followed an earlier match (decoder/lookup.py)
     BOTH = "both"  # whichever pays, round by round (the head where the bundle has one)
+    MODEL = "model"  # a separate draft model with the same tokenizer (decoder/draft_model.py)
     CHAIN = "chain"  # a round's, never an option: head drafts continued from the context
 
 
@@ -98,7 +99,8 @@ def source_option(value: object) -> Source | None:
     if isinstance(value, str) and value in SOURCES:
         return Source(value)
     raise OptionError("options.invalid", "draft", '{name} must be "head", "lookup" or "both"',
-                      "head: the MTP head; lookup: the context; both: whichever pays")
+                      "head: the MTP head; lookup: the context; both: whichever pays; "
+                      '"model" too, where a draft model is loaded (--draft-model)')
 
 
 def dtype_option(value: object) -> str | None:
@@ -185,11 +187,19 @@ class DecodeOptions:
             seed = _integer("seed", seed, -SEED_BOUND, SEED_BOUND - 1)
         return cls(depth_option(depth), source_option(draft), sampling, seed)  # type: ignore[arg-type]
 
-    def source(self, has_head: bool, unsupported: str | None = None) -> Source:
-        """The draft source this generation uses: as asked, else both under auto, the head at a
-        forced depth, the context for a bundle without a head. The head asked of a bundle
-        without one is refused (options.no_head; mtp.unsupported, saying why, where the bundle
-        has a head the decoder cannot run); "both" there is the context alone."""
+    def source(self, has_head: bool, unsupported: str | None = None,
+               has_model: bool = False) -> Source:
+        """The draft source this generation uses: as asked, else the draft model where one is
+        loaded (`has_model`), both under auto, the head at a forced depth, the context for a
+        bundle without a head. The head asked of a bundle without one is refused
+        (options.no_head; mtp.unsupported, saying why, where the bundle has a head the decoder
+        cannot run); "both" there is the context alone; "model" without a draft model loaded
+        is options.invalid."""
+        if self.draft is Source.MODEL and not has_model:
+            raise OptionError("options.invalid", "draft",
+                              '{name} "model" drafts with a draft model; none is loaded',
+                              "load one with the bundle: --draft-model PATH "
+                              "(Python: mtpkit.load(path, draft_model=PATH))")
         if self.draft is Source.HEAD and not has_head and unsupported is not None:
             raise OptionError("mtp.unsupported", "draft", f'{{name}} "head": {unsupported}',
                               'use "lookup" or "both" (context drafts), or depth 0 (plain)')
@@ -199,6 +209,8 @@ class DecodeOptions:
                               'use "lookup" or "both" (context drafts), or depth 0 (plain)')
         if self.draft is not None:
             return self.draft
+        if has_model:
+            return Source.MODEL
         if not has_head:
             return Source.LOOKUP
         return Source.BOTH if self.depth == "auto" else Source.HEAD

@@ -23,6 +23,7 @@ from mtpkit.decoder.context import check_prompt, context_of
 from mtpkit.decoder.controller import Controller
 from mtpkit.decoder.costs import Progress, costs_for
 from mtpkit.decoder.curve import CostCurve
+from mtpkit.decoder.draft_model import FIXED_DEPTH, DraftModel, check_vocab
 from mtpkit.decoder.dtypes import choose as choose_dtype
 from mtpkit.decoder.head import Contract, MTPHead
 from mtpkit.decoder.options import (
@@ -157,6 +158,8 @@ class Runner:
         self._costs: CostCurve | None = None
         self.paid = PaidCosts()  # what rounds and plain steps really cost here (policy.py)
         self.batch_paid = Prices()  # what a batch's rounds cost, by (rows, depth): batch_policy.py
+        self.drafter: DraftModel | None = None  # a draft model (load_draft_model)
+        self.vocab: dict[str, int] | None = None  # its tokenizer's token -> id, as the bundle's
 
     @property
     def kv(self) -> KVQuant | None:
@@ -234,12 +237,31 @@ class Runner:
     def draft_source(self, depth: Depth, draft: str | None) -> Source:
         """The draft source for a depth and draft argument on this bundle (checked as every
         entry checks it: decoder/options.py)."""
-        return DecodeOptions.of(depth, draft).source(self.head is not None, self.unsupported)
+        return DecodeOptions.of(depth, draft).source(self.head is not None, self.unsupported,
+                                                     self.drafter is not None)
+
+    def load_draft_model(self, path: str | Path, dequantize: bool | str = "auto") -> DraftModel:
+        """A separate draft model (mlx-lm's --draft-model) checked against this runner and
+        loaded: refused as `load` refuses a bundle, draft.vocab_mismatch where its tokenizer
+        is not this one's, options.invalid where its caches cannot roll back
+        (decoder/draft_model.py). From then on it is the default drafter (draft "model")."""
+        view = open_draft(path, self.vocab)
+        model, _ = load_model(view.root, lazy=True, trust_remote_code=False)  # never bundle code
+        if _wants_dequantize(dequantize):
+            dequantize_for_cpu(model)
+        drafter = DraftModel(model, self.trunk.args.vocab_size, f"draft model {path}")
+        mx.eval(model.parameters())
+        self.drafter = drafter
+        self.load_options["draft_model"] = str(path)
+        return drafter
 
     def policy(self, depth: Depth, draft: Source = Source.HEAD
                ) -> tuple[int, DepthPolicy | None]:
         """(deepest depth, policy or None) for a depth argument: a number forces that depth;
-        "auto" lets measured costs and online acceptance choose, up to MAX_AUTO_DEPTH."""
+        "auto" lets measured costs and online acceptance choose, up to MAX_AUTO_DEPTH. A draft
+        model drafts FIXED_DEPTH under "auto" and None (decoder/draft_model.py)."""
+        if draft == Source.MODEL and depth in ("auto", None):
+            return FIXED_DEPTH, None
         if depth == "auto":
             sources = tuple(s for s, ok in ((Source.HEAD, self.head is not None
                                              and draft != Source.LOOKUP),
@@ -331,7 +353,8 @@ class Runner:
         """One generation's options checked (decoder/options.py), its prompt encoded and
         bounded, and the session that will decode it (see stream for the arguments)."""
         options = DecodeOptions.of(depth, draft, temperature, top_p, top_k, min_p, seed)
-        source = options.source(self.head is not None, self.unsupported)
+        source = options.source(self.head is not None, self.unsupported,
+                                self.drafter is not None)
         deepest, policy = self.policy(options.depth, source)
         ids = self.encode(prompt)
         if not ids:
@@ -339,7 +362,7 @@ class Runner:
         self.check_prompt(len(ids))
         session = Session(self.trunk, self.head, options.sampling, deepest, options.seed,
                           self.rollback, draft=source, stop=stop, prefix=prefix,
-                          checkpoints=checkpoints)
+                          checkpoints=checkpoints, drafter=self.drafter)
         eos = set(self.tokenizer.eos_token_ids) if self.tokenizer is not None else set()
         return Request(ids, session, max_tokens, eos, policy if deepest > 0 else None, stop)
 
@@ -418,7 +441,7 @@ def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None
          hidden_feed: str | None = None, next_hidden: str | None = None,
          concat_order: str | None = None, rollback: str = "record",
          shard: str | None = None, kv_bits: int | None = None, kv_group_size: int = 64,
-         quantized_kv_start: int = KV_START) -> Runner:
+         quantized_kv_start: int = KV_START, draft_model: str | Path | None = None) -> Runner:
     """Load a converted bundle: trunk through mlx-lm's own classes, MTP head from the sidecar.
 
     dequantize="auto" runs quantized weights as bf16 (and MoE experts as float32) on MLX's CPU
@@ -434,7 +457,9 @@ def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None
     "replay". shard: "tensor" or "pipeline" in a process started by mlx.launch: this rank's
     part of the trunk (decoder/sharding.py), the head on rank 0 only, which drives the other
     ranks (decoder/distributed.py). kv_bits, kv_group_size, quantized_kv_start: mlx-lm's
-    quantized KV cache (Runner.quantize_kv), checked before the weights load.
+    quantized KV cache (Runner.quantize_kv), checked before the weights load. draft_model: a
+    separate draft model's bundle (Runner.load_draft_model), its tokenizer checked against
+    this one's before any weights load.
     """
     dtype_option(dtype)
     if kv_option(kv_bits, kv_group_size, quantized_kv_start) is not None and shard is not None:
@@ -443,8 +468,13 @@ def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None
     if dequantize is False and dtype not in (None, "auto"):
         raise UserError("usage", "keeping the quantized weights and casting them to "
                         f"{dtype} contradict each other", "drop --keep-quantized or --dtype")
+    if draft_model is not None and shard is not None:
+        raise OptionError("options.invalid", "draft_model", "{name} cannot run with a sharded "
+                          "trunk", "drop draft_model or shard")
     view = open_bundle(path)
     unsupported = _refuse(view, path)
+    if draft_model is not None:
+        open_draft(draft_model, view.tokenizer.vocab)
     # never runs bundle code (auto_map); a file transformers chokes on is one UserError, before
     # the weights load
     tokenizer = load_wrapper(view.root, view.tokenizer, str(path)) if view.tokenizer.kind else None
@@ -493,11 +523,25 @@ def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None
     runner = Runner(trunk, head, tokenizer, safe_template(view), view.tokenizer.special_tokens(),
                     rollback, Path(view.root), options, context_of(view.config.text))
     runner.dtype_note = chosen.reason
+    runner.vocab = view.tokenizer.vocab
     runner.unsupported = unsupported.message if unsupported is not None else None
     runner.quantize_kv(kv_bits, kv_group_size, quantized_kv_start)
     runner.template_code = next((f.code for f in view.findings if f.code.startswith("template.")
                                  and f.severity == "error"), "template.missing")
+    if draft_model is not None:
+        runner.load_draft_model(draft_model, dequantize)
     return distributed.attach(runner, group, shard) if group is not None else runner
+
+
+def open_draft(path: str | Path, vocab: dict[str, int] | None) -> BundleView:
+    """A draft model's bundle, header-only, refused as `load` refuses a bundle, or with
+    draft.vocab_mismatch where its tokenizer's token -> id map is not `vocab` (the target's;
+    None: a target built in memory, with no tokenizer files to compare)."""
+    view = open_bundle(path)
+    _refuse(view, path)
+    if vocab is not None:
+        check_vocab(vocab, view.tokenizer.vocab, f"draft model {path}")
+    return view
 
 
 def _refuse(view: BundleView, path: str | Path) -> Finding | None:

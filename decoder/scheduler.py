@@ -420,6 +420,8 @@ class Scheduler:
         headed = session.head is not None and session.depth > 0
         if request.policy is None:  # a fixed depth, as Session.next_round drafts
             depth = min(session.depth, most)
+            if session.model is not None and depth > 0:
+                return Ask(depth=depth, model=True)
             if session.lookup is not None and depth > 0:
                 drafts, match = session.lookup.propose(depth)
                 if drafts:

@@ -35,11 +35,13 @@ from mtpkit.decoder.caches import (
     trim,
     trimmable,
 )
+from mtpkit.decoder.draft_model import DraftModel, ModelProposer
 from mtpkit.decoder.drafts import Draft, cut, widened
 from mtpkit.decoder.head import MTPHead
 from mtpkit.decoder.lookup import ContextIndex
 from mtpkit.decoder.options import Source
 from mtpkit.decoder.prefix import KINDS, PrefixCache
+from mtpkit.decoder.proposers import ContextProposer, HeadProposer, Proposer
 from mtpkit.decoder.sampling import (
     Candidates,
     SamplingParams,
@@ -57,7 +59,7 @@ STREAM = mx.new_thread_local_stream(mx.default_device())
 ROLLBACKS = ("record", "replay")
 ATTENTION = (KVCache, PaddedKVCache)  # caches a left-padded batched prefill can fill
 SOURCE_NAMES = {Source.HEAD: "head", Source.LOOKUP: "lookup",
-                Source.CHAIN: "head+lookup"}  # in stats
+                Source.CHAIN: "head+lookup", Source.MODEL: "model"}  # in stats
 
 
 @dataclass(frozen=True)
@@ -67,8 +69,8 @@ class RoundOutcome:
     committed: list[int]
     depth: int  # drafts verified (0: one step through the verify path)
     kept: int
-    source: Source  # HEAD, LOOKUP or CHAIN (head drafts continued from the context)
-    drafted: int  # drafts the head made (context drafts cost no draft step)
+    source: Source  # HEAD, LOOKUP, CHAIN (head drafts continued from the context) or MODEL
+    drafted: int  # draft steps the head or draft model ran (context drafts cost none)
     match: int  # the context match a lookup round drafted from
     paid_s: float  # the round's wall time, its one host read included
     width: int  # rows the verify pass ran (padding included)
@@ -96,7 +98,7 @@ class Session:
                  seed: int | None = None, rollback: str = "record",
                  bounded: bool | None = None, draft: Source = Source.HEAD,
                  stop: Callable[[], bool] | None = None, prefix: PrefixCache | None = None,
-                 checkpoints: Sequence[int] = ()) -> None:
+                 checkpoints: Sequence[int] = (), drafter: DraftModel | None = None) -> None:
         """depth: the draft depth (0: plain decoding), or under a controller the deepest it may
         choose. bounded: attention shapes from a bounded set (default: where attention
         compiles per shape, see shapes.bounded_by_default, or where the trunk's verify passes
@@ -104,10 +106,13 @@ class Session:
         a Source, checked by decoder/options.py (a head is optional under "both").
         stop: asked between prefill chunks; true raises Stopped (the caller's own check between
         rounds covers the rest). prefix, checkpoints: a prefix cache the prompt starts from and
-        leaves its state in (see start)."""
+        leaves its state in (see start). drafter: the draft model of draft "model"
+        (decoder/draft_model.py), whose cache this session keeps."""
         draft = Source(draft)
         if depth > 0 and head is None and draft is Source.HEAD:
             raise ValueError("head drafts need an MTP head (DecodeOptions.source refuses this)")
+        if depth > 0 and drafter is None and draft is Source.MODEL:
+            raise ValueError("model drafts need a draft model (DecodeOptions.source refuses this)")
         if rollback not in ROLLBACKS:
             raise ValueError(f"rollback must be one of {', '.join(ROLLBACKS)}")
         self.stop = stop
@@ -120,7 +125,14 @@ class Session:
         self.kv = getattr(trunk, "kv", None)  # --kv-bits: the trunk's caches turn quantized
         speculative = self.head is not None and depth > 0
         self.mtp_cache = self.head.make_cache(self.bounded) if speculative else []
-        self.lookup = ContextIndex() if draft is not Source.HEAD and depth > 0 else None
+        self.lookup = (ContextIndex() if draft in (Source.LOOKUP, Source.BOTH) and depth > 0
+                       else None)
+        self.model: ModelProposer | None = (drafter.proposer(self) if draft is Source.MODEL
+                                            and depth > 0 and drafter is not None else None)
+        # at a fixed depth, asked in order: the first draft offered is verified (next_round)
+        self.proposers: list[Proposer] = [p for p in (
+            self.model, ContextProposer(self) if self.lookup is not None else None,
+            HeadProposer(self) if self.head is not None else None) if p is not None]
         self.key = mx.random.key(int(np.random.default_rng(seed).integers(2**63)))
         self.stats = Stats(depth)
         self.last = -1
@@ -226,8 +238,7 @@ class Session:
             if owe:
                 hiddens.append(hidden)
                 tokens.append(token)
-            if self.lookup is not None:
-                self.lookup.extend([token])
+            self.taken([token])
             self.last = token
             busy += time.perf_counter() - begin
             yield token
@@ -282,8 +293,7 @@ class Session:
             spent += self.stats.prefill_s
             if hidden is not None:
                 self.owe(hidden, ids[at + 1:mark + 1])
-            if self.lookup is not None:
-                self.lookup.extend(ids[at:mark])
+            self.taken(ids[at:mark])
             self.prefix.insert(kind, ids[:mark], self.export_state())
             at = mark
         last = yield from self._first(ids[at:])
@@ -300,8 +310,7 @@ class Session:
         self.mtp_cache[:] = [f.thaw(c) for c, f in zip(self.mtp_cache, state[n:n + m],
                                                         strict=True)]
         quantize(self.cache, self.kv)  # float keys restored up to the switch: it is here
-        if self.lookup is not None:
-            self.lookup.extend(ids[:cached])
+        self.taken(ids[:cached])
         if m:
             hidden = state[-1]
             assert hidden.offset == cached and hidden.hidden is not None
@@ -336,8 +345,7 @@ class Session:
         if self.mtp_cache:
             assert hidden is not None
             self.owe(hidden, [*ids[1:], self.last])
-        if self.lookup is not None:
-            self.lookup.extend([*ids, self.last])
+        self.taken([*ids, self.last])
         return self.last
 
     def prefills_with_others(self, ids: list[int]) -> bool:
@@ -361,6 +369,14 @@ class Session:
             self.prefix.missed()
             self.prefix.insert(KINDS[bool(self.mtp_cache)], ids, self.export_state())
         return first
+
+    def taken(self, tokens: list[int]) -> None:
+        """Committed text, as every drafter that keeps some sees it: the context index grows;
+        a draft model keeps the drafts it fed as far as they were kept (its `settle`)."""
+        if self.lookup is not None:
+            self.lookup.extend(tokens)
+        if self.model is not None:
+            self.model.settle(tokens)
 
     def owe(self, hidden: mx.array, tokens: list[int]) -> None:
         pairs = (hidden, mx.array(tokens)[None])
@@ -459,8 +475,7 @@ class Session:
         committed = [*drafts[:kept], token]
         if self.mtp_cache:
             self.owe(hidden[:, :kept + 1], committed)
-        if self.lookup is not None:
-            self.lookup.extend(committed)
+        self.taken(committed)
         self.last = token
         paid = time.perf_counter() - start
         if depth > 0:
@@ -469,13 +484,13 @@ class Session:
                             paid, width, owed)
 
     def next_round(self, depth: int) -> RoundOutcome:
-        """A round at a fixed depth: context drafts where the text offers some (up to `depth`),
-        else the head's, else one plain step."""
-        if self.lookup is not None:
-            drafts, match = self.lookup.propose(depth)
-            if drafts and depth > 0:
-                return self.round(self.context_draft(drafts, match))
-        return self.round(self.head_draft(depth if self.head is not None else 0))
+        """A round at a fixed depth: the first draft a proposer offers (a draft model's; else
+        context drafts where the text offers some, up to `depth`; else the head's), else one
+        plain step."""
+        for proposer in self.proposers if depth > 0 else ():
+            if (draft := proposer.propose(depth)) is not None:
+                return self.round(draft)
+        return self.round(self.head_draft(0))
 
 
 def judge(draft: Draft, logits: mx.array, params: SamplingParams) -> mx.array:
