@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from mtpkit.loaders.assistant import DrafterReport, read_drafter
 from mtpkit.loaders.config import ModelConfig, read_config
 from mtpkit.loaders.config_weights import check_config_weights
 from mtpkit.loaders.families import Family, family_for
@@ -38,6 +39,7 @@ class BundleView:
     tokenizer: TokenizerReport
     manifest: ManifestReport
     findings: list[Finding] = field(default_factory=list)
+    drafter: DrafterReport = field(default_factory=DrafterReport)  # a separate drafter, if any
 
     @property
     def tensors(self) -> dict[str, Any]:
@@ -57,6 +59,7 @@ class BundleView:
                              "sidecar": summarize(self.mtp_quantization)},
             "mtp": self.mtp.to_dict(), "template": self.template.to_dict(),
             "tokenizer": self.tokenizer.to_dict(),
+            "drafter": self.drafter.manifest_section(),
         }
 
 
@@ -119,12 +122,14 @@ def open_bundle(path: str | Path) -> BundleView:
     template = check_template(root, tokenizer.config, tokenizer.special_tokens(),
                               tokenizer.chat_markers)
     manifest = check_manifest(root)
+    drafter = read_drafter(root, config.raw, manifest.data)
     dims = check_config_weights(config, family, weights, mtp.source_names.values(),
                                 quantization)
     # The audit and each reader vet the same files the same way: keep one of each finding.
     findings = _fold(list(dict.fromkeys([
         *files, *config.findings, *weights.findings, *dims, *mtp.findings, *trunk_q,
-        *sidecar_q, *tokenizer.findings, *template.findings, *manifest.findings])), weights)
+        *sidecar_q, *tokenizer.findings, *template.findings, *manifest.findings,
+        *drafter.findings])), weights)
     findings.sort(key=lambda f: (SEVERITY_ORDER[f.severity], f.code, f.location))
     return BundleView(root, str(path), kind, family, config, weights, mtp, quantization,
-                      mtp_quantization, template, tokenizer, manifest, findings)
+                      mtp_quantization, template, tokenizer, manifest, findings, drafter)

@@ -11,7 +11,8 @@ SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
 # shard leaves modules incomplete, a wrong config contradicts the tensors; an entry that
 # refuses a bundle names the earliest cause, not its consequences.
 ROOT_ORDER = ("files.not_regular", "index.path_escape", "files.", "index.", "safetensors.",
-              "config.", "tokenizer.", "quant.", "mtp.", "template.", "manifest.", "weights.")
+              "config.", "tokenizer.", "quant.", "mtp.", "drafter.", "template.", "manifest.",
+              "weights.")
 
 
 @dataclass(frozen=True)

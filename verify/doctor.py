@@ -79,6 +79,12 @@ def _describe(bundle: dict[str, Any]) -> list[str]:
                      + f"; quant: {side_q}")
     else:
         lines.append(f"mtp       none (config declares {mtp['declared_layers']})")
+    drafter = bundle.get("drafter")
+    if drafter:
+        reads = ", ".join(f"{k.split('_')[0]} layer {v}" for k, v in drafter["reads"].items())
+        lines.append(f"drafter   {drafter['kind']} in {drafter['path']}/, {drafter['layers']} "
+                     f"layer(s) reading the target's K/V ({reads or 'no layer found'}), "
+                     f"LM head {drafter['lm_head']}")
     if tpl["source"]:
         lines.append(f"template  {tpl['source']}: "
                      + ("renders" if tpl["renders"] else "does not render")
