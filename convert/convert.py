@@ -27,12 +27,14 @@ from mtpkit.convert.writer import (
     write_shards,
     write_text,
 )
+from mtpkit.loaders.assistant import DRAFTER_DIR, DrafterReport, read_assistant
 from mtpkit.loaders.bundle import BundleView, open_bundle
 from mtpkit.loaders.config import MTP_COUNT_KEYS
 from mtpkit.loaders.digest import sha256_file
 from mtpkit.loaders.findings import Finding
 from mtpkit.loaders.model_check import blocking, check_model
 from mtpkit.loaders.paths import bundle_file
+from mtpkit.loaders.source import NotABundle, resolve
 from mtpkit.loaders.weights import SIDECAR_FILE
 
 # Files carried over as the source had them (weights, configs and cards are written anew).
@@ -53,6 +55,9 @@ class ConvertOptions:
     sidecar: SidecarOptions | None = None  # None: layers when the trunk is quantized, else keep
     force: bool = False
     command: str = "mtpkit convert"
+    # a drafter that ships apart (Gemma 4's assistant: a folder or a cached repo id), copied
+    # into the bundle's assistant/ as given; None keeps the source bundle's own drafter, if any
+    drafter: str | None = None
 
 
 @dataclass
@@ -152,6 +157,42 @@ def check_source(view: BundleView) -> None:
                 raise ConvertError(f.code, f"source: {f.message} [{f.location}]", f.hint)
 
 
+def check_drafter(view: BundleView, drafter: str | None) -> tuple[Path, DrafterReport] | None:
+    """The drafter to carry into the bundle, checked against the source as its target: the one
+    named (`--drafter`), else the source bundle's own; ConvertError with the first error's
+    code for an assistant that is damaged or does not fit this target."""
+    if drafter is None:
+        if view.drafter.path is None:
+            return None
+        report, folder = view.drafter, view.root / view.drafter.path
+    else:
+        try:
+            folder = resolve(drafter)
+        except NotABundle as exc:
+            raise ConvertError("drafter.invalid", f"--drafter {drafter}: {exc}",
+                               exc.hint) from None
+        report = read_assistant(folder, view.config.raw, view.root)
+    errors = [f for f in report.findings if f.severity == "error"]
+    if errors or report.spec is None:
+        f = errors[0]
+        raise ConvertError(f.code, f"drafter: {f.message} [{f.location}]", f.hint)
+    return folder, report
+
+
+def _copy_drafter(stage: Path, folder: Path, report: DrafterReport,
+                  progress: Callable[[int], None]) -> dict[str, str]:
+    """The assistant's config.json and safetensors copied into stage/assistant/ byte for byte
+    (its weights kept as published: the tensors are not requantized); returns their sha256."""
+    target = stage / DRAFTER_DIR
+    target.mkdir()
+    hashes = {}
+    for name in ["config.json", *(Path(f).name for f in report.files)]:
+        shutil.copyfile(folder / name, target / name)
+        hashes[f"{DRAFTER_DIR}/{name}"] = sha256_file(target / name)
+        progress((target / name).stat().st_size)
+    return hashes
+
+
 def convert(src: str, out: Path, options: ConvertOptions,
             progress: Callable[[int], None] = lambda n: None,
             on_plan: Callable[[int], None] = lambda total: None,
@@ -190,6 +231,7 @@ def _convert(src: str, out: Path, options: ConvertOptions, progress: Callable[[i
     status(f"checking {len(view.tensors)} tensors against mlx-lm's {view.config.model_type} "
            "model class")
     check_source(view)
+    drafter = check_drafter(view, options.drafter)
     source = source or _source_record(view, src)
     quant = options.quant
     sidecar_opts = options.sidecar or SidecarOptions(policy="layers" if quant.quantize else "keep")
@@ -202,13 +244,17 @@ def _convert(src: str, out: Path, options: ConvertOptions, progress: Callable[[i
             status("planning the MTP sidecar")
             hidden = view.config.dim("hidden_size") or 0
             sidecar, mtp_record = build_sidecar(view, sidecar_opts, model, hidden)
-        on_plan(sum(t.nbytes for t in trunk.values()) + sum(t.nbytes for t in sidecar.values()))
+        on_plan(sum(t.nbytes for t in trunk.values()) + sum(t.nbytes for t in sidecar.values())
+                + (sum(t.nbytes for t in drafter[1].tensors.values()) if drafter else 0))
         # Drop the model's own references so each tensor is freed right after it is written.
         del model
         hashes = write_shards(stage, trunk, progress=progress)
         if sidecar:
             hashes[SIDECAR_FILE] = write_safetensors(stage / SIDECAR_FILE, sidecar,
                                                      sorted(sidecar), progress=progress)
+        if drafter:
+            status("copying the assistant drafter into assistant/")
+            hashes |= _copy_drafter(stage, *drafter, progress)
         write_config(stage, config, mtp_record, max(view.mtp.declared_layers, view.mtp.blocks))
         _carry_files(view, stage)
         status("checking the written bundle (doctor) and writing its manifest")

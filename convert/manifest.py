@@ -29,6 +29,8 @@ def _role(rel: str, view: BundleView) -> str:
         return "trunk"
     if rel == view.weights.sidecar_file:
         return "sidecar"
+    if view.drafter.path and rel.startswith(view.drafter.path + "/"):
+        return "drafter"
     if rel.startswith("additional_chat_templates/"):
         return "template"
     return ROLE_BY_NAME.get(rel, "other")
@@ -68,4 +70,5 @@ def build_manifest(view: BundleView, source: dict[str, Any],
             "source_family": view.family.name,
         },
         "chat_template": {"source": view.template.source, "provenance": template_provenance},
+        **({"drafter": drafter} if (drafter := view.drafter.manifest_section()) else {}),
     }

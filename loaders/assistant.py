@@ -302,9 +302,25 @@ def read_drafter(root: Path, target: dict[str, Any],
                  manifest: dict[str, Any] | None = None) -> DrafterReport:
     """Find the bundle's drafter, read its config and headers, and check it and the pair."""
     rel, found = drafter_dir(root, manifest)
-    report = DrafterReport(path=rel, findings=found)
     if rel is None:
-        return report
+        return DrafterReport(findings=found)
+    report = _read(root, rel, target, root)
+    report.findings[:0] = found
+    return report
+
+
+def read_assistant(folder: Path, target: dict[str, Any], target_root: Path) -> DrafterReport:
+    """An assistant checkpoint folder given on its own (convert's --drafter), checked against
+    the target whose config and tokenizer are given; paths in findings are relative to the
+    folder's parent."""
+    if not (folder / "config.json").is_file():
+        return DrafterReport(findings=[finding("drafter.invalid", "no config.json: not a "
+                                               "checkpoint folder", str(folder))])
+    return _read(folder.parent, folder.name, target, target_root)
+
+
+def _read(root: Path, rel: str, target: dict[str, Any], target_root: Path) -> DrafterReport:
+    report = DrafterReport(path=rel)
     config = bundle_file(root, f"{rel}/config.json", report.findings)
     if config is None:
         return report
@@ -337,7 +353,7 @@ def read_drafter(root: Path, target: dict[str, Any],
     if report.tensors:
         report.findings += check_tensors(spec, report.tensors, f"{rel}:")
     report.findings += check_pair(spec, target, f"{rel}/config.json")
-    report.findings += _tokenizer_pair(root, rel)
+    report.findings += _tokenizer_pair(root, rel, target_root)
     kv = target_kv(target)
     report.reads = {k: kv.layer[k] for k in spec.kinds() if kv and k in kv.layer}
     return report
@@ -356,16 +372,15 @@ def _vocab_of(path: Path) -> dict[str, int] | None:
         return None
 
 
-def _tokenizer_pair(root: Path, rel: str) -> list[Finding]:
+def _tokenizer_pair(root: Path, rel: str, target_root: Path) -> list[Finding]:
     """An assistant that ships its own tokenizer.json must map tokens to the same ids as the
     target's: its drafts are token ids the target verifies."""
-    mine = root / rel / "tokenizer.json"
-    theirs = root / "tokenizer.json"
-    if not mine.is_file() or not theirs.is_file():
+    if not (root / rel / "tokenizer.json").is_file() or not (
+            target_root / "tokenizer.json").is_file():
         return []
     ignored: list[Finding] = []
     a = _vocab_of(p) if (p := bundle_file(root, f"{rel}/tokenizer.json", ignored)) else None
-    b = _vocab_of(p) if (p := bundle_file(root, "tokenizer.json", ignored)) else None
+    b = _vocab_of(p) if (p := bundle_file(target_root, "tokenizer.json", ignored)) else None
     if a is None or b is None or a == b:
         return ignored
     differ = sorted(set(a.items()) ^ set(b.items()))

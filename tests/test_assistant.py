@@ -172,3 +172,57 @@ def test_assistant_config_keys_are_transformers(pairs):
         config = Gemma4AssistantConfig(**assistant_config(variant))
         config.validate_architecture()
         assert config.text_config.num_kv_shared_layers == 4
+
+
+@pytest.mark.parametrize("variant", ["e2b", "31b"])
+def test_convert_with_drafter(pairs, tmp_path, variant):
+    """convert TARGET --drafter ASSISTANT: one bundle; the trunk converted at its root (stock
+    mlx-lm loads it), the assistant copied into assistant/ byte for byte, the manifest naming
+    it with the layers it reads; doctor finds the pair healthy."""
+    from mlx_lm.utils import load_model
+
+    from mtpkit.convert.convert import ConvertOptions, convert
+    from mtpkit.convert.trunk import QuantOptions
+
+    target, assistant = pairs[variant]
+    out = tmp_path / "out"
+    result = convert(str(target), out, ConvertOptions(quant=QuantOptions(quantize=False),
+                                                      drafter=str(assistant)))
+    manifest = json.loads((out / "mtpkit.json").read_text())
+    validate(manifest, "manifest")
+    assert manifest["drafter"]["path"] == "assistant"
+    assert manifest["drafter"]["reads"] == READS[variant]
+    assert manifest["drafter"]["weights"] == "as_given"
+    roles = {f["path"]: f["role"] for f in manifest["files"]}
+    assert roles["assistant/model.safetensors"] == roles["assistant/config.json"] == "drafter"
+    for name in ("config.json", "model.safetensors"):
+        assert (out / "assistant" / name).read_bytes() == (assistant / name).read_bytes()
+    assert report(out)["summary"]["ok"] and not [f for f in result.findings
+                                                 if f.severity == "error"]
+    load_model(out)  # the trunk alone, as stock mlx-lm reads the bundle's root
+    again = tmp_path / "again"  # an existing bundle converted again keeps its drafter
+    convert(str(out), again, ConvertOptions(quant=QuantOptions(quantize=False)))
+    assert json.loads((again / "mtpkit.json").read_text())["drafter"] == manifest["drafter"]
+
+
+@pytest.mark.parametrize(("edit", "code"), [
+    (lambda c: c.update(backbone_hidden_size=96), "drafter.mismatch"),
+    (lambda c: c.update(model_type="llama"), "drafter.invalid"),
+])
+def test_convert_refuses_a_drafter_that_does_not_fit(pairs, tmp_path, edit, code):
+    from mtpkit.convert.convert import ConvertOptions, convert
+    from mtpkit.convert.errors import ConvertError
+    from mtpkit.convert.trunk import QuantOptions
+
+    target, _ = pairs["31b"]
+    config = assistant_config("31b")
+    edit(config)  # an assistant trained for another target: config and tensors agree
+    bad = build_assistant("31b", tmp_path / "bad", config=config)
+    with pytest.raises(ConvertError) as err:
+        convert(str(target), tmp_path / "out", ConvertOptions(
+            quant=QuantOptions(quantize=False), drafter=str(bad)))
+    assert err.value.code == code and not (tmp_path / "out").exists()
+    with pytest.raises(ConvertError) as err:
+        convert(str(target), tmp_path / "out", ConvertOptions(
+            quant=QuantOptions(quantize=False), drafter=str(tmp_path / "nowhere")))
+    assert err.value.code == "drafter.invalid"
