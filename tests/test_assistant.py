@@ -226,3 +226,163 @@ def test_convert_refuses_a_drafter_that_does_not_fit(pairs, tmp_path, edit, code
         convert(str(target), tmp_path / "out", ConvertOptions(
             quant=QuantOptions(quantize=False), drafter=str(tmp_path / "nowhere")))
     assert err.value.code == "drafter.invalid"
+
+
+def _reference(assistant: Path, variant: str):
+    """transformers' own Gemma4AssistantForCausalLM (float32, eager attention) with the
+    checkpoint's weights: the independent reference for the MLX module."""
+    import torch
+    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
+
+    config = Gemma4AssistantConfig(**assistant_config(variant))
+    config._attn_implementation = "eager"
+    config.text_config._attn_implementation = "eager"
+    ref = Gemma4AssistantForCausalLM(config).float().eval()
+    state = {k: torch.from_numpy(v) for k, v in load_file(str(assistant / "model.safetensors"))
+             .items()}
+    missing, unexpected = ref.load_state_dict(state, strict=False)
+    assert set(missing) <= {"lm_head.weight"} and not unexpected, (missing, unexpected)
+    ref.lm_head.weight = ref.model.embed_tokens.weight  # tied, as the config says
+    return ref
+
+
+def _reference_kv(caches, variant: str):
+    """The K/V transformers' assistant is given: the fixture's hand-written layer per kind,
+    the sliding one's whole buffer in position order (its own mask picks the window)."""
+    import mlx.core as mx
+    import numpy as np
+    import torch
+
+    out = {}
+    for kind, index in READS[variant].items():
+        cache = caches[index]
+        if kind == "sliding_attention":
+            keys, values = (cache._temporal_order(a) for a in (cache.keys, cache.values))
+        else:
+            keys, values = (a[..., :cache.offset, :] for a in (cache.keys, cache.values))
+        out[kind] = tuple(torch.from_numpy(np.array(a.astype(mx.float32))) for a in (keys, values))
+    return out
+
+
+@pytest.mark.parametrize("variant", ["e2b", "31b"])
+def test_forward_matches_transformers(pairs, variant):
+    """A tiny gemma4_text trunk (mlx-lm) prefills 12 tokens (its sliding caches past their
+    8-token window, in order), then decodes 3 alone (rotating in place): at both states the
+    assistant's K greedy drafts, each step's logits and its next hidden equal transformers'
+    Gemma4AssistantForCausalLM fed the same K/V, position and inputs."""
+    import mlx.core as mx
+    import numpy as np
+    import torch
+    from mlx_lm.utils import load_model
+
+    from mtpkit.decoder.assistant import AssistantDrafter, load_assistant
+    from mtpkit.decoder.trunk import Trunk
+
+    target, assistant = pairs[variant]
+    model, _ = load_model(target)
+    trunk = Trunk(model, hidden_feed="pre_norm")
+    caches = trunk.make_cache()
+    drafter = AssistantDrafter.pair(load_assistant(assistant), model, target_config(variant))
+    assert drafter.reads == READS[variant]
+    ref = _reference(assistant, variant)
+    table = np.array(model.model.embed_tokens.weight) * np.sqrt(target_config(variant)[
+        "hidden_size"])
+    prompt = mx.array([[5, 17, 40, 3, 99, 250, 7, 7, 64, 301, 12, 8]])
+    hidden, _ = trunk(prompt, caches)
+    for step, last in enumerate((77, 5)):
+        if step:  # three tokens decoded alone: the sliding caches rotate in place
+            for token in (21, 300, 4):
+                hidden, _ = trunk(mx.array([[token]]), caches)
+        h = hidden[:, -1:]
+        tokens, q = drafter.draft(caches, h, last, 3)
+        assert q is None
+        kv, position = _reference_kv(caches, variant), caches[0].offset - 1
+        prev, tok = torch.from_numpy(np.array(h.astype(mx.float32))), last
+        with torch.no_grad():
+            for k in range(3):
+                embeds = torch.from_numpy(table[[tok]][None].astype(np.float32))
+                out = ref(inputs_embeds=torch.cat([embeds, prev], dim=-1),
+                          position_ids=torch.tensor([[position]]), shared_kv_states=kv)
+                mine_logits, mine_h = drafter.assistant.step(
+                    mx.concatenate([drafter.embed(mx.array([[tok]])), mx.array(prev.numpy())],
+                                   axis=-1), _shared(drafter, caches), position)
+                np.testing.assert_allclose(np.array(mine_logits), out.logits.numpy(),
+                                           rtol=1e-4, atol=1e-4)
+                np.testing.assert_allclose(np.array(mine_h), out.last_hidden_state.numpy(),
+                                           rtol=1e-4, atol=1e-4)
+                tok, prev = int(out.logits[0, -1].argmax()), out.last_hidden_state
+                assert int(tokens[0, k]) == tok
+
+
+def _shared(drafter, caches):
+    from mtpkit.decoder.assistant import shared_kv
+
+    return shared_kv(caches, drafter.reads, drafter.assistant.spec.sliding_window)[0]
+
+
+def test_proposer_sampled_drafts_carry_their_law(pairs):
+    """The Proposer at temperature 0.7, top-k 50: a Draft after the last committed token whose q
+    rows are the processed laws (decoder/sampling.py's, drafter=True) of transformers' logits
+    along the drafted chain, each draft drawn from its row by that row's uniforms; greedy, the
+    argmax chain; nothing to draft before the trunk has a hidden."""
+    from dataclasses import dataclass, field
+    from typing import Any
+
+    import mlx.core as mx
+    import numpy as np
+    import torch
+    from mlx_lm.utils import load_model
+
+    from mtpkit.decoder.assistant import AssistantDrafter, AssistantProposer, load_assistant
+    from mtpkit.decoder.options import SamplingParams, Source
+    from mtpkit.decoder.sampling import Candidates, candidates
+    from mtpkit.decoder.trunk import Trunk
+
+    variant = "e2b"
+    target, assistant = pairs[variant]
+    model, _ = load_model(target)
+    trunk = Trunk(model, hidden_feed="pre_norm")
+
+    @dataclass
+    class Feed:
+        params: SamplingParams
+        cache: list[Any] = field(default_factory=trunk.make_cache)
+        last: int = 33
+        assistant_hidden: mx.array | None = None
+
+        def round_noise(self, head_steps: int, drafts: int = 0):
+            if self.params.greedy:
+                return None, None
+            mx.random.seed(3)
+            return mx.random.uniform(shape=(head_steps, 50)), mx.zeros((head_steps + 51,))
+
+    drafter = AssistantDrafter.pair(load_assistant(assistant), model, target_config(variant))
+    params = SamplingParams(temperature=0.7, top_k=50)
+    feed = Feed(params)
+    proposer = AssistantProposer(drafter, feed)
+    assert proposer.propose(3) is None  # no prompt yet
+    hidden, _ = trunk(mx.array([[5, 17, 40, 3, 99, 250, 7, 7, 64, 301, 12, 8]]), feed.cache)
+    feed.assistant_hidden = hidden[:, -1:]
+    draft = proposer.propose(3)
+    assert draft.source is Source.MODEL and draft.depth == 3 and int(draft.tokens[0, 0]) == 33
+    draws, _ = feed.round_noise(3)
+    ref = _reference(assistant, variant)
+    table = (np.array(model.model.embed_tokens.weight) * np.sqrt(64)).astype(np.float32)
+    kv, position = _reference_kv(feed.cache, variant), feed.cache[0].offset - 1
+    prev, tok = torch.from_numpy(np.array(feed.assistant_hidden)), 33
+    for k in range(3):
+        with torch.no_grad():
+            out = ref(inputs_embeds=torch.cat([torch.from_numpy(table[[tok]][None]), prev], -1),
+                      position_ids=torch.tensor([[position]]), shared_kv_states=kv)
+        law = candidates(mx.array(out.logits[0, -1:].numpy()), params, drafter=True)
+        row = draft.q[k:k + 1]
+        np.testing.assert_array_equal(np.array(row.ids), np.array(law.ids))
+        np.testing.assert_allclose(np.array(row.probs), np.array(law.probs), atol=1e-5)
+        tok = int(draft.tokens[0, k + 1])
+        assert tok == int(Candidates(row.probs, row.ids).draw(draws[k:k + 1])[0])
+        prev = out.last_hidden_state
+    feed.params = SamplingParams()
+    greedy = proposer.propose(2)
+    assert greedy.q is None and greedy.rule is None
+    tokens, _ = drafter.draft(feed.cache, feed.assistant_hidden, 33, 2)
+    assert greedy.tokens[0, 1:].tolist() == tokens[0].tolist()
