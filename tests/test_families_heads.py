@@ -27,6 +27,7 @@ from mtpkit.convert.convert import ConvertOptions, convert
 from mtpkit.convert.repair import repair
 from mtpkit.convert.sidecar import SidecarOptions
 from mtpkit.convert.trunk import QuantOptions
+from mtpkit.decoder import session as session_module
 from mtpkit.decoder.head import Contract, MTPHead
 from mtpkit.decoder.options import OptionError
 from mtpkit.decoder.runner import Runner, _head_arrays, cast_floats, dequantize_for_cpu
@@ -192,12 +193,16 @@ def test_a_head_the_decoder_cannot_run_is_kept_and_its_trunk_runs(bundles, famil
             result.output
 
 
+@pytest.mark.parametrize("bounded", [False, True])
 @pytest.mark.parametrize("rollback", ["record", "replay"])
-def test_a_sliding_window_trunk_rolls_back_past_its_window(bundles, rollback):
+def test_a_sliding_window_trunk_rolls_back_past_its_window(bundles, rollback, bounded,
+                                                            monkeypatch):
     """MiMo-V2-Flash's sliding layers keep mlx-lm's RotatingKVCache (a 128-token window here):
     once it wraps it overwrites its oldest keys, so a rejected draft cannot be trimmed away; the
     round restores the cache's state and replays the kept tokens. Past the window, with
-    rejections, context drafts at depths 1 and 3 and auto give stock mlx-lm's tokens."""
+    rejections, context drafts at depths 1 and 3 and auto give stock mlx-lm's tokens; with a
+    GPU's bounded shapes too (a prefill padded to 256 positions wraps a 128-token window)."""
+    monkeypatch.setattr(session_module, "bounded_by_default", lambda: bounded)
     path = bundles("mimo_v2_flash")
     prompt = [(7 * i + 3) % 97 + 2 for i in range(40)] * 4  # 160 tokens that lookup can copy
     reference, _ = stock_greedy(path, prompt, 96)
