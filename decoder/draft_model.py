@@ -143,11 +143,12 @@ class ModelProposer:
     def settle(self, tokens: list[int]) -> None:
         """Committed `tokens` (a round's, a plain step's, the prompt's): the drafts fed ahead
         stay in the cache as far as they equal them (a cache entry depends only on the text
-        before it), the rest are trimmed; what is not in the cache is pending."""
+        before it), the rest are trimmed; what is not in the cache is pending. The last
+        committed token always is: the next proposal starts from its logits."""
         keep = 0
         if self.ahead is not None:
             ahead = self.ahead.tolist()[0]  # (evaluated by the round's read)
-            while keep < min(len(ahead), len(tokens)) and ahead[keep] == tokens[keep]:
+            while keep < min(len(ahead), len(tokens) - 1) and ahead[keep] == tokens[keep]:
                 keep += 1
             trim_prompt_cache(self.cache, len(ahead) - keep)
             self.ahead = None
