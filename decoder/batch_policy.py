@@ -11,8 +11,7 @@ expected to keep more, else the head's), or a plain step where it has neither. E
 commits at least one token per pass, so none starves.
 
 The cost of a (B, K) round is measured, not assumed: a batch's attention and matmuls over
-B x (K + 1) rows do not scale like one sequence's K + 1 rows (on the H200's 8B oracle, depth-3
-rounds of 8 rows lost to plain rounds of 8 under the single-sequence curve's scaling). Each
+B x (K + 1) rows do not scale like one sequence's K + 1 rows. Each
 round's wall time is kept per shape (median of the last WINDOW), and the first rounds explore
 depths 0..EXPLORE (MIN_OBSERVED rounds each; plain as a short pipelined stretch, the way it
 runs when chosen) so that plain and shallow rounds are timed too; a batch size not timed yet
@@ -32,8 +31,7 @@ piped(K), apart from synchronous rounds; a depth timed only synchronously is pri
 cost scaled by what pipelining saved at the depths timed both ways. Before any depth has run
 pipelined, where the next would (`pipelines`), that is what pipelining saved plain steps:
 priced synchronously against pipelined plain steps, no depth would ever be chosen, so none would
-run pipelined and be priced as it runs (on the H200's oracle a 4-stream batch then decoded 98%
-plain: depth-1 rounds at 22.7 ms synchronous, 15.2 pipelined, against 12.1 ms plain steps).
+run pipelined and be priced as it runs.
 """
 
 from __future__ import annotations
@@ -73,9 +71,7 @@ STALE_S = 60.0  # a neighbouring depth's pipelined price older than this is take
 PROBE_ROUNDS = 64 * 16  # once this many rounds of its size have run since: probes spend at
 # most 1/64 of the rounds (a probe is a 16-round stretch), however bursty the traffic
 FIRST_PROBE = 4 * 16  # a price never timed by this process (tune's, from disk) is taken again
-# once this many rounds of its size have run: once per price, and tune's can be far off (on
-# the H100's oracle, 8-row depth-1 rounds priced 17.6-18.4 ms ran at 13.6, and whole 8-stream
-# runs went at depth 2 instead: 641-653 tok/s against 729)
+# once this many rounds of its size have run: once per price, and tune's can be far off
 
 
 def drafted(key: int) -> int:
@@ -115,8 +111,8 @@ class Prices(dict):
         """How long ago `key` was last timed at this size, where that is over STALE_S and
         PROBE_ROUNDS rounds of this size have run since, or where it is a stored price (tune's)
         that this process never timed and FIRST_PROBE rounds have (else None). A depth never
-        timed anywhere (priced by extension) waits like any other: probing those early cost a
-        4-stream H200 run a third of its tokens (depths 4 and 5 for 16 rounds each)."""
+        timed anywhere (priced by extension) waits like any other: probing those early costs
+        deep rounds that lose."""
         age = now - self.seen.get((rows, key), self.since)
         worked = self.rounds.get(rows, 0) - self.at.get((rows, key), 0)
         if (rows, key) not in self.seen and (rows, key) in self:
@@ -180,9 +176,7 @@ class BatchPolicy:
         synchronous rounds at each, and the shape chosen is then timed here as it runs). A
         smaller batch lends no depth beyond EXPLORE deeper than a batch of at least this size
         has timed: its price would be too cheap here, and such a depth is priced by
-        extending this size's own (the H100's 8-row oracle, borrowing 4-row prices for depths
-        5-8, ran 16-round stretches at depths 4-8: 39 ms rounds at depth 6, 73 at depth 7,
-        against 15 at depth 1)."""
+        extending this size's own."""
         sizes: dict[int, dict[int, float]] = {}
         for (b, k), seen in self.paid.items():
             if len(seen) >= MIN_OBSERVED:
@@ -213,8 +207,7 @@ class BatchPolicy:
         """A row's expected kept drafts in a round at each depth 0..max_depth: its best
         source's, as `ask` picks it. A context's are those of the match it would draft from
         now (its tracker by match length) and only as many as it offers: the one-token
-        matches' tracker understated copying rows (held_code kept 79% of its depth-1 context
-        drafts batched, and the batch still chose depth 1 in 119 of 134 rounds)."""
+        matches' tracker understates copying rows."""
         out = [0.0] * (self.max_depth + 1)
         if request.policy is None:
             return out
@@ -260,9 +253,7 @@ class BatchPolicy:
         the older of the two): it runs a
         stretch (decided, so pipelined: SPEC_ROUNDS rounds, more than the WINDOW its price is
         the median of), which prices it afresh. Only the chosen depth is timed as it runs, so
-        a neighbour's price once taken too dear would never be taken again (on the H200's
-        oracle tune once priced 8-row depth-1 rounds at 24.2 ms, which ran at 15.2, and the
-        batch decoded at depth 2 at 21.6 ms a round: 12% fewer tokens). Counting rounds as
+        a neighbour's price once taken too dear would never be taken again. Counting rounds as
         well as seconds bounds what probes cost to the decoding done, however bursty the
         traffic (the probes tried and dropped: docs/batching.md)."""
         if not self.overlaps or not isinstance(self.paid, Prices):

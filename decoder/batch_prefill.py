@@ -1,7 +1,7 @@
 """Prompts that arrive together prefilled in one trunk pass, as mlx-lm's BatchGenerator does.
 
 One request at a time, N prompts that start together cost N prefill passes before the batch
-decodes (8 streams on the H200's 8B oracle: 8 x ~48 ms), and the last of them waits for all.
+decodes, and the last of them waits for all.
 Here they go through the trunk left-padded, with mlx-lm's BatchKVCache (its left padding masks
 the pads and sets each row's RoPE positions), and each row's keys and values then become its
 own session's caches, as its own prefill would have left them; each session commits its first
@@ -27,8 +27,7 @@ def pays() -> bool:
     """Whether one pass for several prompts beats a pass each: where a pass costs about its
     host work whatever its rows (a GPU: batch.overlaps). On a CPU a pass costs its rows'
     compute, so one pass of N prompts costs their sum and the padding, and the first prompt
-    waits for them all (SmolLM2 float32, 4 prompts of 410-704 tokens: every first token at
-    14.7-16.4 s together; at 1.8-2.2, 3.4-4.2, 6.9-8.7 and 9.8-12.2 s one at a time)."""
+    waits for them all."""
     return overlaps()
 
 

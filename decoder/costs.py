@@ -29,8 +29,8 @@ fastest makes the curve noisy (`noisy`; the progress display says so on stderr),
 time and load are kept with it. After
 it, a process whose plain steps really run DRIFT faster than the stored curve's marks it stale
 (one line on stderr; that process prices by what it pays meanwhile) and the next load measures
-again: a curve timed while the CPU was busy (a plain step at 163 ms that ran at 79) once halved
-the speedup `--depth auto` found. The other way proves nothing: a longer context or load now
+again: a curve timed while the CPU was busy can halve the speedup `--depth auto` finds. The
+other way proves nothing: a longer context or load now
 makes real steps dearer than a true curve.
 """
 
@@ -87,8 +87,7 @@ LADDER = (4096, 16384)  # contexts measured on the way to the longest the model 
 CHUNK = 1024  # prefill tokens per timed pass on the way to a longer context (whole GRAINs, so
 # each pass ends on a padded cache's step: no mask over every key)
 FARTHER = 4  # a context cut short by the budget is measured if this many times the first one's
-# and twice the last (the policy extrapolates its slope: plain steps timed on a busy CPU at
-# 360 ms at 512 tokens and 436 ms at 1,024 priced one at 8K at 1.49 s)
+# and twice the last (the policy extrapolates its slope: a short one timed on a busy CPU misprices)
 LONG_STEPS = PLAIN_BATCH  # plain steps timed at a longer context (one run)
 RETRY_SHARE = 0.25  # of the budget, the least a re-measurement may take beyond the budget
 PREFILL_SHARE = 0.3  # of the budget, the most the context's prefill may take

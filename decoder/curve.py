@@ -2,10 +2,9 @@
 cost on this machine (decoder/costs.py measures it), at the contexts it was measured at, and the
 pure arithmetic over it that the depth policy and `tune` read. Nothing here runs a model.
 
-A round's cost grows with the context, and not alike for every T: on an H200 (8B 4-bit, MLX
-CUDA) c(1) / c(2) went 8.5 / 13.2 ms at 1K to 13.1 / 56.4 ms at 64K (multi-row attention off the
-fused kernel), so depth 3 that paid 1.7x at 1K lost 3.7x at 64K; on a CPU or a Mac every T grows
-about alike. So the curve is asked at the session's context (`CostCurve.at`): linear in the
+A round's cost grows with the context, and not alike for every T: on a GPU multi-row attention
+leaves the fused kernel, so a depth that pays at 1K can lose at 64K; on a CPU or a Mac every T
+grows about alike. So the curve is asked at the session's context (`CostCurve.at`): linear in the
 context between measured ones (attention reads each key once per pass), the last segment's
 slope beyond the longest (never negative), the shortest's costs below it.
 """

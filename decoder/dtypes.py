@@ -1,8 +1,8 @@
 """The float dtype a bundle runs in: as asked, or (auto) the one that decodes fastest here.
 
-MLX's CPU backend multiplies half-precision weights by converting them on every matmul: on the
-project's 2-core machine SmolLM2 in bfloat16 decoded 2.6x slower than in float32, and its MTP
-verify passes lost to plain decoding (0.66x) where float32's did not. GPUs read half the bytes
+MLX's CPU backend multiplies half-precision weights by converting them on every matmul, so a
+small model can decode several times slower in bfloat16 than in float32, and its MTP verify
+passes lose to plain decoding. GPUs read half the bytes
 per step in bfloat16. So "auto" keeps the bundle's own dtype on a GPU and, on a CPU, widens to
 float32 when a measured matmul says it is clearly faster and the widened weights fit in memory.
 The probe (a few milliseconds) is measured once per machine, MLX version and BLAS, then cached:

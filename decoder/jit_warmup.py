@@ -2,10 +2,9 @@
 
 MLX's CUDA backend compiles some kernels with NVRTC the first time they run: its quantized
 matmul one variant per tile, picked by the row count, and our verify kernel (decoder/kernels.py)
-one per row bucket. On an H200 (MLX 0.32.4) each of the matmul's three variants (8-16, 17-32
-and 33+ rows) took 33-41 s to compile. A batch that first reaches a wider round mid-serve stalls
-every client that long: in an oracle run at 4 streams one 20-row round took 44 s, and the run's
-aggregate fell from about 400 to 22 tok/s. So on CUDA the loader runs one product of each
+one per row bucket. Each of the matmul's variants (8-16, 17-32 and 33+ rows) takes tens of
+seconds to compile, and a batch that first reaches a wider round mid-serve stalls every client
+that long. So on CUDA the loader runs one product of each
 quantized layout (bits, group size, mode, activation dtype) at every row count a batch's rounds
 and a prefill can reach, on the layout's smallest layer and through the layer's own product (the
 kernel where it serves those rows, MLX's op elsewhere). A variant depends on the layout and the

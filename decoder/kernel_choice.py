@@ -3,9 +3,8 @@
 The kernel (decoder/kernels.py) reads each packed weight once for all rows, so it beats MLX's
 quantized matmul wherever that op re-reads the weights once per row (2-7 rows on CUDA). From 8
 rows MLX switches to a tiled kernel whose time barely grows with the rows, while ours does work in
-proportion to them: on an H100 MLX's op was the faster one for an 8B's gate/up projections
-(14336 x 4096) at 16 rows (0.112 vs 0.170 ms) and ours for its down projection (0.154 vs 0.247
-ms). Batched rounds reach those widths (8 sequences at depth 1 verify 16 rows). Where the two
+proportion to them, so at 16 rows either may win, by the weight's shape. Batched rounds reach
+those widths (8 sequences at depth 1 verify 16 rows). Where the two
 cross depends on the GPU and the shape, so each shape's row counts are timed both ways once and
 the choice is cached on disk, keyed by device, versions and the kernel's source: a later process
 reads the same choice instead of re-timing it, so a seeded generation keeps its numerics.
@@ -31,7 +30,7 @@ from mtpkit.decoder import store as disk
 from mtpkit.decoder.store import key_name, versions
 
 MARGIN = 0.9  # MLX's op takes a row count only where it needs under 0.9x the kernel's time
-PRODUCTS = 8  # products per timing, in one eval: one ~0.1 ms product would time the launch
+PRODUCTS = 8  # products per timing, in one eval: one product alone would time the launch
 REPEATS = 3  # timings per row count and op; the median counts
 ALL_ROWS = frozenset(range(2, kernels.MAX_ROWS + 1))
 FORMAT = 1

@@ -9,10 +9,9 @@ dispatch point: the CUDA kernel where it applies, MLX's own op everywhere else (
 be added here once it can be tested on a Mac).
 
 Layouts: MLX affine quantization, 4 or 8 bits, groups of 32, 64 or 128 (what mtpkit convert
-writes); x in float16, bfloat16 or float32. Float weights keep MLX's matmul: on an H100 a kernel
-of this shape was no faster than cuBLAS on the device, and each call costs the host ~19 us to
-build (SmolLM2 bf16, 211 calls: a verify pass's build time went from 1.7 to 5.7 ms), more than
-cuBLAS's hand-off saved (docs/benchmarks-history.md, "GPU").
+writes); x in float16, bfloat16 or float32. Float weights keep MLX's matmul: a kernel of this
+shape was no faster than cuBLAS, and each call costs the host more to build than cuBLAS's
+hand-off saves (docs/benchmarks-history.md, "GPU").
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 On MLX's CPU backend:
 A verify pass multiplies K+1 rows by every weight matrix. OpenBLAS serves one row with gemv
-(memory-bound), but x @ W.T with 2-16 rows goes through its sgemm path, which on this machine
-costs ~25% more than one row per matrix; the same product computed as (W @ x.T).T costs ~5%
-more (docs/benchmarks-history.md, "Verify cost"). One row and long inputs (prefill, training) keep mlx-lm's
+(memory-bound), but x @ W.T with 2-16 rows goes through its sgemm path, which costs clearly more
+than one row per matrix; the same product computed as (W @ x.T).T costs little more
+(docs/benchmarks-history.md, "Verify cost"). One row and long inputs (prefill, training) keep mlx-lm's
 own x @ W.T, so plain decoding runs exactly the stock graph.
 
 On a CUDA GPU, quantized linears and tied quantized output projections take 2..FEW_ROWS rows
@@ -27,8 +27,8 @@ FEW_ROWS = 16
 class FewRowsLinear(nn.Linear):
     """nn.Linear, with one sequence's 2..FEW_ROWS rows multiplied weight-first; any other input
     goes through nn.Linear's own __call__. A batch of sequences (B > 1) does too: weight-first
-    it would be B products each reading the whole matrix (4 rows x 2 positions: 1.7x stock's
-    time, 4 x 4: 2.8-12x), where stock's one sgemm reads it once."""
+    it would be B products each reading the whole matrix, where stock's one sgemm reads it
+    once."""
 
     def __init__(self, linear: nn.Linear) -> None:
         nn.Module.__init__(self)  # takes the weights it replaces: no fresh initialisation
@@ -79,8 +79,7 @@ class _KernelTwin:
     def _product(self, x: mx.array) -> mx.array:
         """x @ W.T: 2..MAX_ROWS rows through the kernel at its row counts (CUDA), anything else
         through MLX's op as one (rows, K) matrix: given a batch of sequences (B, T, K), MLX's
-        CUDA op runs B products, each reading the whole weight (8 one-row sequences of an
-        8B's gate/up on an H200: 0.230 ms, as one matrix 0.042)."""
+        CUDA op runs B products, each reading the whole weight."""
         rows, k = x.size // x.shape[-1], x.shape[-1]
         if self._fits and rows in self.kernel_rows and kernels.few_rows(x):
             return kernels.rows_matmul(x, self.weight, self.scales, self.biases, self.bits,

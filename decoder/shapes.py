@@ -1,7 +1,7 @@
 """Attention shapes from a bounded set, so a GPU backend compiles each one once.
 
 On MLX's CUDA backend, `mx.fast.scaled_dot_product_attention` with more than one query row builds a
-cuDNN graph per (query length, key length, key buffer) it has not seen (45-85 ms on an H100), and
+cuDNN graph per (query length, key length, key buffer) it has not seen (tens of ms), and
 every verify round of speculative decoding has a new key length. `PaddedKVCache` is mlx-lm's own
 KVCache with two hooks changed: a multi-row pass sees the keys padded to a multiple of 256 (the
 buffer is always allocated in whole 256-position steps) and a bool mask that hides the padding;
@@ -30,9 +30,8 @@ def padded(n: int) -> int:
 
 
 def bucket(n: int) -> int:
-    """A query length from a bounded set that holds n: a power of two below STEP, else whole
-    STEPs (8 prompts of 128 tokens prefilled together at 256 cost 260 ms on the H200, twice
-    the work)."""
+    """A query length from a bounded set that holds n: a power of two below STEP (a whole
+    STEP would be up to twice a short prompt's work), else whole STEPs."""
     return 1 << (n - 1).bit_length() if n <= STEP else padded(n)
 
 

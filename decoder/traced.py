@@ -2,7 +2,7 @@
 
 On MLX's CUDA backend a verify pass is bound by the host: building the graph in Python and
 handing it to the device cost about as much as the device's own work (docs/benchmarks-history.md,
-2026-11-24, H100), and a synchronous round cannot overlap the two as pipelined plain decoding does.
+2026-11-24), and a synchronous round cannot overlap the two as pipelined plain decoding does.
 `mx.compile` traces mlx-lm's own forward once per (rows, key buffer) shape and replays the tape
 from C++ afterwards, with elementwise chains fused.
 
@@ -112,10 +112,9 @@ class TracedPasses:
                      for record in (False, True)}
         self._rows = mx.compile(self._forward_rows)
         self.rows_broken = False
-        # (rows, width) -> whether a batch's pass of that shape is faster untraced here. A
-        # replay still launches every kernel, and on an H200 8-row plain steps cost 19.8 ms
-        # pipelined traced against 17.5 stock, while 2 rows at width 2 cost 9.1 against 11.9:
-        # so it is timed, not assumed (decoder/batch_costs.py). Untimed shapes stay traced.
+        # (rows, width) -> whether a batch's pass of that shape is faster untraced here: a
+        # replay still launches every kernel, and which way wins differs by shape, so it is
+        # timed, not assumed (decoder/batch_costs.py). Untimed shapes stay traced.
         self.stock_rows: dict[tuple[int, int], bool] = {}
         self.stock_everywhere = False  # (while that timing times the stock passes)
         self._layout: list[int] = []  # per cache: 0 for attention, else its state count
