@@ -203,6 +203,14 @@ def test_convert_with_drafter(pairs, tmp_path, variant):
     again = tmp_path / "again"  # an existing bundle converted again keeps its drafter
     convert(str(out), again, ConvertOptions(quant=QuantOptions(quantize=False)))
     assert json.loads((again / "mtpkit.json").read_text())["drafter"] == manifest["drafter"]
+    from mtpkit.convert.repair import repair
+
+    (out / "chat_template.jinja").unlink()  # damage doctor --fix repairs; the drafter stays
+    repair(out, tmp_path / "fixed")
+    fixed = json.loads((tmp_path / "fixed" / "mtpkit.json").read_text())
+    assert fixed["drafter"] == manifest["drafter"]
+    assert (tmp_path / "fixed" / "assistant" / "model.safetensors").read_bytes() == (
+        assistant / "model.safetensors").read_bytes()
 
 
 @pytest.mark.parametrize(("edit", "code"), [
