@@ -9,7 +9,7 @@ import hashlib
 import json
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -202,6 +202,13 @@ def convert(src: str, out: Path, options: ConvertOptions,
     now, a few words per step (the work before the first byte is written takes seconds)."""
     if str(src).endswith(".gguf") and Path(src).is_file():
         return _convert_gguf(Path(src), out, options, progress, on_plan, status)
+    pair = Path(src)
+    if not (pair / "config.json").exists() and all(
+            (pair / d / "config.json").is_file() for d in ("target", DRAFTER_DIR)):
+        # a pair given as one folder, MTPLX's layout: target/ + assistant/
+        status(f"{src} holds a target/ and an assistant/: converting the pair")
+        options = replace(options, drafter=options.drafter or str(pair / DRAFTER_DIR))
+        src = str(pair / "target")
     return _convert(src, out, options, progress, on_plan, status)
 
 

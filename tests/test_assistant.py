@@ -394,3 +394,19 @@ def test_proposer_sampled_drafts_carry_their_law(pairs):
     assert greedy.q is None and greedy.rule is None
     tokens, _ = drafter.draft(feed.cache, feed.assistant_hidden, 33, 2)
     assert greedy.tokens[0, 1:].tolist() == tokens[0].tolist()
+
+
+def test_convert_a_pair_in_mtplx_layout(pairs, tmp_path):
+    """SRC holding target/ and assistant/ (and no config.json of its own) converts as the
+    target with that assistant as its drafter."""
+    from mtpkit.convert.convert import ConvertOptions, convert
+    from mtpkit.convert.trunk import QuantOptions
+
+    target, assistant = pairs["e2b"]
+    pair = tmp_path / "pair"
+    shutil.copytree(target, pair / "target")
+    shutil.copytree(assistant, pair / "assistant")
+    convert(str(pair), tmp_path / "out", ConvertOptions(quant=QuantOptions(quantize=False)))
+    manifest = json.loads((tmp_path / "out" / "mtpkit.json").read_text())
+    assert manifest["drafter"]["reads"] == READS["e2b"]
+    assert report(tmp_path / "out")["summary"]["ok"]
