@@ -6,9 +6,9 @@ reads the target's mlx-lm caches as they stand after a commit and changes nothin
 draft step: `pre_projection(concat[target_embed(token) * sqrt(target hidden), h])` through the
 layers (mlx-lm gemma4_text's own DecoderLayer, built as a K/V-sharing layer), the final norm, then
 logits from the tied embedding (or the centroid-routed sparse head) and the next `h` from
-`post_projection`. The first `h` is the target's last hidden before its final norm; every step's
-queries sit at the position of the last token the target's cache holds (held constant through a
-round, as transformers' and mlx-vlm's generators hold it).
+`post_projection`. The first `h` is the target's last hidden after its final norm; every step's
+queries sit at the last committed token's position, the length of the target's caches (held
+constant through a round, as transformers' SinglePositionMultiTokenCandidateGenerator holds it).
 """
 
 from __future__ import annotations
@@ -204,7 +204,7 @@ class AssistantDrafter:
               params: SamplingParams | None = None, draws: mx.array | None = None
               ) -> tuple[mx.array, Candidates | None]:
         """`depth` drafts after the last committed token `last` (not yet in the target's
-        caches), from `hidden`, the target's (1, 1, H) hidden before its final norm at the last
+        caches), from `hidden`, the target's (1, 1, H) hidden after its final norm at the last
         position the caches hold. Greedy when `draws` is None; else each draft drawn from its
         processed law with that row of `draws` (Session.round_noise's head rows), the laws
         returned as the draft's q. Lazy: nothing is evaluated here."""
@@ -218,7 +218,7 @@ class AssistantDrafter:
         tokens, laws = [], []
         for k in range(depth):
             inputs = mx.concatenate([self.embed(token).astype(dtype), h], axis=-1)
-            logits, h = self.assistant.step(inputs, shared, length - 1)
+            logits, h = self.assistant.step(inputs, shared, length)
             row = logits[:, -1]
             if draws is None:
                 token = greedy(row, keepdims=True)
@@ -233,7 +233,7 @@ class AssistantDrafter:
 
 class AssistantFeed(Protocol):
     """What the assistant's proposer reads from a session: the committed token not yet in the
-    trunk's caches, those caches, and the trunk's pre-norm hidden at their last position."""
+    trunk's caches, those caches, and the trunk's final-normed hidden at their last position."""
 
     last: int
     params: SamplingParams

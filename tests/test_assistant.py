@@ -288,7 +288,7 @@ def test_forward_matches_transformers(pairs, variant):
 
     target, assistant = pairs[variant]
     model, _ = load_model(target)
-    trunk = Trunk(model, hidden_feed="pre_norm")
+    trunk = Trunk(model)  # the post-norm hidden, as transformers feeds it
     caches = trunk.make_cache()
     drafter = AssistantDrafter.pair(load_assistant(assistant), model, target_config(variant))
     assert drafter.reads == READS[variant]
@@ -304,7 +304,7 @@ def test_forward_matches_transformers(pairs, variant):
         h = hidden[:, -1:]
         tokens, q = drafter.draft(caches, h, last, 3)
         assert q is None
-        kv, position = _reference_kv(caches, variant), caches[0].offset - 1
+        kv, position = _reference_kv(caches, variant), caches[0].offset
         prev, tok = torch.from_numpy(np.array(h.astype(mx.float32))), last
         with torch.no_grad():
             for k in range(3):
@@ -349,7 +349,7 @@ def test_proposer_sampled_drafts_carry_their_law(pairs):
     variant = "e2b"
     target, assistant = pairs[variant]
     model, _ = load_model(target)
-    trunk = Trunk(model, hidden_feed="pre_norm")
+    trunk = Trunk(model)  # the post-norm hidden, as transformers feeds it
 
     @dataclass
     class Feed:
@@ -376,7 +376,7 @@ def test_proposer_sampled_drafts_carry_their_law(pairs):
     draws, _ = feed.round_noise(3)
     ref = _reference(assistant, variant)
     table = (np.array(model.model.embed_tokens.weight) * np.sqrt(64)).astype(np.float32)
-    kv, position = _reference_kv(feed.cache, variant), feed.cache[0].offset - 1
+    kv, position = _reference_kv(feed.cache, variant), feed.cache[0].offset
     prev, tok = torch.from_numpy(np.array(feed.assistant_hidden)), 33
     for k in range(3):
         with torch.no_grad():
