@@ -18,7 +18,7 @@ from mtpkit import __version__
 from mtpkit.convert.sidecar import POLICIES, SidecarOptions
 from mtpkit.convert.trunk import MODES, RECIPES, QuantOptions, parse_override
 from mtpkit.decoder.options import DTYPES as DTYPE_NAMES
-from mtpkit.decoder.options import KV_START
+from mtpkit.decoder.options import KV_START, SOURCES
 from mtpkit.verify import doctor as doctor_mod
 
 EXAMPLES_CONVERT = """
@@ -137,9 +137,16 @@ def _kv(kv_bits: int | None, kv_group_size: int, quantized_kv_start: int) -> dic
             "quantized_kv_start": quantized_kv_start}
 
 
+DRAFT_MODEL_HELP = ("A separate draft model (mlx-lm's --draft-model): any bundle with this "
+                    "one's tokenizer and plain attention caches; it then drafts by default "
+                    "(--draft model), 3 drafts a round unless --depth N.")
+
+
 DRAFT_HELP = ("Draft source: the MTP head, the context (tokens that followed an earlier match; "
-              "any bundle) or both. Default: both with --depth auto, the head at a forced "
-              "depth, lookup for a bundle without a head.")
+              "any bundle), both, or the --draft-model. Default: the draft model where one is "
+              "given, else both with --depth auto, the head at a forced depth, lookup for a "
+              "bundle without a head.")
+DRAFT_CHOICE = click.Choice(SOURCES)
 
 
 DTYPES = click.Choice(DTYPE_NAMES)
@@ -450,7 +457,7 @@ def _prompt_text(value: str) -> str:
               "token: recorded per verify position, or a snapshot plus replay.")
 @click.option("--compare", is_flag=True,
               help="Run plain decoding first (both warmed up) and report the measured speedup.")
-@click.option("--draft", type=click.Choice(["head", "lookup", "both"]), help=DRAFT_HELP)
+@click.option("--draft", type=DRAFT_CHOICE, help=DRAFT_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document (generation schema).")
 @click.option("--max-prompt-tokens", type=click.IntRange(1), help=PROMPT_HELP)
 @click.option("--shard", type=click.Choice(["tensor", "pipeline"]), help=SHARD_HELP)
@@ -458,6 +465,7 @@ def _prompt_text(value: str) -> str:
     "--max-kv-size", "mlx-lm's rotating KV cache drops the oldest context, which exact "
     "verification cannot do without", "mtpkit keeps the whole context: bound it with "
     "--max-prompt-tokens N and --max-tokens N"))
+@click.option("--draft-model", metavar="PATH", help=DRAFT_MODEL_HELP)
 @_kv_options
 @_leads
 def generate(bundle: str | None, prompt: str | None, model: str | None, prompt_opt: str | None,
@@ -465,8 +473,8 @@ def generate(bundle: str | None, prompt: str | None, model: str | None, prompt_o
              temperature: float, top_p: float, top_k: int, min_p: float, seed: int | None,
              dtype: str | None, keep_quantized: bool, rollback: str, compare: bool,
              draft: str | None, as_json: bool, max_prompt_tokens: int | None,
-             shard: str | None, kv_bits: int | None, kv_group_size: int,
-             quantized_kv_start: int) -> None:
+             shard: str | None, draft_model: str | None, kv_bits: int | None,
+             kv_group_size: int, quantized_kv_start: int) -> None:
     """Generate from BUNDLE with the reference MTP decoder (exact: greedy output equals plain).
     PROMPT '-' reads stdin, @FILE a file; mlx-lm's --model, --prompt, --temp, --system-prompt
     mean what they mean there."""
@@ -493,7 +501,7 @@ def generate(bundle: str | None, prompt: str | None, model: str | None, prompt_o
     try:
         with _user_errors("OUT"):
             runner = lead(load(bundle, "auto" if not keep_quantized else False, dtype=dtype,
-                               rollback=rollback, shard=shard,
+                               rollback=rollback, shard=shard, draft_model=draft_model,
                                **_kv(kv_bits, kv_group_size, quantized_kv_start)))
             runner.max_prompt_tokens = max_prompt_tokens
             source = runner.draft_source(depth, draft)
@@ -733,7 +741,7 @@ the final chunk carries usage with MTP statistics), POST /v1/messages (Anthropic
 @click.option("--depth", "depth_opt", default="auto", show_default=True, callback=lambda c, p, v:
               _depth(v), help="MTP draft depth of requests that name none, or auto: chosen per "
               "round from this machine's cost curve (measured at start-up, cached).")
-@click.option("--draft", type=click.Choice(["head", "lookup", "both"]),
+@click.option("--draft", type=DRAFT_CHOICE,
               help=DRAFT_HELP + " Requests may name their own (\"mtp_draft\").")
 @click.option("--max-tokens", type=click.IntRange(1, 1 << 16), default=4096, show_default=True,
               help="Ceiling on any request's max_tokens.")
@@ -752,6 +760,7 @@ the final chunk carries usage with MTP statistics), POST /v1/messages (Anthropic
 @click.option("--verbose", is_flag=True, help="Log every request to stderr (and, with --depth "
               "auto, the cost curve at start-up).")
 @click.option("--shard", type=click.Choice(["tensor", "pipeline"]), help=SHARD_HELP)
+@click.option("--draft-model", metavar="PATH", help=DRAFT_MODEL_HELP)
 @_kv_options
 @_leads
 def serve(bundle: str, host: str, port: int, api_keys: tuple[str, ...],
@@ -759,7 +768,8 @@ def serve(bundle: str, host: str, port: int, api_keys: tuple[str, ...],
           max_prompt_tokens: int | None, depth_opt: str | int, draft: str | None,
           max_tokens: int, dtype: str | None, keep_quantized: bool, cache_gb: float,
           max_queue: int, max_batch: int, verbose: bool, shard: str | None,
-          kv_bits: int | None, kv_group_size: int, quantized_kv_start: int) -> None:
+          draft_model: str | None, kv_bits: int | None, kv_group_size: int,
+          quantized_kv_start: int) -> None:
     """Serve BUNDLE over an OpenAI-compatible API with the reference MTP decoder."""
     import os
 
@@ -777,7 +787,8 @@ def serve(bundle: str, host: str, port: int, api_keys: tuple[str, ...],
             check_bind(host, keys)  # before the (slow) load
             check_port(host, port)
             runner = lead(load(bundle, "auto" if not keep_quantized else False, dtype=dtype,
-                               shard=shard, **_kv(kv_bits, kv_group_size, quantized_kv_start)))
+                               shard=shard, draft_model=draft_model,
+                               **_kv(kv_bits, kv_group_size, quantized_kv_start)))
             alone = kv_bits is not None or not runner.batchable  # (decoder/options.py)
             if alone and click.get_current_context().get_parameter_source(
                     "max_batch") is click.core.ParameterSource.DEFAULT:
@@ -787,7 +798,8 @@ def serve(bundle: str, host: str, port: int, api_keys: tuple[str, ...],
             source = runner.draft_source(depth_opt, draft)
             if advice := numerics_note(runner):
                 click.echo(advice, err=True)
-            if depth_opt == "auto":  # the cost curve now, so that no request pays for it
+            if depth_opt == "auto" and source != "model":  # the cost curve now, so that
+                # no request pays for it (a draft model drafts a fixed depth: no curve)
                 doing[0] = "measuring this machine's verify costs (nothing cached)"
                 click.echo(summary(runner, draft, verbose, progress_bar()), err=True)
                 if max_batch > 1 and shard is None:  # and what its batches' rounds cost
@@ -844,7 +856,7 @@ Exit codes: 0 every check passed, 1 a check failed or a floor was not met, 2 bad
 @click.option("--depth", "depth_opt", default="auto", show_default=True,
               callback=lambda c, p, v: _depth(v), help="MTP depth, or auto: chosen per round "
               "by the target (a target that takes only numbers: the fastest of 1-4 here).")
-@click.option("--draft", type=click.Choice(["head", "lookup", "both"]),
+@click.option("--draft", type=DRAFT_CHOICE,
               help="Draft source of the MTP requests (\"mtp_draft\" to an endpoint). Default: "
               "the target's (local: both with --depth auto, the head at a forced depth, lookup "
               "for a bundle without a head).")
@@ -867,6 +879,7 @@ Exit codes: 0 every check passed, 1 a check failed or a floor was not met, 2 bad
 @click.option("--compare", type=click.Path(path_type=Path), metavar="EARLIER.json",
               help="With --report: overlay an earlier verify-run --json document's numbers.")
 @click.option("--shard", type=click.Choice(["tensor", "pipeline"]), help=SHARD_HELP)
+@click.option("--draft-model", metavar="PATH", help=DRAFT_MODEL_HELP)
 @_kv_options
 @_leads
 def verify_run(bundle: str | None, endpoint: str | None, api_key: str | None, as_json: bool,
@@ -874,7 +887,8 @@ def verify_run(bundle: str | None, endpoint: str | None, api_key: str | None, as
                max_tokens: int | None, min_accept: float | None, min_speedup: float | None,
                timeout: float, request_timeout: float | None, dtype: str | None,
                report_path: Path | None, compare: Path | None, shard: str | None,
-               kv_bits: int | None, kv_group_size: int, quantized_kv_start: int) -> None:
+               draft_model: str | None, kv_bits: int | None, kv_group_size: int,
+               quantized_kv_start: int) -> None:
     """Check BUNDLE (or --endpoint) end to end and measure its speed the honest way."""
     from mtpkit.decoder.interrupt import first_ctrl_c
     from mtpkit.verify.endpoint import EndpointError, open_endpoint, serving_checks
@@ -897,6 +911,10 @@ def verify_run(bundle: str | None, endpoint: str | None, api_key: str | None, as
         _fail("options.invalid", "--kv-bits quantizes a local bundle's KV cache; an endpoint's "
               "is its server's", "start the server with it (mtpkit serve --kv-bits N), or pass "
               "BUNDLE")
+    if draft_model is not None and endpoint:
+        _fail("options.invalid", "--draft-model drafts for a local bundle; an endpoint drafts "
+              "with what its server loaded", "start the server with it (mtpkit serve "
+              "--draft-model PATH), or pass BUNDLE")
     chosen = tuple(x.strip() for x in loads.split(",") if x.strip())
     if not chosen or set(chosen) - set(LOADS):
         _fail("usage", f"--loads takes a comma list of {', '.join(LOADS)}", "e.g. --loads code")
@@ -915,7 +933,8 @@ def verify_run(bundle: str | None, endpoint: str | None, api_key: str | None, as
                 from mtpkit.decoder.distributed import lead
 
                 target, facts, view = open_local(
-                    bundle, dtype, shard, _kv(kv_bits, kv_group_size, quantized_kv_start))
+                    bundle, dtype, shard, {**_kv(kv_bits, kv_group_size, quantized_kv_start),
+                                           "draft_model": draft_model})
                 lead(target.service.runner).draft_source(depth_opt, draft)
         except EndpointError as exc:
             _fail("endpoint.unreachable", str(exc), "check --endpoint and that the server runs")

@@ -65,7 +65,7 @@ class Request:
     tools: list[dict[str, Any]] | None = None
     enable_thinking: bool | None = None
     depth: int | str | None = None  # extension "mtp_depth": "auto" or 0-16 (0: MTP off)
-    draft: str | None = None  # extension "mtp_draft": "head", "lookup" or "both"
+    draft: str | None = None  # extension "mtp_draft": "head", "lookup", "both" or "model"
     stop: list[str] | None = None  # stop sequences (the content ends before the first)
     prefix_cache: bool = True  # extension "prefix_cache": false prefills the whole prompt
     cache_salt: str | None = None  # vLLM's field: only requests with the same salt share prefixes

@@ -77,7 +77,7 @@ def usage(result: Result, draft: str | None = None, cached: bool = False) -> dic
 class Service:
     """depth: the default of requests that name none: "auto" (chosen per round from this
     machine's measured costs, decoder/policy.py) or a number (0: plain decoding). draft: the
-    default draft source, "head", "lookup" or "both" (None: as Runner.draft_source decides).
+    default draft source, "head", "lookup", "both" or "model" (None: as Runner.draft_source decides).
     cache_bytes: the prefix cache's bound (0: no cache); max_queue: requests that may wait."""
 
     def __init__(self, runner: Runner, model_id: str, depth: Depth, max_tokens: int,

@@ -68,7 +68,7 @@ def open_local(bundle: str, dtype: str | None = "auto", shard: str | None = None
                kv: dict[str, Any] | None = None) -> tuple[Local, Facts, BundleView]:
     """The bundle loaded behind serve's service, what verify-run knows of it (the template
     verdict, its thinking switch), and its view. shard: this rank's part (load's shard); kv:
-    load's kv_bits, kv_group_size and quantized_kv_start (a quantized KV cache)."""
+    load's kv_bits, kv_group_size and quantized_kv_start (a quantized KV cache), and draft_model."""
     view = open_bundle(bundle)
     runner = load(bundle, dtype=dtype, shard=shard, **(kv or {}))
     t = view.template

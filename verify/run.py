@@ -4,7 +4,7 @@ in every prompt, real-content loads with fixed ceilings, baseline first, steady 
 first 64 tokens, P50/P95 over runs). With depth "auto" a target that takes it (mtpkit serve, a
 local bundle) chooses each round's depth itself and reports its choices and predicted speedup;
 for a target that takes only numbers, a depth sweep picks this machine's best depth. A draft
-source ("head", "lookup", "both") goes with every speculative request; each load's row records
+source ("head", "lookup", "both", "model") goes with every speculative request; each load's row records
 the source the target used and its telemetry per source. Before anything runs it says what it
 will do and about how long that takes, as a range; each step's line gives the time spent and
 the range left, re-estimated from the seconds per token the finished requests took; `stop` (the
@@ -70,7 +70,7 @@ class VerifyOptions:
     drop: int = 64
     min_accept: float | None = None
     min_speedup: float | None = None
-    draft: str | None = None  # "head", "lookup" or "both" (None: the target's default)
+    draft: str | None = None  # "head", "lookup", "both" or "model" (None: the target's default)
     cpu_defaults: bool = False  # runs / max_tokens defaulted to the CPU backend's
 
     @classmethod
