@@ -410,3 +410,18 @@ def test_convert_a_pair_in_mtplx_layout(pairs, tmp_path):
     manifest = json.loads((tmp_path / "out" / "mtpkit.json").read_text())
     assert manifest["drafter"]["reads"] == READS["e2b"]
     assert report(tmp_path / "out")["summary"]["ok"]
+
+
+@pytest.mark.parametrize("variant", ["e2b", "31b"])
+def test_layers_read_are_those_transformers_stores(variant):
+    """The target layer whose K/V each kind of assistant layer reads is the one transformers'
+    Gemma4TextConfig marks "store" (the last K/V-owning layer of that kind), for both the
+    K/V-shared E2B-like target and the 31B-like one."""
+    from transformers import Gemma4TextConfig
+
+    from mtpkit.loaders.assistant import target_kv
+
+    config = target_config(variant)
+    modes = Gemma4TextConfig(**config).kv_sharing_modes
+    stores = {config["layer_types"][i]: i for i, m in enumerate(modes) if m == "store"}
+    assert stores == READS[variant] == target_kv(config).layer
