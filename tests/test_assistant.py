@@ -425,3 +425,6 @@ def test_layers_read_are_those_transformers_stores(variant):
     modes = Gemma4TextConfig(**config).kv_sharing_modes
     stores = {config["layer_types"][i]: i for i, m in enumerate(modes) if m == "store"}
     assert stores == READS[variant] == target_kv(config).layer
+    # the published multimodal checkpoints nest the same text config
+    nested = {"model_type": "gemma4", "text_config": {**config, "model_type": "gemma4_text"}}
+    assert target_kv(nested).layer == READS[variant]
