@@ -313,10 +313,12 @@ def _repair(bundle: str, out: Path, template_from: Path | None, force: bool) -> 
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--upload-repo", metavar="ORG/NAME", help="Publish OUT with huggingface_hub.")
 @click.option("--dry-run", is_flag=True, help="With --upload-repo: print the upload plan only.")
+@click.option("--drafter", metavar="ASSISTANT", help="Gemma 4's assistant (a folder or cached "
+              "repo id): checked against SRC, copied into OUT/assistant/ as published.")
 def convert(src: str, out: Path, quantize: bool, q_bits: int | None, q_group_size: str | None,
             q_mode: str, quant_recipe: str | None, overrides: tuple[str, ...],
             dtype: str | None, mtp_policy: str | None, mtp_bits: int, mtp_group_size: str,
-            force: bool, upload_repo: str | None, dry_run: bool) -> None:
+            force: bool, upload_repo: str | None, dry_run: bool, drafter: str | None) -> None:
     """Convert SRC (HF folder, cached repo id, MLX/MTP bundle, or .gguf) into the bundle OUT."""
     click.echo("convert: loading mlx-lm", err=True)  # its import alone takes seconds
     from mtpkit.convert.convert import ConvertOptions
@@ -335,7 +337,7 @@ def convert(src: str, out: Path, quantize: bool, q_bits: int | None, q_group_siz
     if quant.implied:
         click.echo("note: quantization options given without -q: quantizing the trunk (as -q)",
                    err=True)
-    options = ConvertOptions(quant=quant, sidecar=sidecar, force=force,
+    options = ConvertOptions(quant=quant, sidecar=sidecar, force=force, drafter=drafter,
                              command=_as_command(click.get_current_context()))
     bar = click.progressbar(length=1, label="writing", file=sys.stderr, width=30)
     started = False

@@ -236,6 +236,29 @@ def test_convert_refuses_a_drafter_that_does_not_fit(pairs, tmp_path, edit, code
     assert err.value.code == "drafter.invalid"
 
 
+def test_the_cli_converts_a_pair_and_refuses_a_misfit_in_one_line(pairs, tmp_path):
+    """`mtpkit convert TARGET OUT --drafter ASSISTANT`: the same bundle as the Python API's;
+    an assistant for another target is one line with its code, exit 2, no output."""
+    from click.testing import CliRunner
+
+    from mtpkit.cli import main
+
+    target, assistant = pairs["31b"]
+    ok = CliRunner().invoke(main, ["convert", str(target), str(tmp_path / "out"),
+                                   "--drafter", str(assistant)])
+    assert ok.exit_code == 0, ok.output
+    assert json.loads((tmp_path / "out" / "mtpkit.json").read_text())["drafter"]["path"] == \
+        "assistant"
+    config = assistant_config("31b")
+    config.update(backbone_hidden_size=96)
+    bad = build_assistant("31b", tmp_path / "bad", config=config)
+    no = CliRunner().invoke(main, ["convert", str(target), str(tmp_path / "no"),
+                                   "--drafter", str(bad)])
+    errors = [line for line in no.output.splitlines() if line.startswith("error")]
+    assert no.exit_code == 2 and len(errors) == 1 and "[drafter.mismatch]" in errors[0], no.output
+    assert not (tmp_path / "no").exists()
+
+
 def _reference(assistant: Path, variant: str):
     """transformers' own Gemma4AssistantForCausalLM (float32, eager attention) with the
     checkpoint's weights: the independent reference for the MLX module."""
