@@ -82,22 +82,21 @@ PLAIN_BATCH = 8  # steps per timing where PLAIN_STEPS would take over a second (
 BUDGET_S = 20.0  # seconds a measurement aims to take ($MTPKIT_COST_BUDGET overrides)
 LONG_SHARE = 0.25  # of the budget, what longer contexts have at least (the first context takes
 # the rest, 15 s by default as before they were measured, and leaves them what it does not use)
-LONGEST = 65536  # the longest context measured (an agent's long prompt): beyond, extrapolated
-LADDER = (4096, 16384)  # contexts measured on the way to the longest the model and budget allow
-CHUNK = 1024  # prefill tokens per timed pass on the way to a longer context (whole GRAINs, so
+LADDER = (4096, 16384, 65536)  # contexts measured, as far as the model and budget allow
+LONGEST = LADDER[-1]  # the longest context measured (an agent's long prompt): beyond, extrapolated
+CHUNK = 4 * GRAIN  # prefill tokens per timed pass on the way to a longer context (whole GRAINs, so
 # each pass ends on a padded cache's step: no mask over every key)
 FARTHER = 4  # a context cut short by the budget is measured if this many times the first one's
 # and twice the last (the policy extrapolates its slope: a short one timed on a busy CPU misprices)
 LONG_STEPS = PLAIN_BATCH  # plain steps timed at a longer context (one run)
 RETRY_SHARE = 0.25  # of the budget, the least a re-measurement may take beyond the budget
 PREFILL_SHARE = 0.3  # of the budget, the most the context's prefill may take
-COMPILED = 1.5  # a first pass this much dearer than the next one built something: warm up
-# each width first (a GPU); else a width's first pass is one of its timings (a CPU)
 VERSION = 5  # bump when what is measured changes (2: bounded, checked, smoothed curves;
 # 3: with what judges them; 4: at longer contexts too: a curve of one context priced a 64K
 # round as a 512-token one, so older curves are measured again, not read as flat; 5: the
 # first context prefilled in pieces: a first pass that compiled could cut a curve to 64 tokens)
-DRIFT = 1.5  # two timings of one thing this far apart: the slower ran on a busy machine
+DRIFT = 1.5  # two timings of one thing this far apart: the slower ran on a busy machine, or (a
+# first pass) built something: then each width is warmed up first (a GPU)
 
 
 class Loaded(Protocol):
@@ -494,8 +493,7 @@ def _first(bench: _Bench, context: int, share: float, repeats: int, targets: lis
         samples[rows] = [clock.time("verify", rows, lambda rows=rows: bench.verify(rows),
                                     what=f"verify T={rows}")]
     c1, c16 = samples[1][0], samples[MAX_ROWS][0]
-    bench.warm = any(first[t] > COMPILED * samples[t][0] for t in first)  # else a first pass
-    # counts
+    bench.warm = any(first[t] > DRIFT * samples[t][0] for t in first)  # else a first pass counts
     rows_timed, passes, steps, planned = _plan(c1, c16, share - clock.spent, repeats, head,
                                                bench.warm)
     later = LONG_SHARE * clock.budget_s if targets else 0.0  # at most: see _longer

@@ -15,7 +15,9 @@ from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
-MAX_ROWS = 16
+from mtpkit.decoder.options import MAX_DEPTH
+
+MAX_ROWS = MAX_DEPTH  # the widest verify pass measured: as deep as a forced depth goes
 CONTEXT = 512  # cache length the curve is measured at first (a typical verify position)
 GRAIN = 256  # contexts are priced in steps of this many tokens (rounded up): a round costs the
 # same to a percent over 256 more keys, and the priced curve is reused by the rounds that follow

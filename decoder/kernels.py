@@ -21,7 +21,8 @@ from typing import Any
 
 import mlx.core as mx
 
-MAX_ROWS = 16
+from mtpkit.decoder.curve import MAX_ROWS  # the widest verify pass the cost curve prices
+
 ROW_BUCKETS = (4, 8, MAX_ROWS)
 BITS = (4, 8)
 GROUPS = (32, 64, 128)

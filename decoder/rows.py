@@ -21,7 +21,7 @@ from mlx.utils import tree_unflatten
 
 from mtpkit.decoder import jit_warmup, kernel_choice, kernels
 
-FEW_ROWS = 16
+FEW_ROWS = kernels.MAX_ROWS  # a verify pass's rows at most, as the kernel's
 
 
 class FewRowsLinear(nn.Linear):

@@ -22,7 +22,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-STEP = 256  # mlx-lm's KV allocation step; cuDNN's own decoding path keys on it too
+STEP = KVCache.step  # mlx-lm's KV allocation step (256); cuDNN's own decoding path keys on it too
 
 
 def padded(n: int) -> int:
