@@ -30,8 +30,10 @@ from mtpkit.decoder.trunk import Trunk
 from mtpkit.loaders.findings import UserError
 
 MAGIC = 0x4D545031  # "MTP1": a message from another protocol version is refused, not obeyed
-HEADER = 8  # magic, op, value, token count, rank 0's committed length, real, recording, and
-PRESENT = HEADER - 1  # the followers present: each adds 1, so rank 0 sees one that is gone
+# a message's header; count: its tokens, length: rank 0's committed length
+FIELDS = ("magic", "op", "value", "count", "length", "real", "recording", "present")
+HEADER = len(FIELDS)
+PRESENT = FIELDS.index("present")  # the followers present: each adds 1, so rank 0 sees one gone
 ROOM = 32  # tokens carried in the message itself; a longer pass (prefill) sends a second array
 CACHE, PASS, QUIT = 1, 2, 3  # ops; value: CACHE bounded, QUIT the exit code
 LOST = ("[ring]", "[jaccl]", "[mpi]", "[nccl]")  # how MLX's backends word a lost peer
