@@ -1,8 +1,8 @@
 """Verify-row matmuls that read each weight once for all rows (2..MAX_ROWS rows).
 
 A verify pass multiplies 1 + depth rows by every weight matrix. On MLX's CUDA backend the
-quantized matmul re-reads the packed weights once per row for 2-7 rows (an 8B 4-bit verify of 4
-rows costs 2.4x one token), so a depth-3 round costs what three plain steps do. The kernel here
+quantized matmul re-reads the packed weights once per row for 2-7 rows, so a depth-3 round costs
+about what three plain steps do. The kernel here
 streams each packed 16-value chunk once, dequantizes it in registers and multiplies it with every
 row, as a decode step's matrix-vector product does for one row. `verify_matmul` is the one
 dispatch point: the CUDA kernel where it applies, MLX's own op everywhere else (a Metal kernel can
