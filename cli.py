@@ -800,8 +800,7 @@ def serve(bundle: str, host: str, port: int, api_keys: tuple[str, ...],
             source = runner.draft_source(depth_opt, draft)
             if advice := numerics_note(runner):
                 click.echo(advice, err=True)
-            if depth_opt == "auto" and source != "model":  # the cost curve now, so that
-                # no request pays for it (a draft model drafts a fixed depth: no curve)
+            if depth_opt == "auto":  # the cost curve now, so that no request pays for it
                 doing[0] = "measuring this machine's verify costs (nothing cached)"
                 click.echo(summary(runner, draft, verbose, progress_bar()), err=True)
                 if max_batch > 1 and shard is None:  # and what its batches' rounds cost
