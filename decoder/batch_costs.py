@@ -220,12 +220,6 @@ def store(key: dict[str, Any], paid: Paid, stock: Stock | None = None) -> Path:
         "batch")
 
 
-def _doc(key: dict[str, Any]) -> dict[str, Any]:
-    """The store for `key`; {} for none, invalid (decoder/store.py says why) or another key's."""
-    doc = disk.read(_path(key), "batch")
-    return doc if doc is not None and doc["key"] == key else {}
-
-
 def _pairs(table: dict[str, Any]) -> dict[tuple[int, int], Any]:
     """{"rows,shape": v} (the schema's names) as {(rows, shape): v}."""
     return {(int(a), int(b)): v for a, b, v in ((*name.split(","), v) for name, v in table.items())}
@@ -233,19 +227,11 @@ def _pairs(table: dict[str, Any]) -> dict[tuple[int, int], Any]:
 
 def read(key: dict[str, Any]) -> tuple[Paid, Stock]:
     """The round times stored for `key` and which batch pass shapes were timed faster
-    untraced, from one read of the store; {} for none, unreadable or another key's (and no
-    choice from a store from before the comparison, or one interrupted during it: every
-    shape stays traced)."""
-    doc = _doc(key)
-    return _times(doc), _stock(doc)
-
-
-def _times(doc: dict[str, Any]) -> Paid:
-    """The round times stored; {} for none."""
-    return {shape: deque(map(float, times), maxlen=WINDOW)
+    untraced, from one read of the store; {} for none, invalid (decoder/store.py says why) or
+    another key's (and no choice from a store from before the comparison, or one interrupted
+    during it: every shape stays traced)."""
+    doc = disk.read(_path(key), "batch")
+    doc = doc if doc is not None and doc["key"] == key else {}
+    paid = {shape: deque(map(float, times), maxlen=WINDOW)
             for shape, times in _pairs(doc.get("paid", {})).items()}
-
-
-def _stock(doc: dict[str, Any]) -> Stock:
-    """Which shapes were timed faster untraced; {} for none."""
-    return _pairs(doc.get("stock", {}))
+    return paid, _pairs(doc.get("stock", {}))

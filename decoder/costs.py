@@ -16,7 +16,7 @@ that survives is smoothed (the narrower row priced and verified at the wider wid
 
 A round's cost grows with the context, on a GPU far faster for several rows than for one
 (decoder/curve.py), so the same is then timed at longer contexts (`contexts_for`: 4K, 16K and the
-longest the model takes, at most LONGEST), SPARSE_ROWS each, in the budget's LONG_SHARE and what
+longest the model takes, at most LONGEST), SPARSE_ROWS each, in the budget's `PLAN.long_share` and what
 the first context left: the cache is prefilled on a CHUNK at a time while the prefill so far
 says the next chunk and the passes after it fit, so a slow machine measures a shorter context
 than it aimed at rather than overrun (`_longer`); beyond the longest measured, the policy
@@ -69,28 +69,38 @@ if TYPE_CHECKING:
     from mtpkit.decoder.head import MTPHead
     from mtpkit.decoder.trunk import Trunk
 
-REPEATS = 7  # most timed passes per row (their median counts)
+
+@dataclass(frozen=True)
+class Plan:
+    """How a measurement spends its budget: the tunables only this module reads, in one table."""
+
+    repeats: int = 7  # most timed passes per row (their median counts)
+    steady: float = 0.05  # a row stops early once MIN_REPEATS timings spread less than this
+    # (max - min) / median
+    plain_steps: int = 32  # plain steps timed at the first context (half where the budget is short)
+    plain_batch: int = 8  # steps per timing where plain_steps would take over a second, and at a
+    # longer context (one run): the median of the runs; each run's first step has nothing to
+    # overlap with, 1/8 of a step's host time
+    long_share: float = 0.25  # of the budget, what longer contexts have at least (the first
+    # context takes the rest, 15 s by default as before they were measured, and leaves them what
+    # it does not use)
+    prefill_share: float = 0.3  # of the budget, the most the context's prefill may take
+    probe_tokens: int = 16  # measure_decoding: steps and rounds timed per repeat
+    probe_repeats: int = 2  # measure_decoding: the fastest repeat counts (load only adds time)
+
+
+PLAN = Plan()
 MIN_REPEATS = 3  # a median of fewer is one outlier away from wrong; the budget may force fewer
-STEADY = 0.05  # a row stops early once MIN_REPEATS timings spread less than this (max-min)/median
 SPARSE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)  # timed when all 16 do not fit the budget
-PROBE_TOKENS = 16  # measure_decoding: steps and rounds timed per repeat
-PROBE_REPEATS = 2  # the fastest repeat counts: another process only ever adds time
-PLAIN_STEPS = 32
 PLAIN_WARMUP = 4  # steps that warm up the plain path (its shapes, not a timing)
-PLAIN_BATCH = 8  # steps per timing where PLAIN_STEPS would take over a second (the median of
-# the runs; each run's first step has nothing to overlap with, 1/8 of a step's host time)
 BUDGET_S = 20.0  # seconds a measurement aims to take ($MTPKIT_COST_BUDGET overrides)
-LONG_SHARE = 0.25  # of the budget, what longer contexts have at least (the first context takes
-# the rest, 15 s by default as before they were measured, and leaves them what it does not use)
 LADDER = (4096, 16384, 65536)  # contexts measured, as far as the model and budget allow
 LONGEST = LADDER[-1]  # the longest context measured (an agent's long prompt): beyond, extrapolated
 CHUNK = 4 * GRAIN  # prefill tokens per timed pass on the way to a longer context (whole GRAINs, so
 # each pass ends on a padded cache's step: no mask over every key)
 FARTHER = 4  # a context cut short by the budget is measured if this many times the first one's
 # and twice the last (the policy extrapolates its slope: a short one timed on a busy CPU misprices)
-LONG_STEPS = PLAIN_BATCH  # plain steps timed at a longer context (one run)
 RETRY_SHARE = 0.25  # of the budget, the least a re-measurement may take beyond the budget
-PREFILL_SHARE = 0.3  # of the budget, the most the context's prefill may take
 VERSION = 5  # bump when what is measured changes (2: bounded, checked, smoothed curves;
 # 3: with what judges them; 4: at longer contexts too: a curve of one context priced a 64K
 # round as a 512-token one, so older curves are measured again, not read as flat; 5: the
@@ -282,16 +292,16 @@ def _plan(c1: float, c16: float, left_s: float, repeats: int, head: bool, warm: 
 
     every = tuple(range(1, MAX_ROWS + 1))
     for n in range(repeats, MIN_REPEATS - 1, -1):
-        if cost(every, n, PLAIN_STEPS) <= left_s:
-            return every, n, PLAIN_STEPS, cost(every, n, PLAIN_STEPS)
-    for steps in (PLAIN_STEPS, PLAIN_STEPS // 2):
+        if cost(every, n, PLAN.plain_steps) <= left_s:
+            return every, n, PLAN.plain_steps, cost(every, n, PLAN.plain_steps)
+    for steps in (PLAN.plain_steps, PLAN.plain_steps // 2):
         for n in range(repeats, 0, -1):
             if cost(SPARSE_ROWS, n, steps) <= left_s:
                 return SPARSE_ROWS, n, steps, cost(SPARSE_ROWS, n, steps)
-    return SPARSE_ROWS, 1, PLAIN_STEPS // 2, cost(SPARSE_ROWS, 1, PLAIN_STEPS // 2)
+    return SPARSE_ROWS, 1, PLAN.plain_steps // 2, cost(SPARSE_ROWS, 1, PLAN.plain_steps // 2)
 
 
-def _rest(c1: float, passes: int, head: bool, steps: int = PLAIN_STEPS) -> float:
+def _rest(c1: float, passes: int, head: bool, steps: int = PLAN.plain_steps) -> float:
     """Estimated seconds of the plain and draft timings (a plain step costs about c(1), a head
     step a fraction of it)."""
     return ((PLAIN_WARMUP + max(1, passes // 2) * steps) * c1
@@ -352,7 +362,7 @@ class _Bench:
     def row(self, rows: int, got: list[float], passes: int, est: float, limit: float,
             warm: bool, where: str = "") -> float:
         """Passes over `rows` rows into `got` (after a warm-up where `warm`) up to `passes`,
-        fewer once MIN_REPEATS agree within STEADY or the projected end passes `limit`; their
+        fewer once MIN_REPEATS agree within PLAN.steady or the projected end passes `limit`; their
         median."""
         clock = self.clock
         if warm:
@@ -361,7 +371,7 @@ class _Bench:
             got.append(clock.time("verify", rows, lambda: self.verify(rows), est,
                                   f"verify T={rows}{where}"))
             steady = (len(got) >= MIN_REPEATS
-                      and (max(got) - min(got)) / statistics.median(got) < STEADY)
+                      and (max(got) - min(got)) / statistics.median(got) < PLAN.steady)
             if steady or clock.over(limit):
                 clock.skip((passes - len(got)) * est)
                 break
@@ -387,7 +397,7 @@ class _Bench:
         attention prefill paid per token over the keys added."""
         more = self.slope() * (context - last.context)
         rows = sum(passes * (last.verify[t - 1] + t * more) for t in SPARSE_ROWS)
-        return rows * (1 + self.warm) + LONG_STEPS * (last.plain + more)
+        return rows * (1 + self.warm) + PLAN.plain_batch * (last.plain + more)
 
     def point(self, context: int, last: Point, passes: int, limit: float) -> Point:
         """The curve at the context the cache holds (`context`), SPARSE_ROWS timed."""
@@ -397,7 +407,7 @@ class _Bench:
         timed = {t: self.row(t, [], passes, last.verify[t - 1] + t * more, limit, self.warm,
                              where) for t in SPARSE_ROWS}
         verify, lowered = smooth(interpolate(timed))
-        step = self.plain_step(LONG_STEPS, LONG_STEPS, last.plain + more, limit, where)
+        step = self.plain_step(PLAN.plain_batch, PLAN.plain_batch, last.plain + more, limit, where)
         return Point(context, verify, step, sorted(timed), lowered, self.clock.spent - began)
 
 
@@ -426,16 +436,16 @@ def _longer(bench: _Bench, targets: list[int], first: Point, passes: int) -> lis
     return points
 
 
-def measure(runner: Loaded, context: int = CONTEXT, repeats: int = REPEATS,
+def measure(runner: Loaded, context: int = CONTEXT, repeats: int = PLAN.repeats,
             bounded: bool | None = None, *, budget_s: float | None = None,
             progress: Progress | None = None, timer: Timer = wall_clock,
             longer: list[int] | None = None) -> CostCurve:
     """Time the trunk over T rows at a `context`-token cache (each shape warmed up first where
     that compiles, so compiles are not counted), a pipelined plain step and a head draft step,
-    in about 1 - LONG_SHARE of `budget_s` (default budget()); then the same at `longer`
+    in about 1 - PLAN.long_share of `budget_s` (default budget()); then the same at `longer`
     contexts (default contexts_for: the model's) in what is left (`_longer`). The cache is
     prefilled in doubling pieces from 64 tokens, each saying what the next would cost: where
-    `context` tokens would take more than PREFILL_SHARE of that share (bf16 on a CPU), the curve
+    `context` tokens would take more than PLAN.prefill_share of that share (bf16 on a CPU), the curve
     is measured at a shorter context (64 tokens times a power of two; `CostCurve.context`): the
     plain step with it, so what decides (a round
     against plain steps) stays like for like. Then the passes at 1 and 16 rows plan how many
@@ -445,7 +455,7 @@ def measure(runner: Loaded, context: int = CONTEXT, repeats: int = REPEATS,
     call is timed (wall_clock; a test passes its own)."""
     began, load = time.time(), _load()
     clock = _Clock(timer, progress, budget() if budget_s is None else budget_s)
-    share = (1 - LONG_SHARE) * clock.budget_s  # the first context's
+    share = (1 - PLAN.long_share) * clock.budget_s  # the first context's
     clock.left = clock.budget_s  # until the probes plan it: at most the budget
     clock.tell("start", "verify costs")
     targets = contexts_for(runner, context) if longer is None else longer
@@ -459,11 +469,11 @@ def measure(runner: Loaded, context: int = CONTEXT, repeats: int = REPEATS,
                            what=f"{head_start}-token prefill") / head_start
     bench.rates.append((head_start / 2, per_token))
     held = head_start  # on to `context` in doubling pieces while, at the last piece's rate, the
-    # whole prefill fits PREFILL_SHARE; the second piece always (no dearer than the first): the
+    # whole prefill fits PLAN.prefill_share; the second piece always (no dearer than the first): the
     # first pass of a cold GPU process compiles every kernel (seconds), and each new shape
     # compiles again, so no one piece's rate prices the whole context
     while held < context and (held == head_start or min(context, 2 * held)
-                              * bench.rates[-1][1] <= PREFILL_SHARE * share):
+                              * bench.rates[-1][1] <= PLAN.prefill_share * share):
         end = min(context, 2 * held)
         bench.rates.clear()  # (the earlier pieces' rates may include their set-up)
         bench.prefill(held, end, f"{end}-token prefill")
@@ -496,7 +506,7 @@ def _first(bench: _Bench, context: int, share: float, repeats: int, targets: lis
     bench.warm = any(first[t] > DRIFT * samples[t][0] for t in first)  # else a first pass counts
     rows_timed, passes, steps, planned = _plan(c1, c16, share - clock.spent, repeats, head,
                                                bench.warm)
-    later = LONG_SHARE * clock.budget_s if targets else 0.0  # at most: see _longer
+    later = PLAN.long_share * clock.budget_s if targets else 0.0  # at most: see _longer
     clock.left = planned + later
     clock.tell("plan", f"{len(rows_timed)} widths x {passes} passes"
                + (f"; then up to {targets[-1]} tokens" if targets else ""))
@@ -537,7 +547,7 @@ def _steps(bench: _Bench, passes: int, steps: int, c1: float, limit: float, late
     clock.time("plain", PLAIN_WARMUP, lambda: bench.plain(PLAIN_WARMUP), PLAIN_WARMUP * c1,
                "plain warm-up")  # its shapes, not a timing
     step = bench.plain_step(max(1, passes // 2) * steps,
-                            steps if steps * c1 <= 1.0 else PLAIN_BATCH, c1, limit)
+                            steps if steps * c1 <= 1.0 else PLAN.plain_batch, c1, limit)
     draft = 0.0
     if bench.runner.head is not None:
         def head_steps() -> None:
@@ -593,8 +603,8 @@ class DecodeCosts:
         return length * self.prefill_s + (tokens - 1) * self.round_s
 
     def probe_s(self, length: int) -> float:
-        return PROBE_REPEATS * (2 * length * self.prefill_s
-                                + PROBE_TOKENS * (self.step_s + self.round_s))
+        return PLAN.probe_repeats * (2 * length * self.prefill_s
+                                + PLAN.probe_tokens * (self.step_s + self.round_s))
 
     def to_dict(self) -> dict[str, float]:
         return {"step_ms": 1000 * self.step_s, "round_ms": 1000 * self.round_s,
@@ -603,25 +613,25 @@ class DecodeCosts:
 
 def measure_decoding(trunk: Trunk, head: MTPHead, ids: list[int]) -> DecodeCosts:
     """Time whole plain steps and depth-1 rounds as decoding runs them, after prefilling `ids`
-    (greedy; end of text does not stop them), PROBE_REPEATS times; the fastest of each (graft's
+    (greedy; end of text does not stop them), PLAN.probe_repeats times; the fastest of each (graft's
     budget and its "will the head pay": what a user's first rounds cost, not the curve)."""
     greedy = SamplingParams()
     step = rnd = prefill = math.inf
-    for _ in range(PROBE_REPEATS):
+    for _ in range(PLAN.probe_repeats):
         plain = Session(trunk, head, greedy, 0)
-        tokens = plain.plain(ids, PROBE_TOKENS + 1)
+        tokens = plain.plain(ids, PLAN.probe_tokens + 1)
         next(tokens)
         begin = time.perf_counter()
         for _ in tokens:
             pass
-        step = min(step, (time.perf_counter() - begin) / PROBE_TOKENS)
+        step = min(step, (time.perf_counter() - begin) / PLAN.probe_tokens)
         prefill = min(prefill, plain.stats.prefill_s / len(ids))
         spec = Session(trunk, head, greedy, 1)
         spec.start(ids)
         begin = time.perf_counter()
-        for _ in range(PROBE_TOKENS):
+        for _ in range(PLAN.probe_tokens):
             spec.round(spec.head_draft(1))
-        rnd = min(rnd, (time.perf_counter() - begin) / PROBE_TOKENS)
+        rnd = min(rnd, (time.perf_counter() - begin) / PLAN.probe_tokens)
     return DecodeCosts(step, rnd, prefill)
 
 
