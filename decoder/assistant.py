@@ -13,20 +13,23 @@ constant through a round, as transformers' SinglePositionMultiTokenCandidateGene
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.models.gemma4_text import DecoderLayer, ModelArgs
 
+from mtpkit.decoder.draft_model import STEP_REPS, STEP_TEXT
 from mtpkit.decoder.drafts import Draft
-from mtpkit.decoder.options import SamplingParams, Source
+from mtpkit.decoder.options import OptionError, SamplingParams, Source
 from mtpkit.decoder.sampling import Candidates, candidates, greedy
-from mtpkit.loaders.assistant import AssistantSpec, read_spec, target_kv
+from mtpkit.loaders.assistant import AssistantSpec, read_drafter, read_spec, target_kv
 from mtpkit.loaders.config import read_json
 from mtpkit.loaders.findings import UserError
 
@@ -153,7 +156,7 @@ def shared_kv(caches: list[Any], reads: dict[str, int], window: int
     length = 0
     for kind, index in reads.items():
         cache = caches[index]
-        if type(cache) is KVCache:
+        if isinstance(cache, KVCache):  # mlx-lm's, or decoder/shapes.py's bounded one
             k, v, offset = cache.state  # buffers grown in steps: only `offset` are written
             keys, values = k[..., :offset, :], v[..., :offset, :]
         elif type(cache) is RotatingKVCache:
@@ -189,6 +192,8 @@ class AssistantDrafter:
     assistant: Assistant
     embed: Callable[[mx.array], mx.array]
     reads: dict[str, int]
+    target: nn.Module | None = None  # step_cost's probe fills a fresh cache of it
+    _step: float | None = field(default=None, repr=False)  # step_cost, once timed
 
     @classmethod
     def pair(cls, assistant: Assistant, target: nn.Module, target_config: dict[str, Any]
@@ -198,7 +203,30 @@ class AssistantDrafter:
         if kv is None or not kinds <= set(kv.layer):
             raise UserError("drafter.mismatch", "the target keeps no K/V for some kind of layer "
                             "the assistant reads", "pair the assistant with its own target")
-        return cls(assistant, target_embedding(target), {k: kv.layer[k] for k in kinds})
+        return cls(assistant, target_embedding(target), {k: kv.layer[k] for k in kinds}, target)
+
+    def proposer(self, session: AssistantFeed) -> AssistantProposer:
+        """A session's proposer (Session builds it from its runner's drafter, as a draft
+        model's)."""
+        return AssistantProposer(self, session)
+
+    def step_cost(self) -> float:
+        """Seconds of one draft step after a short text, timed once: the depth policy's prior
+        for the assistant's rounds, as DraftModel.step_cost is a draft model's (the same text
+        and repetitions)."""
+        if self._step is None:
+            assert self.target is not None, "paired with its target"
+            caches = make_prompt_cache(self.target)
+            inner = getattr(self.target, "language_model", self.target).model
+            mx.eval(inner(mx.zeros((1, STEP_TEXT), mx.int32), cache=caches))
+            hidden = mx.zeros((1, 1, self.assistant.spec.backbone_hidden), self.assistant.dtype)
+            times = []
+            for _ in range(STEP_REPS):
+                start = time.perf_counter()
+                mx.eval(self.draft(caches, hidden, 0, 1)[0])
+                times.append(time.perf_counter() - start)
+            self._step = statistics.median(times)
+        return self._step
 
     def draft(self, caches: list[Any], hidden: mx.array, last: int, depth: int,
               params: SamplingParams | None = None, draws: mx.array | None = None
@@ -250,6 +278,7 @@ class AssistantProposer:
     round, are all it reads, so there is nothing to settle."""
 
     source = Source.MODEL
+    reads_hidden = True  # the session keeps `assistant_hidden` for it (Session.keep_hidden)
 
     def __init__(self, drafter: AssistantDrafter, session: AssistantFeed) -> None:
         self.drafter, self.session = drafter, session
@@ -266,3 +295,37 @@ class AssistantProposer:
 
     def settle(self, tokens: list[int]) -> None:
         pass
+
+
+def final_normed(trunk: Any, hidden: mx.array) -> mx.array:
+    """The trunk's hidden (decoder/trunk.py) as the assistant reads it: after the trunk's final
+    norm. The trunk returns that one unless its head is fed the pre-norm hidden; then the
+    trunk's own norm module (which its tap wraps) is applied."""
+    if trunk.hidden_feed == "pre_norm":
+        return trunk.inner.norm.norm(hidden)
+    return hidden
+
+
+def attach(runner: Any, root: Path | str | None = None) -> bool:
+    """Pair the bundle's assistant (mtpkit.json's drafter.path, else `assistant/`) with the
+    runner's trunk and make it the runner's drafter: draft "model", the default source where
+    a drafter is loaded. False where the bundle has none. Refused: a pair doctor finds wrong
+    (its finding's code), a quantized assistant or a quantized KV cache (options.invalid: the
+    assistant reads float weights and the target's float K/V)."""
+    root = Path(root if root is not None else runner.root)
+    manifest = read_json(root / "mtpkit.json") if (root / "mtpkit.json").is_file() else None
+    target = read_json(root / "config.json")
+    report = read_drafter(root, target, manifest if isinstance(manifest, dict) else None)
+    bad = next((f for f in report.findings if f.severity == "error"), None)
+    if bad is not None:
+        raise UserError(bad.code, f"{root}: {bad.message}", bad.hint)
+    if report.path is None:
+        return False
+    if runner.kv is not None:
+        raise OptionError("options.invalid", "kv_bits", "{name} cannot run with Gemma 4's "
+                          "assistant: it reads the target's K/V as float arrays",
+                          "drop kv_bits to draft with the assistant")
+    drafter = AssistantDrafter.pair(load_assistant(root / report.path), runner.trunk.model,
+                                    target)
+    runner.drafter = drafter
+    return True

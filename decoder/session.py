@@ -24,6 +24,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from mtpkit.decoder import acceptance
+from mtpkit.decoder.assistant import final_normed
 from mtpkit.decoder.caches import (
     FrozenHidden,
     freeze,
@@ -129,6 +130,9 @@ class Session:
                        else None)
         self.model: ModelProposer | None = (drafter.proposer(self) if draft is Source.MODEL
                                             and depth > 0 and drafter is not None else None)
+        # an assistant drafts from the trunk's last hidden: kept by every commit (keep_hidden)
+        self.reads_hidden = getattr(self.model, "reads_hidden", False)
+        self.assistant_hidden: mx.array | None = None
         # at a fixed depth, asked in order: the first draft offered is verified (next_round)
         self.proposers: list[Proposer] = [p for p in (
             self.model, ContextProposer(self) if self.lookup is not None else None,
@@ -251,6 +255,8 @@ class Session:
                 y, hidden = nxt, nxt_hidden
         if owe and tokens:
             self.owe(mx.concatenate(hiddens, axis=1), tokens)
+        if n:
+            self.keep_hidden(hidden, 0)  # the step that emitted the last token
         self.plain_paid = (busy + time.perf_counter() - begin, n)
         self.pipelined = False
 
@@ -337,12 +343,15 @@ class Session:
 
     def _first(self, ids: list[int]) -> Generator[None, None, int]:
         """Prefill `ids` (after whatever the caches hold) and commit the next token."""
-        hidden, logits = yield from self._prefill(ids, keep_hidden=bool(self.mtp_cache))
+        hidden, logits = yield from self._prefill(
+            ids, keep_hidden=bool(self.mtp_cache) or self.reads_hidden)
         return self._commit_first(ids, hidden, logits)
 
     def _commit_first(self, ids: list[int], hidden: mx.array | None, logits: mx.array) -> int:
         """The token after the prefilled `ids` (logits (1, V)), the head owed their pairs."""
         self.last = int(self.sample(logits).item())
+        if hidden is not None:
+            self.keep_hidden(hidden, hidden.shape[1] - 1)
         if self.mtp_cache:
             assert hidden is not None
             self.owe(hidden, [*ids[1:], self.last])
@@ -378,6 +387,12 @@ class Session:
             self.lookup.extend(tokens)
         if self.model is not None:
             self.model.settle(tokens)
+
+    def keep_hidden(self, hidden: mx.array, at: int) -> None:
+        """Keep the trunk's final-normed hidden at position `at` of a pass, the last the caches
+        hold after a commit: what an assistant drafts from (decoder/assistant.py); lazy."""
+        if self.reads_hidden:
+            self.assistant_hidden = final_normed(self.trunk, hidden[:, at:at + 1])
 
     def owe(self, hidden: mx.array, tokens: list[int]) -> None:
         pairs = (hidden, mx.array(tokens)[None])
@@ -476,6 +491,7 @@ class Session:
         committed = [*drafts[:kept], token]
         if self.mtp_cache:
             self.owe(hidden[:, :kept + 1], committed)
+        self.keep_hidden(hidden, kept)
         self.taken(committed)
         self.last = token
         paid = time.perf_counter() - start
