@@ -54,6 +54,7 @@ from mtpkit.decoder.curve import (
     CONTEXT,
     GRAIN,
     MAX_ROWS,
+    MIN_REPEATS,
     CostCurve,
     Point,
     breaks,
@@ -90,7 +91,6 @@ class Plan:
 
 
 PLAN = Plan()
-MIN_REPEATS = 3  # a median of fewer is one outlier away from wrong; the budget may force fewer
 SPARSE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)  # timed when all 16 do not fit the budget
 PLAIN_WARMUP = 4  # steps that warm up the plain path (its shapes, not a timing)
 BUDGET_S = 20.0  # seconds a measurement aims to take ($MTPKIT_COST_BUDGET overrides)

@@ -24,6 +24,8 @@ GRAIN = 256  # contexts are priced in steps of this many tokens (rounded up): a 
 PAD_GAIN = 0.9  # pad a verify to a wider width only when that is 10% cheaper: a real kernel
 # switch (MLX's quantized matmul from 8 rows on), not the noise between two medians. Also the
 # sanity bound: a wider pass timed more than 10% cheaper is re-measured before it is believed.
+MIN_REPEATS = 3  # timings whose median counts, at least: a median of fewer is one outlier away
+# from wrong (decoder/costs.py's budget may force fewer)
 
 
 @dataclass

@@ -27,12 +27,11 @@ import mlx.core as mx
 
 from mtpkit.decoder import kernels
 from mtpkit.decoder import store as disk
-from mtpkit.decoder.curve import PAD_GAIN
+from mtpkit.decoder.curve import MIN_REPEATS, PAD_GAIN
 from mtpkit.decoder.store import key_name, versions
 
 MARGIN = PAD_GAIN  # MLX's op takes a row count only where it is this much cheaper: no noise
 PRODUCTS = 8  # products per timing, in one eval: one product alone would time the launch
-REPEATS = 3  # timings per row count and op; the median counts
 ALL_ROWS = frozenset(range(2, kernels.MAX_ROWS + 1))
 FORMAT = 1
 
@@ -57,7 +56,7 @@ def shape_of(layer: Any) -> Shape:
 def _ms_per_product(product: Callable[[mx.array], mx.array], xs: list[mx.array]) -> float:
     mx.eval([product(x) for x in xs])  # warm-up: compiles a kernel variant the first time
     times = []
-    for _ in range(REPEATS):
+    for _ in range(MIN_REPEATS):  # per row count and op; the median counts
         start = time.perf_counter()
         mx.eval([product(x) for x in xs])
         times.append(time.perf_counter() - start)
