@@ -1,20 +1,11 @@
 """What a batch's rounds cost here, timed up front (`mtpkit tune --batch N`) and kept on disk.
 
-The batch policy (decoder/batch_policy.py) prices a round of B rows at depth K by what such
-rounds paid, so a runner that has decoded no batch yet first spends rounds exploring: depths 0
-to 3 synchronously at each size, plain as a stretch. Those rounds cost the first clients time,
-and a depth whose pipelined price was never taken could lose to pipelined plain steps for a
-whole run. So `tune --batch N` runs the real engine (Scheduler, Batch, the policy's own
-`observe`) on synthetic prompts at 2, 4, ... N rows, with a policy that asks for each shape
-still untimed at the batch's size (a plain stretch, a plain round, then every depth, pipelined
-where the batch pipelines them) until each has ROUNDS times, and stores what it recorded beside
-the cost curve (same key: weights, load options, device, versions). Later runners of the bundle
-start from those prices (`Runner.costs`), and go on timing every round as before.
-
-Where the trunk's passes are traced (decoder/traced.py), every shape is timed twice, traced and
-stock: a replay still launches every kernel, and which of the two is faster for B rows x T
-tokens differs by shape and machine (`choose`). The faster one's times are stored, with the
-choice per (rows, width), and runners pass each shape the faster way.
+`tune --batch N` runs the real engine (Scheduler, Batch, the policy's own `observe`) on
+synthetic prompts at 2, 4, ... N rows with a policy that asks for each shape still untimed (a
+plain stretch, a plain round, every depth up to EXPLORE) until each has ROUNDS times, and stores
+them beside the cost curve (same key): later runners start from those prices. A traced trunk's
+shapes are timed both ways, traced and stock, and the faster way is kept per (rows, width)
+(`choose`). Why: docs/tune.md, "Batched rounds".
 """
 
 from __future__ import annotations

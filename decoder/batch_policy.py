@@ -1,37 +1,16 @@
 """`--depth auto` for a batch: one draft depth per round, where the batch's expected tokens per
 second are highest.
 
-Every row of a pass is padded to its widest, and the head's draft steps run for every row at
-once, so a round's cost hangs on the batch's size and its deepest draft, not on each row's:
-a row drafting fewer than the deepest saves nothing. So the policy picks the depth K that
-maximises the batch's expected committed tokens (each row's 1 + a_1 + ... + a_K, from its own
-acceptance trackers: decoder/policy.py's) over what a round of B rows at depth K costs; each
-row then drafts K from its best source (context drafts where its text offers some that are
-expected to keep more, else the head's), or a plain step where it has neither. Every row
-commits at least one token per pass, so none starves.
-
-The cost of a (B, K) round is measured, not assumed: a batch's attention and matmuls over
-B x (K + 1) rows do not scale like one sequence's K + 1 rows. Each
-round's wall time is kept per shape (median of the last WINDOW), and the first rounds explore
-depths 0..EXPLORE (MIN_OBSERVED rounds each; plain as a short pipelined stretch, the way it
-runs when chosen) so that plain and shallow rounds are timed too; a batch size not timed yet
-borrows the nearest size's times until its own are taken (rows join and leave all the time;
-a smaller size lends no depth beyond EXPLORE deeper than a size at least as large has timed);
-one depth beyond the deepest timed is a candidate, priced
-by extending the two deepest timed ones linearly in K (so the policy climbs one untimed depth
-at a time, never jumping to a deep shape on an extrapolation). The timings live on the runner
-(`Runner.batch_paid`): every batch a runner decodes, and every server's, learns from the ones
-before. Where no depth
-beats plain steps by MARGIN the batch decodes plain for a stretch, then probes depth 1 (the
-stretch doubling while the probes lose, as for one sequence). A stretch runs pipelined
-(Batch.plain_steps) and costs less per step than a depth-0 round: once its steps are timed
-(under PIPED), they are plain decoding's price at that size. Likewise, on a GPU, rounds at a
-depth every row drafts from the head run pipelined (Batch.spec_rounds) and are timed under
-piped(K), apart from synchronous rounds; a depth timed only synchronously is priced at that
-cost scaled by what pipelining saved at the depths timed both ways. Before any depth has run
-pipelined, where the next would (`pipelines`), that is what pipelining saved plain steps:
-priced synchronously against pipelined plain steps, no depth would ever be chosen, so none would
-run pipelined and be priced as it runs.
+A round's cost hangs on the batch's size and its deepest draft (every row is padded to the
+widest), so the policy picks the depth K maximising the rows' expected committed tokens (each
+row's 1 + a_1 + ... + a_K, from its own acceptance trackers) over what a round of B rows at
+depth K costs; each row then drafts K from its best source, or takes a plain step. Round costs
+are measured per (rows, key) (`Prices`; pipelined rounds under `piped(K)`, plain stretches
+under PIPED): depths 0..EXPLORE are explored first, an untimed size borrows the nearest size's
+prices, one depth beyond the deepest timed is priced by extension, a depth timed only
+synchronously is scaled by what pipelining saved, and stale neighbouring prices are probed
+again (`Prices.stale`). Where no depth beats plain steps by MARGIN the batch decodes a plain
+stretch, then probes depth 1. Why each rule: docs/batching.md.
 """
 
 from __future__ import annotations

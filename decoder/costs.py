@@ -1,37 +1,13 @@
 """What a round costs on this machine: the trunk's verify curve c(T), a head draft and a plain step.
 
-Speculation pays only where E[tokens per round] / (K * draft + c(K + 1)) beats one token per plain
-step, and c(T) is a property of the machine, the backend and the weights (a GPU verifies a few rows
-for about the price of one only when its kernels cooperate). So it is measured, not assumed: once
-per bundle, load options, backend and versions, and cached on disk (`mtpkit tune` prints it).
-
-The first `generate`/`serve`/`tune` of a bundle waits for it, so the measurement is bounded: a
-budget (BUDGET_S, $MTPKIT_COST_BUDGET) sets how many rows are timed (all 16, else SPARSE_ROWS with
-the rest interpolated) and how many passes each (a row stops early once its timings agree, or
-once passes run dearer than the probes said and the plan would overrun the budget). It
-reports progress only to a callback the caller passes (the CLI draws a bar on stderr; a library
-user sees nothing). Load only slows a pass down, so a wider pass timed more than PAD_GAIN cheaper
-than a narrower one is suspect: that region is timed again and the lower median kept, and a break
-that survives is smoothed (the narrower row priced and verified at the wider width) and flagged.
-
-A round's cost grows with the context, on a GPU far faster for several rows than for one
-(decoder/curve.py), so the same is then timed at longer contexts (`contexts_for`: 4K, 16K and the
-longest the model takes, at most LONGEST), SPARSE_ROWS each, in the budget's `PLAN.long_share` and what
-the first context left: the cache is prefilled on a CHUNK at a time while the prefill so far
-says the next chunk and the passes after it fit, so a slow machine measures a shorter context
-than it aimed at rather than overrun (`_longer`); beyond the longest measured, the policy
-extrapolates.
-
-A stored curve decides every later run, so it is judged, by one rule: load only slows a timing
-down, so two timings of the same thing that differ by more than DRIFT mean the slower one ran on
-a busy machine. Within a measurement, a shape whose median repeat is DRIFT slower than its
-fastest makes the curve noisy (`noisy`; the progress display says so on stderr), and its spread,
-time and load are kept with it. After
-it, a process whose plain steps really run DRIFT faster than the stored curve's marks it stale
-(one line on stderr; that process prices by what it pays meanwhile) and the next load measures
-again: a curve timed while the CPU was busy can halve the speedup `--depth auto` finds. The
-other way proves nothing: a longer context or load now
-makes real steps dearer than a true curve.
+Measured once per bundle, load options, backend and versions, and cached (decoder/store.py):
+c(T) at a short context within a budget (BUDGET_S, $MTPKIT_COST_BUDGET: all 16 widths, else
+SPARSE_ROWS interpolated; a width stops once its timings agree or the plan would overrun), then
+at longer contexts as far as the budget reaches (`contexts_for`, `_longer`). A wider pass timed
+PAD_GAIN cheaper than a narrower one is timed again, and a break that survives is smoothed.
+Load only slows a timing down: timings DRIFT apart mark a measurement `noisy`, and a stored curve
+whose plain step real steps beat by DRIFT is marked stale and measured again (`check_plain`).
+Progress goes only to a callback. The whole design, with why: docs/tune.md.
 """
 
 from __future__ import annotations
