@@ -64,6 +64,18 @@ class Controller:
         """The head's `depth` drafts, continued from the context up to `most` in all."""
         return self.extend(self.session.head_draft(depth), depth if most is None else most)
 
+    def proposed(self, source: Source | None, depth: int, drafts: list[int], match: int,
+                 most: int) -> Draft:
+        """The chosen round's draft: the context's `drafts` (from a `match`-token match), the
+        draft model's, or the head's continued from the context up to `most` (depth 0: one
+        plain step through the verify path)."""
+        session = self.session
+        if source == Source.LOOKUP and depth > 0 and drafts:
+            return session.context_draft(drafts[:depth], match)
+        if source == Source.MODEL and depth > 0 and session.model is not None:
+            return session.model.propose(depth) or session.head_draft(0)
+        return self.draft(max(depth, 0), most)
+
     def round(self, draft: Draft) -> RoundOutcome:
         outcome = self.session.round(draft, self.policy.priced.width(draft.depth + 1))
         self.update(outcome)
@@ -96,10 +108,8 @@ class Controller:
             source, depth, drafts, match = self.choose(left() - 1)
             if depth > 0 or left() <= 1:
                 policy.reset_stretch()
-                if source == Source.LOOKUP and depth > 0:
-                    yield self.round(session.context_draft(drafts[:depth], match)).committed
-                else:
-                    yield self.round(self.draft(max(depth, 0), left() - 1)).committed
+                yield self.round(self.proposed(source, depth, drafts, match, left() - 1)
+                                 ).committed
                 continue
 
             cut: list[bool] = []
@@ -114,9 +124,10 @@ class Controller:
                 continue
             drafts, match = (session.lookup.propose(1) if session.head is None and session.lookup
                              else ([], 0))
-            if session.head is not None or drafts:  # the probe, timed
-                outcome = self.round(session.context_draft(drafts, match) if drafts
-                                     else self.draft(1))
+            if session.head is not None or drafts or session.model is not None:  # the probe
+                source = (Source.MODEL if session.model is not None
+                          else Source.LOOKUP if drafts else Source.HEAD)
+                outcome = self.round(self.proposed(source, 1, drafts, match, 1))
                 policy.observe_probe(outcome.paid_s, len(outcome.committed))
                 yield outcome.committed
 

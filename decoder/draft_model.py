@@ -16,6 +16,8 @@ caches is refused (`check_caches`).
 
 from __future__ import annotations
 
+import statistics
+import time
 from typing import Any
 
 import mlx.core as mx
@@ -30,6 +32,7 @@ from mtpkit.loaders.findings import UserError
 
 FIXED_DEPTH = 3  # drafts per round where no depth is given: mlx-lm's --num-draft-tokens default
 PREFILL_STEP = 2048  # committed tokens fed per draft-model pass (a long prompt in pieces)
+STEP_TEXT, STEP_REPS = 64, 5  # step_cost: a step after 64 tokens, the median of 5
 
 
 class DraftModel:
@@ -41,6 +44,7 @@ class DraftModel:
         check_caches(probe, label)
         # its logits' width, from a lazy pass's shape (nothing is computed)
         self.width = model(mx.array([[0]]), cache=probe).shape[-1]
+        self._step: float | None = None  # step_cost, once timed
 
     def make_cache(self) -> list[Any]:
         return make_prompt_cache(self.model)
@@ -61,6 +65,22 @@ class DraftModel:
     def feed(self, tokens: mx.array, cache: list[Any]) -> mx.array:
         """The model's logits (1, n, width) over `tokens` (1, n), into `cache`."""
         return self.model(mx.minimum(tokens, self.width - 1), cache=cache)
+
+    def step_cost(self) -> float:
+        """Seconds of one draft step (one token after a short text), timed once: the depth
+        policy's prior for a draft model's rounds (what rounds pay then corrects it,
+        decoder/policy.py's PaidCosts)."""
+        if self._step is None:
+            cache = self.make_cache()
+            mx.eval(self.logits(mx.zeros((1, STEP_TEXT), mx.int32), cache))
+            times = []
+            for _ in range(STEP_REPS):
+                start = time.perf_counter()
+                mx.eval(self.logits(mx.zeros((1, 1), mx.int32), cache))
+                times.append(time.perf_counter() - start)
+                trim_prompt_cache(cache, 1)
+            self._step = statistics.median(times)
+        return self._step
 
     def proposer(self, session: Drafting) -> ModelProposer:
         return ModelProposer(self, session)

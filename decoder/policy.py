@@ -196,6 +196,7 @@ class DepthPolicy:
     stretch: int = MIN_STRETCH
     chosen: dict[int, int] = field(default_factory=dict)  # depth -> rounds (0: plain steps)
     paid: PaidCosts = field(default_factory=PaidCosts)
+    model_step: float = 0.0  # seconds of one draft model step (a draft model's rounds)
 
     def __post_init__(self) -> None:
         self.sources = tuple(Source(s) for s in self.sources)
@@ -216,7 +217,10 @@ class DepthPolicy:
 
     def cost(self, depth: int, source: Source = Source.HEAD, drafted: int | None = None) -> float:
         """Seconds for a round of `depth` drafts, `drafted` of them by the head (default: all
-        for "head", none for "lookup"): a lookup drafts on the host, for free."""
+        for "head", none for "lookup"): a lookup drafts on the host, for free; a draft model
+        pays `model_step` per draft."""
+        if source == Source.MODEL:
+            return self.priced.round_cost(depth, 0) + depth * self.model_step
         if drafted is None:
             drafted = depth if source == Source.HEAD else 0
         return self.priced.round_cost(depth, drafted)
@@ -237,7 +241,8 @@ class DepthPolicy:
         from a match `match` tokens long."""
         options = []
         for source in self.sources if sources is None else sources:
-            most = self.max_depth if source == Source.HEAD else min(lookup_width, self.max_depth)
+            most = (min(lookup_width, self.max_depth) if source == Source.LOOKUP
+                    else self.max_depth)
             a = self.acceptance(source, match)
             options += [(self.rate(d, a, source), source, d) for d in range(1, most + 1)]
         if not options:

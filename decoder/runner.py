@@ -258,10 +258,15 @@ class Runner:
     def policy(self, depth: Depth, draft: Source = Source.HEAD
                ) -> tuple[int, DepthPolicy | None]:
         """(deepest depth, policy or None) for a depth argument: a number forces that depth;
-        "auto" lets measured costs and online acceptance choose, up to MAX_AUTO_DEPTH. A draft
-        model drafts FIXED_DEPTH under "auto" and None (decoder/draft_model.py)."""
-        if draft == Source.MODEL and depth in ("auto", None):
+        "auto" lets measured costs and online acceptance choose, up to MAX_AUTO_DEPTH (a draft
+        model's rounds priced by its own step, timed once: DraftModel.step_cost). A draft
+        model drafts FIXED_DEPTH under None (decoder/draft_model.py)."""
+        if draft == Source.MODEL and depth is None:
             return FIXED_DEPTH, None
+        if draft == Source.MODEL and depth == "auto" and self.drafter is not None:
+            return MAX_AUTO_DEPTH, DepthPolicy(self.costs(), MAX_AUTO_DEPTH, sources=(draft,),
+                                               paid=self.paid,
+                                               model_step=self.drafter.step_cost())
         if depth == "auto":
             sources = tuple(s for s, ok in ((Source.HEAD, self.head is not None
                                              and draft != Source.LOOKUP),

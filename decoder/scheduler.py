@@ -418,10 +418,12 @@ class Scheduler:
     def _ask(self, request: Request, batch_depth: int) -> Ask:
         session, most = request.session, request.left - 1
         headed = session.head is not None and session.depth > 0
+        if session.model is not None:  # a draft model: the row's depth, or its own choice
+            depth = (session.depth if request.policy is None
+                     else request.policy.choose()[1])  # (priced as alone: its rows' passes)
+            return Ask(depth=min(depth, most), model=True) if min(depth, most) > 0 else Ask()
         if request.policy is None:  # a fixed depth, as Session.next_round drafts
             depth = min(session.depth, most)
-            if session.model is not None and depth > 0:
-                return Ask(depth=depth, model=True)
             if session.lookup is not None and depth > 0:
                 drafts, match = session.lookup.propose(depth)
                 if drafts:

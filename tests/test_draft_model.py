@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -279,4 +280,44 @@ def test_model_drafts_need_a_draft_model() -> None:
     assert err.value.code == "options.invalid"
     runner.drafter = DraftModel(tiny_runner(vocab=8, seed=3).trunk.model, 8)
     assert runner.draft_source("auto", None) == Source.MODEL
-    assert runner.policy("auto", Source.MODEL) == (3, None)  # auto: a fixed depth, for now
+    assert runner.policy(None, Source.MODEL) == (3, None)  # mlx-lm's default
+
+
+class SlowDraft(ScriptedDraft):
+    """A scripted draft model whose every pass costs `seconds` more (the host sleeps while it
+    is built): a drafter too dear to pay anywhere."""
+
+    def __init__(self, vocab: int, script: dict[int, int], seconds: float) -> None:
+        super().__init__(vocab, script)
+        self.seconds = seconds
+
+    def __call__(self, inputs: mx.array, cache: list[KVCache]) -> mx.array:
+        time.sleep(self.seconds)
+        return super().__call__(inputs, cache)
+
+
+def test_auto_prices_the_draft_model(built: Callable[..., Path]) -> None:
+    """depth auto chooses per round by the draft model's own step cost (timed at first use) and
+    its acceptance: a cheap drafter that is always right is taken at depths above 1; one
+    costing 50 ms a step beside a tiny trunk is left for plain steps (probes aside). Tokens
+    stay stock mlx-lm's either way."""
+    runner, reference, script = scripted(built("llama"), 96)
+    right = {p: t for p, t in enumerate(FORCED_PROMPT + reference)}
+    vocab = runner.trunk.args.vocab_size
+    runner.drafter = DraftModel(ScriptedDraft(vocab, right), vocab)
+    deepest, policy = runner.policy("auto", Source.MODEL)
+    assert policy is not None and policy.sources == (Source.MODEL,)
+    assert policy.cost(3, Source.MODEL) == pytest.approx(
+        policy.priced.round_cost(3, 0) + 3 * runner.drafter.step_cost())
+    fast = runner.generate(FORCED_PROMPT, 96, draft="model")
+    assert fast.tokens == reference
+    assert sum(n for d, n in fast.stats.depths.items() if d > 1) > 5, fast.stats.depths
+    rows = runner.generate_batch([FORCED_PROMPT, FORCED_PROMPT], 96, max_batch=2,
+                                 draft="model")
+    assert [r.tokens for r in rows] == [reference, reference]
+    assert all(sum(r.stats.accepted) > 0 for r in rows)  # rows drafted in the batch too
+    runner.drafter = DraftModel(SlowDraft(vocab, right, 0.05), vocab)
+    assert runner.drafter.step_cost() > 0.05
+    slow = runner.generate(FORCED_PROMPT, 96, draft="model")
+    assert slow.tokens == reference
+    assert slow.stats.depths.get(0, 0) > 0.8 * 96, slow.stats.depths
