@@ -16,6 +16,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from enum import IntEnum
 from typing import Any, Protocol, TypeVar
 
 import mlx.core as mx
@@ -35,7 +36,17 @@ FIELDS = ("magic", "op", "value", "count", "length", "real", "recording", "prese
 HEADER = len(FIELDS)
 PRESENT = FIELDS.index("present")  # the followers present: each adds 1, so rank 0 sees one gone
 ROOM = 32  # tokens carried in the message itself; a longer pass (prefill) sends a second array
-CACHE, PASS, QUIT = 1, 2, 3  # ops; value: CACHE bounded, QUIT the exit code
+
+
+class Op(IntEnum):
+    """What a message asks of the followers (its header's op); value: CACHE's bounded, QUIT's
+    exit code."""
+
+    CACHE = 1
+    PASS = 2
+    QUIT = 3
+
+
 LOST = ("[ring]", "[jaccl]", "[mpi]", "[nccl]")  # how MLX's backends word a lost peer
 
 
@@ -112,7 +123,7 @@ class LeaderTrunk:
 
     def make_cache(self, bounded: bool = False) -> list[Any]:
         """A new cache here and on every follower (the previous one is settled there)."""
-        self._send([MAGIC, CACHE, int(bounded), 0, self._committed()])
+        self._send([MAGIC, Op.CACHE, int(bounded), 0, self._committed()])
         cache = self.trunk.make_cache(bounded)
         if self.remote:
             cache.append(ArraysCache(0))
@@ -135,7 +146,7 @@ class LeaderTrunk:
         flat = tokens.reshape(-1).astype(mx.int32)
         n = flat.size
         self.span = (length, length + n)
-        header = [MAGIC, PASS, 0, n, length, real or 0, int(record), 0]
+        header = [MAGIC, Op.PASS, 0, n, length, real or 0, int(record), 0]
         if n <= ROOM:  # lazy: the pass below depends on the all_sum, which keeps the order
             message = mx.concatenate([mx.array(header, dtype=mx.int32), flat,
                                       mx.zeros(ROOM - n, mx.int32)])
@@ -158,7 +169,7 @@ class LeaderTrunk:
     def quit(self, code: int) -> None:
         """Tell the followers to settle the last cache and exit with `code`."""
         peerwatch.disarm()  # they close their connections once they have read it
-        self._send([MAGIC, QUIT, code, 0, self._committed()])
+        self._send([MAGIC, Op.QUIT, code, 0, self._committed()])
 
 
 @dataclass
@@ -194,14 +205,14 @@ class Follower:
         """Follow until rank 0 quits; its exit code."""
         while True:
             op, value, tokens, length, real, recording = self._receive()
-            if op == PASS:
+            if op == Op.PASS:
                 self._settle(length)
                 self._pass(tokens, real, recording)
                 continue
             if self.cache is not None:
                 self._settle(length)
                 self.transcripts.append(Transcript(self.fed[:length], committed(self.cache)))
-            if op == QUIT:
+            if op == Op.QUIT:
                 peerwatch.disarm()  # rank 0 closes its connections now
                 self.code = value
                 return value
@@ -216,7 +227,7 @@ class Follower:
         magic, op, value, n, length, real, recording, _ = message[:HEADER].tolist()
         if magic == 0:
             raise PeerLost("rank 0 is gone: its message came back empty")
-        if magic != MAGIC or op not in (CACHE, PASS, QUIT):
+        if magic != MAGIC or op not in tuple(Op):
             raise Desync(f"not a message of this protocol: {message[:HEADER].tolist()}")
         tokens = message[HEADER:HEADER + n] if n <= ROOM else np.array(
             mx.distributed.all_sum(mx.zeros(n, mx.int32), group=self.group, stream=mx.cpu))
