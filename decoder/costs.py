@@ -67,7 +67,8 @@ class Plan:
 
 
 PLAN = Plan()
-SPARSE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)  # timed when all 16 do not fit the budget
+SPARSE_ROWS = (1, 2, 3, 4, 6, 8, 12, MAX_ROWS)  # timed when all do not fit the budget (the widest
+# always: interpolate needs it)
 PLAIN_WARMUP = 4  # steps that warm up the plain path (its shapes, not a timing)
 BUDGET_S = 20.0  # seconds a measurement aims to take ($MTPKIT_COST_BUDGET overrides)
 LADDER = (4096, 16384, 65536)  # contexts measured, as far as the model and budget allow
