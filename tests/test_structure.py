@@ -13,9 +13,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-LINES = 8573  # target 6,500
+LINES = 8628  # target 6,500
 LONG_FUNCTIONS = {"decoder/runner.py:load"}  # target: none
-CONSTANTS = 68  # target 55
+CONSTANTS = 66  # target 55
 ANECDOTES = 5  # target 0 (decoder/batch.py, decoder/scheduler.py)
 
 
