@@ -259,6 +259,18 @@ class AssistantDrafter:
         return mx.concatenate(tokens, axis=1), Candidates.concat(laws) if laws else None
 
 
+def window_room(caches: list[Any]) -> int:
+    """The most drafts a verify pass may carry without taking a sliding cache that has not
+    wrapped yet past its window. mlx-lm's RotatingKVCache grown past its window by a multi-token
+    pass cannot be trimmed back (its next single-token write drops its oldest key and rotates
+    over live ones), and decoder/caches.py's snapshot saves only the caches that had wrapped
+    before the pass: so a round stops at the window's edge (a rejection there would otherwise
+    leave rejected keys in the window). Unbounded (a large number) once every window wrapped."""
+    rooms = [c.max_size - c.offset - 1 for c in caches
+             if type(c) is RotatingKVCache and c.offset < c.max_size]
+    return min(rooms, default=1 << 30)
+
+
 class AssistantFeed(Protocol):
     """What the assistant's proposer reads from a session: the committed token not yet in the
     trunk's caches, those caches, and the trunk's final-normed hidden at their last position."""
@@ -285,6 +297,7 @@ class AssistantProposer:
 
     def propose(self, depth: int) -> Draft | None:
         session = self.session
+        depth = min(depth, window_room(session.cache))
         if depth <= 0 or session.assistant_hidden is None:
             return None
         draws, rule = session.round_noise(depth)
