@@ -14,7 +14,7 @@ constant through a round, as transformers' SinglePositionMultiTokenCandidateGene
 from __future__ import annotations
 
 import statistics
-import time
+import timeit
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -206,26 +206,20 @@ class AssistantDrafter:
         return cls(assistant, target_embedding(target), {k: kv.layer[k] for k in kinds}, target)
 
     def proposer(self, session: AssistantFeed) -> AssistantProposer:
-        """A session's proposer (Session builds it from its runner's drafter, as a draft
-        model's)."""
+        """A session's proposer (Session builds it from its runner's drafter, as a draft's)."""
         return AssistantProposer(self, session)
 
     def step_cost(self) -> float:
         """Seconds of one draft step after a short text, timed once: the depth policy's prior
-        for the assistant's rounds, as DraftModel.step_cost is a draft model's (the same text
-        and repetitions)."""
+        for the assistant's rounds, as DraftModel.step_cost is a draft model's."""
         if self._step is None:
             assert self.target is not None, "paired with its target"
             caches = make_prompt_cache(self.target)
             inner = getattr(self.target, "language_model", self.target).model
             mx.eval(inner(mx.zeros((1, STEP_TEXT), mx.int32), cache=caches))
             hidden = mx.zeros((1, 1, self.assistant.spec.backbone_hidden), self.assistant.dtype)
-            times = []
-            for _ in range(STEP_REPS):
-                start = time.perf_counter()
-                mx.eval(self.draft(caches, hidden, 0, 1)[0])
-                times.append(time.perf_counter() - start)
-            self._step = statistics.median(times)
+            self._step = statistics.median(timeit.repeat(
+                lambda: mx.eval(self.draft(caches, hidden, 0, 1)[0]), number=1, repeat=STEP_REPS))
         return self._step
 
     def draft(self, caches: list[Any], hidden: mx.array, last: int, depth: int,
@@ -260,12 +254,9 @@ class AssistantDrafter:
 
 
 def window_room(caches: list[Any]) -> int:
-    """The most drafts a verify pass may carry without taking a sliding cache that has not
-    wrapped yet past its window. mlx-lm's RotatingKVCache grown past its window by a multi-token
-    pass cannot be trimmed back (its next single-token write drops its oldest key and rotates
-    over live ones), and decoder/caches.py's snapshot saves only the caches that had wrapped
-    before the pass: so a round stops at the window's edge (a rejection there would otherwise
-    leave rejected keys in the window). Unbounded (a large number) once every window wrapped."""
+    """Drafts a pass may carry without taking an unwrapped sliding window past its edge: a
+    RotatingKVCache grown past it cannot trim back, and caches.snapshot saves only wrapped ones
+    (so a rejection there would leave rejected keys in the window). Unbounded once all wrapped."""
     rooms = [c.max_size - c.offset - 1 for c in caches
              if type(c) is RotatingKVCache and c.offset < c.max_size]
     return min(rooms, default=1 << 30)
@@ -311,20 +302,17 @@ class AssistantProposer:
 
 
 def final_normed(trunk: Any, hidden: mx.array) -> mx.array:
-    """The trunk's hidden (decoder/trunk.py) as the assistant reads it: after the trunk's final
-    norm. The trunk returns that one unless its head is fed the pre-norm hidden; then the
-    trunk's own norm module (which its tap wraps) is applied."""
+    """The trunk's hidden as the assistant reads it, after the final norm: as the trunk returns
+    it, or where a head is fed the pre-norm one, through the trunk's own norm (its tap wraps)."""
     if trunk.hidden_feed == "pre_norm":
         return trunk.inner.norm.norm(hidden)
     return hidden
 
 
 def attach(runner: Any, root: Path | str | None = None) -> bool:
-    """Pair the bundle's assistant (mtpkit.json's drafter.path, else `assistant/`) with the
-    runner's trunk and make it the runner's drafter: draft "model", the default source where
-    a drafter is loaded. False where the bundle has none. Refused: a pair doctor finds wrong
-    (its finding's code), a quantized assistant or a quantized KV cache (options.invalid: the
-    assistant reads float weights and the target's float K/V)."""
+    """Make the bundle's assistant (drafter.path, else assistant/) the runner's drafter (draft
+    "model", then the default); False where it has none. Refused: a pair doctor finds wrong, a
+    quantized assistant or KV cache (options.invalid: it reads float weights and K/V)."""
     root = Path(root if root is not None else runner.root)
     manifest = read_json(root / "mtpkit.json") if (root / "mtpkit.json").is_file() else None
     target = read_json(root / "config.json")
@@ -338,7 +326,6 @@ def attach(runner: Any, root: Path | str | None = None) -> bool:
         raise OptionError("options.invalid", "kv_bits", "{name} cannot run with Gemma 4's "
                           "assistant: it reads the target's K/V as float arrays",
                           "drop kv_bits to draft with the assistant")
-    drafter = AssistantDrafter.pair(load_assistant(root / report.path), runner.trunk.model,
-                                    target)
-    runner.drafter = drafter
+    runner.drafter = AssistantDrafter.pair(load_assistant(root / report.path), runner.trunk.model,
+                                           target)
     return True
