@@ -78,10 +78,11 @@ CHUNK = 4 * GRAIN  # prefill tokens per timed pass on the way to a longer contex
 FARTHER = 4  # a context cut short by the budget is measured if this many times the first one's
 # and twice the last (the policy extrapolates its slope: a short one timed on a busy CPU misprices)
 RETRY_SHARE = 0.25  # of the budget, the least a re-measurement may take beyond the budget
-VERSION = 5  # bump when what is measured changes (2: bounded, checked, smoothed curves;
+VERSION = 6  # bump when what is measured changes (2: bounded, checked, smoothed curves;
 # 3: with what judges them; 4: at longer contexts too: a curve of one context priced a 64K
 # round as a 512-token one, so older curves are measured again, not read as flat; 5: the
-# first context prefilled in pieces: a first pass that compiled could cut a curve to 64 tokens)
+# first context prefilled in pieces: a first pass that compiled could cut a curve to 64 tokens;
+# 6: in pairs of equal pieces, the second pricing: each new piece size compiles on a GPU)
 DRIFT = 1.5  # two timings of one thing this far apart: the slower ran on a busy machine, or (a
 # first pass) built something: then each width is warmed up first (a GPU)
 
@@ -421,10 +422,10 @@ def measure(runner: Loaded, context: int = CONTEXT, repeats: int = PLAN.repeats,
     that compiles, so compiles are not counted), a pipelined plain step and a head draft step,
     in about 1 - PLAN.long_share of `budget_s` (default budget()); then the same at `longer`
     contexts (default contexts_for: the model's) in what is left (`_longer`). The cache is
-    prefilled in doubling pieces from 64 tokens, each saying what the next would cost: where
-    `context` tokens would take more than PLAN.prefill_share of that share (bf16 on a CPU), the curve
-    is measured at a shorter context (64 tokens times a power of two; `CostCurve.context`): the
-    plain step with it, so what decides (a round
+    prefilled from 64 tokens in pairs of equal pieces, doubling, each pair's second piece saying
+    what the next pair would cost: where `context` tokens would take more than
+    PLAN.prefill_share of that share (bf16 on a CPU), the curve is measured at the shorter
+    context reached (`CostCurve.context`), the plain step with it, so what decides (a round
     against plain steps) stays like for like. Then the passes at 1 and 16 rows plan how many
     rows and passes fit. Suspect breaks are timed again, then smoothed (see the module's doc).
     bounded: the session's attention shapes (default: as decoding runs on this backend).
@@ -441,20 +442,23 @@ def measure(runner: Loaded, context: int = CONTEXT, repeats: int = PLAN.repeats,
     session = Session(runner.trunk, runner.head, SamplingParams(), 1 if runner.head else 0,
                       bounded=bounded)
     bench = _Bench(runner, session, ids, clock)
-    head_start = min(64, context)  # a real prefill of these says what the rest would cost
-    per_token = clock.time("prefill", head_start, lambda: session.start(ids[:head_start]),
-                           what=f"{head_start}-token prefill") / head_start
-    bench.rates.append((head_start / 2, per_token))
-    held = head_start  # on to `context` in doubling pieces while, at the last piece's rate, the
-    # whole prefill fits PLAN.prefill_share; the second piece always (no dearer than the first): the
-    # first pass of a cold GPU process compiles every kernel (seconds), and each new shape
-    # compiles again, so no one piece's rate prices the whole context
-    while held < context and (held == head_start or min(context, 2 * held)
-                              * bench.rates[-1][1] <= PLAN.prefill_share * share):
-        end = min(context, 2 * held)
-        bench.rates.clear()  # (the earlier pieces' rates may include their set-up)
-        bench.prefill(held, end, f"{end}-token prefill")
-        held = end
+    head_start = min(64, context)  # a real prefill first: its first token is committed
+    clock.time("prefill", head_start, lambda: session.start(ids[:head_start]),
+               what=f"{head_start}-token prefill")
+    held, size = head_start, head_start  # on to `context` in pairs of equal pieces, doubling:
+    # on a GPU the first pass of a process compiles every kernel (seconds), and each new piece
+    # size compiles its own: a pair's first piece pays that, its twin is timed warm and prices
+    # the next pair, while the whole prefill up to that pair's end fits PLAN.prefill_share
+    while held < context:
+        for _ in range(2):
+            if held < context:
+                end = min(context, held + size)
+                bench.rates.clear()  # (a piece that compiled prices nothing)
+                bench.prefill(held, end, f"{end}-token prefill")
+                held = end
+        size *= 2
+        if min(context, held + 2 * size) * bench.rates[-1][1] > PLAN.prefill_share * share:
+            break
     context = held
     targets = [t for t in targets if t > context]
     first, passes = _first(bench, context, share, repeats, targets)

@@ -162,6 +162,26 @@ def test_a_first_prefill_that_compiles_does_not_price_the_context_down(runner: R
     assert curve.verify == pytest.approx(_expected(0.512))
 
 
+def test_each_new_prefill_shape_compiling_does_not_price_the_context_down(
+        runner: Runner) -> None:
+    """On a GPU every new piece size compiles its kernels (seconds) the first time, the first
+    pass of a process everything: a piece timed cold priced the curve at 128 tokens on the H200
+    and none longer. A pair's second piece of each size is timed warm and prices the next."""
+    steep, seen = _steep(), set()
+
+    def compiling(kind: str, size: int, run: Callable[[], object]) -> float:
+        took = steep(kind, size, run)
+        if kind != "prefill":
+            return took
+        fresh = not seen or size not in seen
+        seen.add(size if seen else -1)  # (the first pass's shape is its own)
+        return took + 3.0 * fresh
+
+    curve = costs.measure(runner, budget_s=40.0, timer=compiling)
+    assert curve.context == CONTEXT and curve.contexts()[0] == CONTEXT, curve.contexts()
+    assert curve.verify == pytest.approx(_expected(0.512))
+
+
 def test_the_store_keeps_the_contexts_and_refuses_a_tampered_curve(
         cache: Path, capfd: pytest.CaptureFixture[str]) -> None:
     curve = replace(h200(), key=KEY, estimate=True, timed=[1, 16])

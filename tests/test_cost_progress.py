@@ -153,7 +153,7 @@ def test_the_measurement_holds_its_budget(runner: Runner) -> None:
     roomy = costs.measure(runner, budget_s=100.0, timer=_linear_timer(0.01, 0.002, calls=calls))
     assert roomy.timed == list(range(1, 17)) and roomy.seconds <= 100.0
     prefills = [i for i, (kind, _) in enumerate(calls) if kind == "prefill"] + [len(calls)]
-    first = calls[:prefills[4]]  # (64 + 64 + 128 + 256 tokens, then the longer contexts')
+    first = calls[:prefills[6]]  # (64, pairs of 64, 128, then 64 tokens; the longer contexts')
     passes = sum(1 for kind, rows in first if kind == "verify" and rows == 4)
     assert passes == costs.MIN_REPEATS, "timings that agree stop a width early"
 
