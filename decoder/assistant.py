@@ -253,15 +253,6 @@ class AssistantDrafter:
         return mx.concatenate(tokens, axis=1), Candidates.concat(laws) if laws else None
 
 
-def window_room(caches: list[Any]) -> int:
-    """Drafts a pass may carry without taking an unwrapped sliding window past its edge: a
-    RotatingKVCache grown past it cannot trim back, and caches.snapshot saves only wrapped ones
-    (so a rejection there would leave rejected keys in the window). Unbounded once all wrapped."""
-    rooms = [c.max_size - c.offset - 1 for c in caches
-             if type(c) is RotatingKVCache and c.offset < c.max_size]
-    return min(rooms, default=1 << 30)
-
-
 class AssistantFeed(Protocol):
     """What the assistant's proposer reads from a session: the committed token not yet in the
     trunk's caches, those caches, and the trunk's final-normed hidden at their last position."""
@@ -288,7 +279,6 @@ class AssistantProposer:
 
     def propose(self, depth: int) -> Draft | None:
         session = self.session
-        depth = min(depth, window_room(session.cache))
         if depth <= 0 or session.assistant_hidden is None:
             return None
         draws, rule = session.round_noise(depth)

@@ -57,13 +57,19 @@ def trim(cache: list[Any], counts: list[int]) -> None:
             c.trim(n)
 
 
-def snapshot(cache: list[Any]) -> Snapshot:
-    """The untrimmable caches' states (references), to restore them after a pass: a recurrent
-    cache's arrays; a sliding-window cache that has wrapped (mlx-lm's RotatingKVCache: it
-    overwrites its oldest keys, so a trim cannot bring them back) by its `state`, its buffers
-    and where it writes next (a multi-row pass rebuilds the buffers, never writes into them)."""
-    return [None if c.is_trimmable() else list(c.cache) if is_recurrent(c) else c.state
+def snapshot(cache: list[Any], ahead: int = 0) -> Snapshot:
+    """The states (references) of the caches a pass of `ahead` positions leaves untrimmable, to
+    restore them after it: a recurrent cache's arrays; a sliding-window cache (mlx-lm's
+    RotatingKVCache) that has wrapped or that the pass wraps (it overwrites its oldest keys, so
+    a trim cannot bring them back) by its `state`, its buffers and where it writes next (a
+    multi-row pass rebuilds the buffers, never writes into them)."""
+    return [None if _trims_after(c, ahead) else list(c.cache) if is_recurrent(c) else c.state
             for c in cache]
+
+
+def _trims_after(c: Any, ahead: int) -> bool:
+    window = getattr(c, "max_size", None)
+    return c.is_trimmable() and (window is None or c.offset + ahead < window)
 
 
 def restore(c: Any, saved: Any) -> None:

@@ -311,13 +311,13 @@ class _Bench:
 
     def verify(self, rows: int) -> None:
         cache = self.session.cache
-        saved = snapshot(cache)
+        saved = snapshot(cache, rows)
         _, logits = self.runner.trunk(mx.array(self.ids[:rows])[None], cache)
         mx.eval(greedy(logits[0]))
         rewind(cache, saved, rows, 0)
 
     def plain(self, count: int) -> None:
-        saved = snapshot(self.session.cache)
+        saved = snapshot(self.session.cache, count)
         for _ in self.session.plain_steps(count):
             pass
         rewind(self.session.cache, saved, count, 0)

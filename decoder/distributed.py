@@ -235,7 +235,7 @@ class Follower:
 
     def _pass(self, tokens: list[int], real: int, recording: bool) -> None:
         assert self.cache is not None
-        saved = snapshot(self.cache)
+        saved = snapshot(self.cache, len(tokens))
         hidden, _ = self.trunk(mx.array(tokens)[None], self.cache, logits_for=0,
                                real=real or None, record=recording)
         mx.eval(hidden, [c.state for c in self.cache])

@@ -475,7 +475,7 @@ class Session:
         tokens, depth = draft.tokens, draft.depth
         width = max(width or 0, depth + 1)
         verify = widened(tokens, width)
-        saved = snapshot(self.cache)
+        saved = snapshot(self.cache, width)
         hidden, logits = self.trunk(verify, self.cache, real=depth + 1,
                                     record=bool(self.recorders))
         verdict = judge(draft, logits[0], self.params)

@@ -84,7 +84,7 @@ def test_greedy_equals_stock_mlx_lm(bundles: dict[str, Path], variant: str) -> N
 @pytest.mark.parametrize("prompt", [PROMPT[:2], PROMPT[:6], PROMPT[:7]])
 def test_greedy_from_a_prompt_shorter_than_the_window(bundles: dict[str, Path],
                                                       prompt: list[int]) -> None:
-    """Rounds that reach the sliding window's edge before it wraps (assistant.window_room)."""
+    """Rounds that carry the sliding window past its edge before it has wrapped."""
     path = bundles["31b"]
     reference, _ = stock_greedy(path, prompt, 30)
     runner = loaded(path)
@@ -92,34 +92,13 @@ def test_greedy_from_a_prompt_shorter_than_the_window(bundles: dict[str, Path],
         assert runner.generate(prompt, 30, depth=depth).tokens == reference, depth
 
 
-def _saving_windows(cache: list) -> list:
-    """decoder/caches.py's snapshot as it should be: every sliding window's state saved, not
-    only a wrapped one's (a pass may carry an unwrapped one past its window)."""
-    from mlx_lm.models.cache import RotatingKVCache
-
-    from mtpkit.decoder.caches import snapshot
-
-    saved = snapshot(cache)
-    return [c.state if type(c) is RotatingKVCache else s for c, s in zip(cache, saved,
-                                                                          strict=True)]
-
-
-@pytest.mark.parametrize("snapshot", [
-    pytest.param("as_is", marks=pytest.mark.xfail(
-        strict=True, reason="decoder/caches.py's snapshot skips a sliding window that has not "
-        "wrapped yet; a rejected pass past its edge leaves rejected keys in it")),
-    "saving_windows"])
-def test_a_rejected_pass_across_the_window_edge(bundles: dict[str, Path], snapshot: str,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_rejected_pass_across_the_window_edge(bundles: dict[str, Path]) -> None:
     """The target's rollback alone (no assistant: forced drafts the target rejects), from a
     6-token prompt through a 4-token pass into an 8-token window, then plain steps: stock's
-    text, once snapshot saves every sliding window (the fix decoder/caches.py needs; until
-    then the assistant stops its rounds at the edge, window_room)."""
-    import mtpkit.decoder.session as session_module
+    text. caches.snapshot saves a sliding window the pass will wrap, not only one that has
+    wrapped: before, the rejected keys stayed in the window."""
     from mtpkit.decoder.drafts import Draft
 
-    if snapshot == "saving_windows":
-        monkeypatch.setattr(session_module, "snapshot", _saving_windows)
     path, prompt = bundles["31b"], PROMPT[:6]
     reference, _ = stock_greedy(path, prompt, 20)
     runner = loaded(path)
@@ -231,7 +210,7 @@ def test_a_pre_norm_trunk_is_normed_by_its_own_norm(bundles: dict[str, Path]) ->
 
 LAW = SamplingParams(2.0, top_k=2)  # flat enough that no outcome dominates
 LAW_TOKENS, LAW_RUNS = 4, 400  # the first four tokens: the prefill's, then a round drafting 2
-LAW_PROMPT = [3, 200]  # short: the window leaves room for 2 drafts (window_room)
+LAW_PROMPT = [3, 200]  # short: the round's pass stays inside the window
 
 
 def joint_law(runner: Runner, prompt: list[int]) -> dict[tuple[int, ...], float]:
