@@ -16,6 +16,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import dequantize_model, load_model
 
 from mtpkit.decoder import batch_costs, distributed, kernels, sharding
+from mtpkit.decoder.assistant import attach as attach_assistant
 from mtpkit.decoder.batch import Batch
 from mtpkit.decoder.batch_policy import Prices
 from mtpkit.decoder.caches import batchable, unquantizable
@@ -533,7 +534,9 @@ def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None
     runner.quantize_kv(kv_bits, kv_group_size, quantized_kv_start)
     runner.template_code = next((f.code for f in view.findings if f.code.startswith("template.")
                                  and f.severity == "error"), "template.missing")
-    if draft_model is not None:
+    if group is None:  # a drafter shipped in the bundle (Gemma 4's assistant/); untried sharded
+        attach_assistant(runner, Path(view.root))
+    if draft_model is not None:  # (a draft model given replaces it)
         runner.load_draft_model(draft_model, dequantize)
     return distributed.attach(runner, group, shard) if group is not None else runner
 

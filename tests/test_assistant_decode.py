@@ -32,6 +32,7 @@ from mtpkit.decoder.options import OptionError, SamplingParams, Source
 from mtpkit.decoder.runner import Runner
 from mtpkit.decoder.sampling import probabilities
 from mtpkit.decoder.session import Session
+from mtpkit.loaders.findings import UserError
 
 WINDOW = 8  # the fixtures' sliding_window
 PROMPT = [89, 214, 115, 98, 183, 3, 55, 14, 160, 248, 71, 24]  # runs broken by other tokens
@@ -301,11 +302,13 @@ def test_kv_bits_with_an_assistant_is_refused(bundles: dict[str, Path]) -> None:
         mtpkit.load(path, kv_bits=4)
     assert raised.value.code == "options.invalid"
     runner = mtpkit.load(path)
+    before = runner.drafter
+    assert isinstance(before, AssistantDrafter), "load attaches the bundle's assistant"
     runner.trunk.kv = object()  # as a runner whose caches would turn quantized
     with pytest.raises(OptionError) as raised:
         attach(runner, path)
     assert raised.value.code == "options.invalid" and raised.value.option == "kv_bits"
-    assert runner.drafter is None
+    assert runner.drafter is before, "a refused attach changes nothing"
 
 
 def test_a_quantized_assistant_is_refused(bundles: dict[str, Path], tmp_path: Path) -> None:
@@ -315,8 +318,7 @@ def test_a_quantized_assistant_is_refused(bundles: dict[str, Path], tmp_path: Pa
     weights = load_file(str(path / "assistant" / "model.safetensors"))
     weights["pre_projection.scales"] = np.ones((32, 1), np.float32)
     save_file(weights, str(path / "assistant" / "model.safetensors"), metadata={"format": "pt"})
-    runner = mtpkit.load(path)
-    with pytest.raises(Exception) as raised:
-        attach(runner, path)
-    assert getattr(raised.value, "code", None) in ("options.invalid", "weights.unexpected")
-    assert runner.drafter is None
+    with pytest.raises(UserError) as raised:  # load attaches the bundle's assistant: refused
+        mtpkit.load(path)
+    assert raised.value.code == "options.invalid" and "quantized" in str(raised.value)
+    assert "\n" not in str(raised.value)
