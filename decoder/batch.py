@@ -54,8 +54,7 @@ Owed = tuple[mx.array, mx.array, mx.array, int]  # hidden, tokens, counts (rows,
 def overlaps() -> bool:
     """Whether the host's work overlaps the device's: on a GPU. On a CPU both share the cores,
     so pipelined rounds save nothing and their holes (no tail trimmed) cost attention work
-    (SmolLM2's 4-client serve took 23-25 s with them, 19-22 s without), and a plain step queued
-    ahead makes a joining request wait for it too."""
+    (docs/batching.md), and a plain step queued ahead makes a joining request wait for it too."""
     return mx.default_device().type == mx.DeviceType.gpu
 
 
@@ -204,8 +203,8 @@ class Batch:
         """The pass just built, evaluated in STAGES pieces (up to each piece's last attention
         layer's keys: every layer before it runs), `between` after each. A request that
         arrives during a synchronous round is then prefilled and sent its first token after
-        one piece, not after the whole round (on a CPU a round of 3 rows costs about 150 ms of
-        SmolLM2). The same ops run in the same order: nothing a row computes changes. Only
+        one piece, not after the whole round (on a CPU a round of a few rows is long). The same
+        ops run in the same order: nothing a row computes changes. Only
         stock passes stage (a traced one is one replay; on a GPU rounds are short)."""
         if self.between is None or not self.stock_pass:
             return

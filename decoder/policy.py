@@ -106,11 +106,9 @@ class Tracker:
 class PaidCosts:
     """Ratios of what rounds (per source) and plain steps cost as decoding paid them to what the
     curve predicted: the median of the last WINDOW of each (1.0 before any), and per source and
-    depth (`by_depth`): what the curve misses may grow with a round's width (before the curve
-    was priced by context, on a CPU depth-8 context rounds at 700-950 tokens paid 1.37x the
-    curve while shallow ones paid about what it said: attention over W x S scores), so
-    one scale per source priced every shallow round by the deep ones and locked requests into
-    plain steps (docs/benchmarks-history.md, 2026-11-27)."""
+    depth (`by_depth`): what the curve misses may grow with a round's width (attention over
+    W x S scores), so one scale per source would price every shallow round by the deep ones
+    and lock requests into plain steps (docs/benchmarks-history.md, 2026-11-27)."""
 
     ratios: dict[str, deque] = field(default_factory=dict)
     by_depth: dict[tuple[str, int], deque] = field(default_factory=dict)

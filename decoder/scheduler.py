@@ -282,8 +282,8 @@ class Scheduler:
         """Whether a pipelined stretch ends: a request waits for a place, or every row is done.
         Where passes overlap (a GPU) a row done mid-stretch stays in the batch, taking
         nothing, until then: a pass of one row fewer costs about the same, while leaving
-        changes the pass's shape (a cuDNN attention graph not built yet: 70-90 ms on the
-        H200) and restarts the pipeline with a round the host cannot overlap. On a CPU a row
+        changes the pass's shape (a cuDNN attention graph not built yet) and restarts the
+        pipeline with a round the host cannot overlap. On a CPU a row
         costs its compute, so a row done ends the stretch and leaves."""
         live = sum(r.finish is None for r in self.active)
         if live < len(self.active) and not self.batch.pipelined:
@@ -296,8 +296,7 @@ class Scheduler:
         while it explores). Every SPEC_ROUNDS rounds the policy chooses again (a stale
         neighbouring depth's probe among its choices: BatchPolicy._probe) and
         the stretch goes on while it picks this depth (a restart costs a round the host
-        cannot overlap: on the H200's 8-row oracle a stretch of 16 rounds averaged 16.9 ms a
-        round against a median of 14.8); once a row is done, until every row is (a done row
+        cannot overlap); once a row is done, until every row is (a done row
         stays until then: `_wanted`). With a row at a fixed depth, no round can reach a row's
         max_tokens (its last rounds draft fewer, as alone: its seeded text is the same
         batched); under auto a row's surplus past its max_tokens is dropped (its depth is
