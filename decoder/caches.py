@@ -67,6 +67,12 @@ def snapshot(cache: list[Any], ahead: int = 0) -> Snapshot:
             for c in cache]
 
 
+def trims_after(cache: list[Any], ahead: int) -> bool:
+    """Whether every cache can still be trimmed after a pass of `ahead` more positions (a
+    sliding window the pass wraps cannot)."""
+    return all(_trims_after(c, ahead) for c in cache)
+
+
 def _trims_after(c: Any, ahead: int) -> bool:
     window = getattr(c, "max_size", None)
     return c.is_trimmable() and (window is None or c.offset + ahead < window)

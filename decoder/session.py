@@ -35,6 +35,7 @@ from mtpkit.decoder.caches import (
     thawable,
     trim,
     trimmable,
+    trims_after,
 )
 from mtpkit.decoder.draft_model import DraftModel, ModelProposer
 from mtpkit.decoder.drafts import Draft, cut, widened
@@ -170,15 +171,15 @@ class Session:
         return self._chunks_of(n)
 
     def _chunks_of(self, n: int) -> list[tuple[int, int]]:
-        """(length, padding) of each prefill pass. Bounded, where every cache can be trimmed
-        and none is a sliding window (whose padding would overwrite the oldest keys it keeps):
+        """(length, padding) of each prefill pass. Bounded, where every cache can still be trimmed
+        after the padded passes (a sliding window they wrap cannot: caches.trims_after):
         the same chunks as unbounded, the last padded up to a multiple of STEP (so query
         lengths are multiples of STEP up to PREFILL_STEP); otherwise whole STEPs and the rest
         in power-of-two pieces."""
         sizes = [min(PREFILL_STEP, n - at) for at in range(0, n, PREFILL_STEP)]
         if not self.bounded:
             return [(size, 0) for size in sizes]
-        if trimmable(self.cache) and not any(hasattr(c, "max_size") for c in self.cache):
+        if trims_after(self.cache, padded(n)):
             return [(size, padded(size) - size) for size in sizes]
         return [(size, 0) for size in pieces(n)]
 
