@@ -307,6 +307,7 @@ class _Bench:
         self.runner, self.session, self.ids, self.clock = runner, session, ids, clock
         self.warm = False  # each new shape's first pass compiles (a GPU): warm it up first
         self.rates: list[tuple[float, float]] = []  # (mean position, seconds per token)
+        self.sizes: set[int] = set()  # piece sizes prefilled so far
         self.repeats: list[list[float]] = []  # every shape's timings, for the spread
 
     def verify(self, rows: int) -> None:
@@ -323,10 +324,14 @@ class _Bench:
         rewind(self.session.cache, saved, count, 0)
 
     def prefill(self, start: int, end: int, what: str) -> None:
-        """The trunk's cache from `start` to `end` tokens (the head's stays short: one layer)."""
+        """The trunk's cache from `start` to `end` tokens (the head's stays short: one layer).
+        The first piece of a size prices nothing where another piece does: on a GPU it compiles
+        that shape's kernels, seconds that the next piece of its size does not pay."""
         took = self.clock.time("prefill", end - start, lambda: mx.eval(self.runner.trunk(
             mx.array(self.ids[start:end])[None], self.session.cache)[1]), what=what)
-        self.rates.append(((start + end) / 2, took / (end - start)))
+        if end - start in self.sizes or not self.rates:
+            self.rates.append(((start + end) / 2, took / (end - start)))
+        self.sizes.add(end - start)
 
     def slope(self) -> float:
         """Seconds per token per position of context, as prefill paid it (at least 0)."""
@@ -453,7 +458,7 @@ def measure(runner: Loaded, context: int = CONTEXT, repeats: int = PLAN.repeats,
         for _ in range(2):
             if held < context:
                 end = min(context, held + size)
-                bench.rates.clear()  # (a piece that compiled prices nothing)
+                bench.rates.clear()  # (each pair prices the next)
                 bench.prefill(held, end, f"{end}-token prefill")
                 held = end
         size *= 2

@@ -266,3 +266,23 @@ def test_plain_steps_are_compared_with_their_context_s_price() -> None:
                               longer=[Point(2048, [1e-3] * 16, 1e-3)])
     runner.generate([(7 * i) % 6 for i in range(3000)], 12, depth="auto")
     assert runner.paid.timed("plain") and runner.paid.scale("plain") < 100
+
+
+def test_the_longer_contexts_first_piece_compiling_does_not_price_them_out(
+        runner: Runner) -> None:
+    """The way on to a longer context prefills in CHUNK-token pieces, a size the first context
+    never used: on a GPU its first piece compiles (seconds). Taken for the prefill rate, it
+    priced the rest of the way past the budget, and a cold process measured no longer context
+    (the H200's 4K and 16K). That piece prices nothing; the next, warm, does."""
+    steep, seen = _steep(), set()
+
+    def compiling(kind: str, size: int, run: Callable[[], object]) -> float:
+        took = steep(kind, size, run)
+        if kind != "prefill" or size in seen:
+            return took
+        seen.add(size)
+        return took + 3.0
+
+    curve = costs.measure(runner, budget_s=20.0, timer=compiling)
+    assert curve.contexts() == [CONTEXT, 3840]
+    assert curve.at(3840).verify == pytest.approx(_expected(3.84))
