@@ -182,6 +182,10 @@ def main() -> None:
                         help="print the pass shapes of the tail's and every slow step")
     parser.add_argument("--tuned", action="store_true",
                         help="the batch's round prices timed first (tune --max-batch 8)")
+    parser.add_argument("--untraced", action="store_true",
+                        help="no traced passes (to tell their share of a step)")
+    parser.add_argument("--stock-linears", action="store_true",
+                        help="MLX's quantized matmul for every row count, not the verify kernel")
     args = parser.parse_args()
     if args.bundle:
         return real(args)
@@ -191,9 +195,9 @@ def main() -> None:
     _log_depths()
     model = llama8b(4, small=args.small)
     trunk = Trunk(model)
-    if cuda_available():
+    if cuda_available() and not args.stock_linears:
         use_kernel_linears(trunk.text)
-    if bounded_by_default():
+    if bounded_by_default() and not args.untraced:
         trunk.use_traced()
     vocab = trunk.args.vocab_size
     runner = Runner(trunk, bb.BatchOracle(SUCCESSOR[id(model)], bb.RATES, seed=0), None)
