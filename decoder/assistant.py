@@ -97,12 +97,16 @@ class Assistant(nn.Module):
         return self.lm_head(h)
 
     def step(self, inputs: mx.array, shared: dict[str, tuple[mx.array, mx.array]],
-             position: int) -> tuple[mx.array, mx.array]:
+             position: int | mx.array, masks: dict[str, mx.array] | None = None
+             ) -> tuple[mx.array, mx.array]:
         """inputs (B, L, 2 * backbone) -> (logits (B, L, V), the next h (B, L, backbone)).
-        `shared`: per layer kind the K/V every query may see (no mask is applied)."""
+        `shared`: per layer kind the K/V the queries see, all of it unless `masks` says which
+        positions (a batch's row: decoder/batch_cache.py's row_kv)."""
         h = self.pre_projection(inputs)
+        masks = masks or {}
         for layer in self.model.layers:
-            h, _, _ = layer(h, None, None, shared_kv=shared[layer.layer_type], offset=position)
+            h, _, _ = layer(h, masks.get(layer.layer_type), None,
+                            shared_kv=shared[layer.layer_type], offset=position)
         h = self.model.norm(h)
         return self.logits(h), self.post_projection(h)
 
@@ -234,13 +238,33 @@ class AssistantDrafter:
         if length == 0:
             raise UserError("options.invalid", "the assistant drafts after a prompt: the "
                             "target's caches are empty", "prefill the prompt first")
+        return self.draft_over(shared, None, length, hidden, last, depth, params, draws)
+
+    def draft_row(self, view: RowView, hidden: mx.array, last: int, depth: int,
+                  params: SamplingParams | None = None, draws: mx.array | None = None
+                  ) -> tuple[mx.array, Candidates | None]:
+        """`draft` for a row of a batch, from its view of the batch's caches: the same keys
+        alone holds, masked where the batch keeps other rows' padding or holes."""
+        shared, masks, length = {}, {}, None
+        for kind, index in self.reads.items():
+            keys, values, real, offset = view(index, self.assistant.spec.sliding_window + 1)
+            shared[kind], masks[kind] = (keys, values), real.reshape(1, 1, 1, -1)
+            length = offset if length is None else mx.maximum(length, offset)
+        assert length is not None
+        return self.draft_over(shared, masks, length, hidden, last, depth, params, draws)
+
+    def draft_over(self, shared: dict[str, tuple[mx.array, mx.array]],
+                   masks: dict[str, mx.array] | None, length: int | mx.array, hidden: mx.array,
+                   last: int, depth: int, params: SamplingParams | None,
+                   draws: mx.array | None) -> tuple[mx.array, Candidates | None]:
+        """The draft steps over K/V already read (`draft`, `draft_row`)."""
         dtype = self.assistant.dtype
         shared = {k: (a.astype(dtype), b.astype(dtype)) for k, (a, b) in shared.items()}
         h, token = hidden.astype(dtype), mx.array([[last]], dtype=mx.int32)
         tokens, laws = [], []
         for k in range(depth):
             inputs = mx.concatenate([self.embed(token).astype(dtype), h], axis=-1)
-            logits, h = self.assistant.step(inputs, shared, length)
+            logits, h = self.assistant.step(inputs, shared, length, masks)
             row = logits[:, -1]
             if draws is None:
                 token = greedy(row, keepdims=True)
@@ -266,24 +290,39 @@ class AssistantFeed(Protocol):
                     ) -> tuple[mx.array | None, mx.array | None]: ...
 
 
+class RowView(Protocol):
+    """A batch row's view of one target cache (decoder/batch.py gives it): (keys, values,
+    which of their positions are the row's, the row's length (1,)), a sliding window's
+    `last` positions at most."""
+
+    def __call__(self, layer: int, last: int
+                 ) -> tuple[mx.array, mx.array, mx.array, mx.array]: ...
+
+
 class AssistantProposer:
     """decoder/proposers.py's Proposer for Gemma 4's assistant. Its rounds count as a separate
     drafter's (Source.MODEL). It keeps no state: the target's caches, rolled back by the
-    round, are all it reads, so there is nothing to settle."""
+    round, are all it reads, so there is nothing to settle. In a batch the session's caches
+    are the batch's: `batched` is its row's view of them while it is a row."""
 
     source = Source.MODEL
     reads_hidden = True  # the session keeps `assistant_hidden` for it (Session.keep_hidden)
 
     def __init__(self, drafter: AssistantDrafter, session: AssistantFeed) -> None:
         self.drafter, self.session = drafter, session
+        self.batched: RowView | None = None
 
     def propose(self, depth: int) -> Draft | None:
         session = self.session
         if depth <= 0 or session.assistant_hidden is None:
             return None
         draws, rule = session.round_noise(depth)
-        tokens, q = self.drafter.draft(session.cache, session.assistant_hidden, session.last,
-                                       depth, session.params, draws)
+        if self.batched is not None:
+            tokens, q = self.drafter.draft_row(self.batched, session.assistant_hidden,
+                                               session.last, depth, session.params, draws)
+        else:
+            tokens, q = self.drafter.draft(session.cache, session.assistant_hidden,
+                                           session.last, depth, session.params, draws)
         return Draft(mx.concatenate([mx.array([[session.last]], dtype=mx.int32), tokens],
                                     axis=1), q, Source.MODEL, depth, rule=rule)
 

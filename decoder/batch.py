@@ -19,9 +19,22 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from mtpkit.decoder import acceptance
-from mtpkit.decoder.batch_cache import Holes, RowKVCache, batched, drop, join, keep_rows, settle
+from mtpkit.decoder.assistant import AssistantProposer
+from mtpkit.decoder.batch_cache import (
+    Holes,
+    RowKVCache,
+    batched,
+    drop,
+    join,
+    keep_rows,
+    row_kv,
+    settle,
+    single,
+)
+from mtpkit.decoder.caches import leaves
 from mtpkit.decoder.drafts import Draft, widened
 from mtpkit.decoder.head import MTPHead
 from mtpkit.decoder.options import Source
@@ -110,22 +123,35 @@ class Batch:
         session.cache, session.mtp_cache = [], []  # the batch's now
         self.rows.append(session)
         self.headed.append(headed)
+        if isinstance(session.model, AssistantProposer):  # it reads the batch's caches now
+            session.model.batched = lambda layer, last: self._row_view(session, layer, last)
         mx.eval(self._arrays())
 
+    def _row_view(self, session: Session, layer: int, last: int
+                  ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """A row's view of one trunk cache (assistant.RowView): its keys, values, which of
+        them are its own, and its length."""
+        assert self.cache is not None
+        b = self.rows.index(session)
+        cache = self.cache[layer]
+        keys, values, real = row_kv(cache, self.holes, b, last)
+        return keys, values, real, cache.offset[b:b + 1]
+
     @staticmethod
-    def _join(batch: list | None, single: list, holes: list[Holes], bounded: bool) -> list:
-        """`single` (one sequence's caches) appended to `batch` as a row. The trunk's
-        attention layers share one Holes; each head block has its own."""
+    def _join(batch: list | None, caches: list, holes: list[Holes], bounded: bool) -> list:
+        """`caches` (one sequence's) appended to `batch` as a row. The trunk's attention
+        layers share one Holes; each head block has its own."""
         shared = len(holes) == 1
         rows = [batched([c], holes[0 if shared else i], bounded)[0]
-                for i, c in enumerate(single)]
+                for i, c in enumerate(caches)]
         if batch is None:
             seen: set[int] = set()
             for i, c in enumerate(rows):
                 h = holes[0 if shared else i]
-                if isinstance(c, RowKVCache) and id(h) not in seen:
+                first = next((p for p in leaves([c]) if isinstance(p, RowKVCache)), None)
+                if first is not None and id(h) not in seen:
                     seen.add(id(h))
-                    h.join(1, c._idx, 0, c._idx)
+                    h.join(1, first._idx, 0, first._idx)
             return rows
         if shared:
             join(batch, rows, holes[0])
@@ -158,19 +184,20 @@ class Batch:
         compacted to its real positions, become its session's own, as before it joined."""
         assert len(self.rows) == 1 and self.cache is not None
         session = self.rows[0]
-        session.cache = _alone(self.cache, [self.holes], session.trunk.make_cache(session.bounded))
+        session.cache = single(self.cache, [self.holes], session.trunk.make_cache(session.bounded))
         if self.headed[0]:
             assert self.head is not None and self.mtp_cache is not None
-            session.mtp_cache = _alone(self.mtp_cache, self.mtp_holes,
+            session.mtp_cache = single(self.mtp_cache, self.mtp_holes,
                                        self.head.make_cache(session.bounded))
+        if isinstance(session.model, AssistantProposer):
+            session.model.batched = None
         self.__init__(self.trunk, self.head, self.bounded, self.between)  # type: ignore[misc]
         return session
 
     def _arrays(self) -> list[mx.array]:
         out = [h.valid for h in [self.holes, *self.mtp_holes] if h.valid is not None]
-        for c in (self.cache or []) + (self.mtp_cache or []):
-            out += [a for a in (c.state if isinstance(c, RowKVCache) else c.cache)
-                    if isinstance(a, mx.array)]
+        for c in leaves((self.cache or []) + (self.mtp_cache or [])):
+            out += [a for _, a in tree_flatten(c.state) if isinstance(a, mx.array)]
         return out
 
     # -- a round ----------------------------------------------------------------------------
@@ -194,6 +221,7 @@ class Batch:
         for b, draft in enumerate(drafts):
             if self.headed[b]:
                 self.rows[b].owe(hidden[b:b + 1, :kept[b] + 1], committed[b])
+            self.rows[b].keep_hidden(hidden[b:b + 1], kept[b])
             outcomes.append(self._outcome(b, RoundOutcome(
                 committed[b], draft.depth, kept[b], draft.source, draft.drafted, draft.match,
                 paid, width, owed[b])))
@@ -208,7 +236,7 @@ class Batch:
         stock passes stage (a traced one is one replay; on a GPU rounds are short)."""
         if self.between is None or not self.stock_pass:
             return
-        rows = [c for c in self.cache or [] if isinstance(c, RowKVCache)]
+        rows = [c for c in leaves(self.cache or []) if isinstance(c, RowKVCache)]
         every = max(1, len(rows) // STAGES)
         for c in rows[every - 1::every]:
             mx.eval(c.fed)
@@ -306,7 +334,8 @@ class Batch:
     def _pass(self, tokens: mx.array, real: mx.array, width: int) -> tuple[mx.array, mx.array]:
         """One trunk pass over every row's `width` tokens, row b's first real[b] real (the
         rest pad it): (hidden, logits), traced where the caches allow (decoder/traced.py)."""
-        self.holes.open(real, width)
+        if self.holes.valid is not None:  # (a trunk with attention caches of every position)
+            self.holes.open(real, width)
         passes = self.trunk.passes
         traced = passes.run_rows(tokens, self.cache, self.holes) if passes is not None else None
         self.stock_pass = traced is None  # its layers' keys are what `_staged` evaluates
@@ -373,6 +402,8 @@ class Batch:
             if self.headed[b]:
                 session.owe(mx.concatenate([h[b:b + 1] for h in hiddens], axis=1),
                             [got[b] for got in steps])
+            if hiddens:
+                session.keep_hidden(hiddens[-1][b:b + 1], 0)
 
     def _drafts(self, asks: list[Ask]) -> list[Draft]:
         """Every row's draft: context drafts, a draft model's and plain steps as a lone session
@@ -457,26 +488,6 @@ def _owed(rows: list[Session]) -> Owed:
     hidden = mx.concatenate([_padded(o[0], width) for o in owed])  # type: ignore[index]
     tokens = mx.concatenate([_padded(o[1], width) for o in owed])  # type: ignore[index]
     return hidden, tokens, mx.array(counts), width
-
-
-def _alone(batch: list, holes: list[Holes], fresh: list) -> list:
-    """A batch-of-one's caches as one sequence's (`fresh`: its empty ones): attention keys at
-    the row's real positions only (its holes dropped); recurrent states as they are. The trunk's
-    attention layers share one Holes; each head block has its own."""
-    out, real = [], {}  # one host read per Holes, not per layer
-    for i, (b, f) in enumerate(zip(batch, fresh, strict=True)):
-        if not isinstance(b, RowKVCache):
-            out.append(b)
-            continue
-        h = holes[0 if len(holes) == 1 else i]
-        if id(h) not in real:
-            assert h.valid is not None
-            real[id(h)] = [p for p, v in enumerate(h.valid[0, :b._idx].tolist()) if v]
-        kept = real[id(h)]
-        at = mx.array(kept)
-        f.state = (b.keys[:, :, at, :], b.values[:, :, at, :], len(kept))
-        out.append(f)
-    return out
 
 
 def _verdicts(verify: mx.array, verdicts: mx.array) -> mx.array:

@@ -12,8 +12,10 @@ serve ask here instead of finding out by duck typing.
   and restored at any prefix past the switch; not traced, not padded (its attention is two
   quantized matmuls, no cuDNN graph per key length).
 - rotating KV (`RotatingKVCache`): mlx-lm's own trim rules; not exported, not traced, not
-  quantized (mlx-lm cannot).
-- every kind: the batch is the arrays' first dimension (`batch_size`).
+  quantized (mlx-lm cannot); its `window`.
+- a DSA layer's `CacheList` (latent KV, indexer keys): its parts (`leaves`), trimmed together.
+- every kind: the batch is the arrays' first dimension (`batch_size`); `batchable`: whether
+  decoder/batch_cache.py holds it as rows of one batch.
 
 MLX arrays are immutable values, so a snapshot or an export keeps references, never copies.
 """
@@ -26,7 +28,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import maybe_quantize_kv_cache
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
-from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCache, RotatingKVCache
 
 from mtpkit.decoder.options import KV_GROUP_SIZES, KVQuant
 from mtpkit.decoder.shapes import PaddedKVCache
@@ -41,9 +43,28 @@ def is_recurrent(c: Any) -> bool:
 
 def batchable(cache: list[Any]) -> bool:
     """Whether decoder/batch_cache.py can hold these caches as rows of one batch: mlx-lm's
-    KVCache (a quantized one is refused on its own: options.batch_option) and recurrent
-    ArraysCache; not a sliding window's RotatingKVCache nor a CacheList (DSA attention)."""
-    return all(type(c) in (KVCache, QuantizedKVCache) or is_recurrent(c) for c in cache)
+    KVCache (a quantized one is refused on its own: options.batch_option), recurrent
+    ArraysCache, a sliding window's RotatingKVCache that keeps no prefix (mlx-lm's batched
+    window has none), and a CacheList of those (DSA attention)."""
+    return all(type(c) in (KVCache, QuantizedKVCache) or is_recurrent(c)
+               or type(c) is RotatingKVCache and not c.keep
+               or type(c) is CacheList and batchable(list(c.caches)) for c in cache)
+
+
+def leaves(cache: list[Any]) -> list[Any]:
+    """The caches that hold arrays: a CacheList's parts in its place."""
+    return [part for c in cache
+            for part in (leaves(list(c.caches)) if isinstance(c, CacheList) else [c])]
+
+
+def window(c: Any) -> int | None:
+    """The sliding window a cache's attention sees (None: every position): a RotatingKVCache's
+    size, or the `window` a cache that keeps every position masks to (the head's window
+    blocks, decoder/head.py)."""
+    if isinstance(c, RotatingKVCache):
+        return c.max_size
+    size = getattr(c, "window", None)
+    return size if isinstance(size, int) else None
 
 
 def trimmable(cache: list[Any]) -> bool:

@@ -155,8 +155,8 @@ def batch_option(value: object, kv: KVQuant | None = None, batchable: bool = Tru
     if not batchable and most > 1:
         raise OptionError("options.invalid", "max_batch",
                           "{name} above 1 cannot run with this model's caches: a batch holds "
-                          "mlx-lm's KVCache and recurrent caches, not a sliding window's "
-                          "RotatingKVCache nor a CacheList", "use max_batch 1 (one at a time)")
+                          "mlx-lm's KVCache, recurrent caches, sliding windows that keep no "
+                          "prefix and CacheLists of those", "use max_batch 1 (one at a time)")
     if kv is not None and most > 1:
         raise OptionError("options.invalid", "max_batch",
                           "{name} above 1 cannot run with a quantized KV cache (--kv-bits): "

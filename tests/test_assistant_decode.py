@@ -6,17 +6,22 @@
    hidden equal a fresh prefill's of the committed text (wrapped sliding windows included).
 3. The sampled law: the first tokens of generations drafted by the assistant, against the
    target's enumerated joint law; a wrong replacement rule fails it.
-4. Batches: a Gemma 4 target's sliding-window caches join no batch, so several prompts
-   decode one at a time (max_batch 1, each as alone); a batch above 1 is refused in one line
-   with options.invalid on every Python entry.
+4. Batches: a Gemma 4 target's rows in a batch (its sliding windows as mlx-lm's batched
+   window, decoder/batch_cache.py), each drafted by the assistant over its own row of the
+   batch's caches: every row's tokens and acceptance counts equal its lone decoding, greedy
+   and seeded at temperature 0.6, with rows joining as others leave; one at a time too. A
+   batch above 1 was refused on every Python entry; each now takes one.
+   Mutants these kill (applied by hand, then reverted): the row's drafts reading the batch's
+   buffers unmasked (other rows' padding and holes); a batched round that does not keep the
+   row's last hidden for the assistant.
 """
 
 from __future__ import annotations
 
 import shutil
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -264,34 +269,67 @@ def test_the_law_test_fails_a_wrong_rule(bundles: dict[str, Path],
 
 # -- 4. batches ------------------------------------------------------------------------------
 
+BATCH_PROMPTS = [PROMPT, PROMPT[3:], [7, 7, 300, 41, 41, 41], PROMPT * 2]  # windows wrap
+BATCH_EACH: list[dict[str, Any]] = [  # other depths beside, and max_tokens: rows leave apart
+    {"depth": 3, "max_tokens": 40}, {"depth": 1, "max_tokens": 24},
+    {"depth": 0, "max_tokens": 30}, {"depth": 2, "max_tokens": 40}]
+
+
+def _same_as_alone(runner: Runner, each: list[dict[str, Any]], max_batch: int) -> list[Any]:
+    """Every prompt decoded alone and in a batch: the same tokens and acceptance counts."""
+    alone = [runner.generate(p, **e) for p, e in zip(BATCH_PROMPTS, each, strict=True)]
+    batched = runner.generate_batch(BATCH_PROMPTS, each=each, max_batch=max_batch)
+    for a, b in zip(alone, batched, strict=True):
+        assert b.tokens == a.tokens
+        assert b.stats.sources == a.stats.sources  # drafts proposed and kept per position
+        assert (b.stats.verify_calls, b.stats.corrections) == (a.stats.verify_calls,
+                                                               a.stats.corrections)
+    return batched
+
+
+@pytest.mark.parametrize("variant", ["31b", "e2b"])
+def test_a_batch_decodes_every_row_as_alone(bundles: dict[str, Path], variant: str) -> None:
+    """Greedy rows at depths 0 to 3, three at a time: the fourth joins as one leaves, and the
+    last decodes solo again."""
+    runner = loaded(bundles[variant])
+    batched = _same_as_alone(runner, BATCH_EACH, 3)
+    assert all(set(r.stats.sources) == {"model"} for r, e in zip(batched, BATCH_EACH,
+                                                                strict=True) if e["depth"])
+    assert sum(sum(r.stats.accepted) for r in batched) > 0
+    assert sum(r.stats.corrections for r in batched) > 0
+
+
+@pytest.mark.parametrize("variant", ["31b", "e2b"])
+def test_seeded_rows_sample_the_same_text_batched(bundles: dict[str, Path],
+                                                  variant: str) -> None:
+    """At temperature 0.6 (top-p 0.95, top-k 20), each row seeded: its drafts, their laws and
+    its draws are its lone decoding's."""
+    sampled = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    each = [e | sampled | {"seed": i} for i, e in enumerate(BATCH_EACH)]
+    batched = _same_as_alone(loaded(bundles[variant]), each, 3)
+    assert sum(sum(r.stats.accepted) for r in batched) > 0
+
+
 def test_prompts_one_at_a_time_equal_alone(bundles: dict[str, Path]) -> None:
-    runner = loaded(bundles["31b"])
-    prompts = [PROMPT, PROMPT[3:], [7, 7, 300, 41, 41, 41]]
-    alone = [runner.generate(p, 24, depth=3) for p in prompts]
-    together = runner.generate_batch(prompts, 24, max_batch=1, depth=3)
-    assert [r.tokens for r in together] == [r.tokens for r in alone]
-    assert [r.stats.accepted for r in together] == [r.stats.accepted for r in alone]
-    assert all(set(r.stats.sources) == {"model"} for r in together)
+    _same_as_alone(loaded(bundles["31b"]), BATCH_EACH, 1)
 
 
-def _entries(runner: Runner) -> dict[str, Callable[[], object]]:
+def test_every_entry_takes_a_batch(bundles: dict[str, Path]) -> None:
+    """The entries that refused a batch of a Gemma 4 target take one: generate_batch and
+    stream_batch decode it as alone, batch_costs times nothing (no head: the assistant's
+    rounds are priced as alone), serve's service batches up to its max_batch."""
     from mtpkit.serve.service import Service
 
-    return {
-        "generate_batch": lambda: runner.generate_batch([PROMPT, PROMPT], 8, max_batch=2),
-        "stream_batch": lambda: next(runner.stream_batch([PROMPT, PROMPT], 8, max_batch=4)),
-        "batch_costs": lambda: runner.batch_costs(2),
-        "serve": lambda: Service(runner, "gemma", 3, 16, max_batch=2),
-    }
-
-
-@pytest.mark.parametrize("entry", ["generate_batch", "stream_batch", "batch_costs", "serve"])
-def test_a_batch_is_refused_in_one_line(bundles: dict[str, Path], entry: str) -> None:
     runner = loaded(bundles["31b"])
-    with pytest.raises(OptionError) as raised:
-        _entries(runner)[entry]()
-    assert raised.value.code == "options.invalid" and raised.value.option == "max_batch"
-    assert "\n" not in str(raised.value) and raised.value.hint
+    alone = runner.generate(PROMPT, 8)
+    assert [r.tokens for r in runner.generate_batch([PROMPT, PROMPT], 8, max_batch=2)] \
+        == [alone.tokens] * 2
+    streamed: dict[int, list[int]] = {0: [], 1: []}
+    for i, piece in runner.stream_batch([PROMPT, PROMPT], 8, max_batch=4):
+        streamed[i] += piece.tokens
+    assert streamed == {0: alone.tokens, 1: alone.tokens}
+    assert runner.batch_costs(2) == ({}, False)
+    assert Service(runner, "gemma", 3, 16, max_batch=2).max_batch == 2
 
 
 def test_kv_bits_with_an_assistant_is_refused(bundles: dict[str, Path]) -> None:
