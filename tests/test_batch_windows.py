@@ -88,13 +88,15 @@ class _Rows:
         self.ids: list[int] = []
         self.passes = self.joined = 0
 
-    def join(self) -> None:
-        """A row prefilled alone (one longer pass, then some one-position steps) joins."""
+    def join(self, prompt: int | None = None, steps: int | None = None) -> None:
+        """A row prefilled alone (one pass of `prompt` positions, then `steps` one-position
+        steps; random where not given) joins."""
         row, alone = self.joined, RotatingKVCache(self.window)
         self.joined += 1
-        keys = [_key(row, p, 0) for p in range(self.rng.randint(1, 3 * self.window))]
+        prompt = self.rng.randint(1, 3 * self.window) if prompt is None else prompt
+        keys = [_key(row, p, 0) for p in range(prompt)]
         alone.update_and_fetch(*[mx.array(np.array(keys))[None, None]] * 2)
-        for _ in range(self.rng.randint(0, 2 * self.window)):
+        for _ in range(self.rng.randint(0, 2 * self.window) if steps is None else steps):
             keys.append(_key(row, len(keys), 0))
             alone.update_and_fetch(*[mx.array(keys[-1])[None, None, None]] * 2)
         one = RowRotatingKVCache.of(alone)
@@ -163,6 +165,21 @@ def test_a_batched_window_attends_as_each_row_alone(seed: int) -> None:
         alone = rows.cache.extract(b)
         ordered = np.array(alone._temporal_order(alone.keys))[0, 0]
         np.testing.assert_array_equal(ordered, np.array(keys[-rows.held[b]:]))
+
+
+def test_a_wrapped_row_gains_no_key_when_a_longer_row_joins() -> None:
+    """A row whose window wrapped in place (its left padding below zero) is padded on the
+    left for a joiner holding more keys: its view still holds its own keys only (mlx-lm's
+    extend added the padding to the negative count, and a pad column passed for a key)."""
+    rows = _Rows(8, random.Random(0))
+    rows.join(prompt=5, steps=0)
+    rows.run(3)  # a longer pass: the buffer holds more than the window
+    for _ in range(4):
+        rows.run(1)  # in place: the window wraps
+    rows.join(prompt=20, steps=0)
+    rows.check_views()
+    rows.run(2)
+    rows.check_views()
 
 
 def test_a_window_that_keeps_a_prefix_still_joins_no_batch() -> None:
