@@ -11,9 +11,10 @@
    batch's caches: every row's tokens and acceptance counts equal its lone decoding, greedy
    and seeded at temperature 0.6, with rows joining as others leave; one at a time too. A
    batch above 1 was refused on every Python entry; each now takes one.
-   Mutants these kill (applied by hand, then reverted): the row's drafts reading the batch's
-   buffers unmasked (other rows' padding and holes); a batched round that does not keep the
-   row's last hidden for the assistant.
+   Mutants these kill (applied by hand to a copy of the tree): the row's drafts reading the
+   batch's buffers unmasked (other rows' padding and holes): the e2b batch and both seeded
+   batches; a batched round that does not keep the row's last hidden for the assistant: both
+   seeded batches.
 """
 
 from __future__ import annotations

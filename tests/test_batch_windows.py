@@ -21,11 +21,16 @@ one of its indexer keys; the MTP head's window blocks mask their window over hol
 4. Seeded rows at temperature 0.6 (top-p 0.95, top-k 20) sample the same text alone and
    batched.
 
-Mutants these tests kill (each applied by hand to the tree, then reverted): the window's
-rollback rolling every row by the batch's widest rejection (`width - keep.min()`), or by one
-position less (`width - keep - 1`); a join adding its padding to a wrapped row's negative
-left padding (mlx-lm's own extend); the mask of a pass over a rotated buffer taken as mlx-lm
-takes it; the head's window blocks masked without their window.
+Mutants these tests kill (each applied by hand to a copy of the tree, 2026-11-29):
+- the window's rollback rolling every row by the batch's widest rejection (`width -
+  keep.min()`), or by one position less (`width - keep - 1`): the randomized window test
+  (every seed) and the forced rejections of the Gemma 4 and MiMo-V2 trunks;
+- a join adding its padding to a wrapped row's negative left padding (mlx-lm's own extend):
+  `test_a_wrapped_row_gains_no_key_when_a_longer_row_joins` (and one randomized seed);
+- the mask of a pass over a rotated buffer taken as mlx-lm takes it: two randomized seeds and
+  the seeded MiMo-V2 batch;
+- the head's window blocks masked without their window: the seeded MiMo-V2 batch (where the
+  MiMo-V2 head runs).
 """
 
 from __future__ import annotations
@@ -239,6 +244,24 @@ def test_every_row_decodes_as_alone_while_rows_join_and_leave(
     assert order.index(3) > order.index(1), "the fourth joined after a row left"
     assert all(r.stats.verify_calls for r, e in zip(batched, each, strict=True) if e["depth"])
     assert sum(r.stats.accepted[0] for r in batched if r.stats.accepted) > 0
+
+
+@pytest.mark.parametrize("family", ["gemma4", "mimo_v2_flash", "glm_moe_dsa"])
+def test_bounded_attention_shapes_decode_the_same(
+        runners: Callable[[str], Runner], monkeypatch: pytest.MonkeyPatch, family: str) -> None:
+    """Where a GPU compiles each attention shape (decoder/shapes.py), alone and batched: the
+    batch's full-attention keys padded to whole steps beside the windows' own buffers."""
+    import mtpkit.decoder.batch as batch
+    import mtpkit.decoder.session as session
+
+    monkeypatch.setattr(batch, "bounded_by_default", lambda: True)
+    monkeypatch.setattr(session, "bounded_by_default", lambda: True)
+    runner = runners(family)
+    prompts, each = _rows(runner, family)
+    alone = [runner.generate(p, **e) for p, e in zip(prompts, each, strict=True)]
+    for a, b in zip(alone, runner.generate_batch(prompts, each=each, max_batch=3),
+                    strict=True):
+        _same(a, b)
 
 
 # -- 3. forced rejections ------------------------------------------------------------------
