@@ -9,18 +9,19 @@ order, which hidden is chained, zeroed first embedding), read from the family ta
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import CacheList
+from mlx_lm.models.base import create_attention_mask, create_causal_mask
+from mlx_lm.models.cache import CacheList, KVCache, RotatingKVCache
 
 from mtpkit.decoder.shapes import bounded_caches
 from mtpkit.decoder.trunk import Trunk
-from mtpkit.loaders.families import family_for
+from mtpkit.loaders.families import Family, Sublayer, family_for
 from mtpkit.loaders.quant import ModuleQuant
 
 HIDDEN_FEEDS = ("post_norm", "pre_norm")
@@ -108,6 +109,96 @@ def _dequantize_float_only(head: nn.Module, weights: dict[str, mx.array],
     return out
 
 
+class _Block(nn.Module):
+    """An MTP block that no single trunk layer class computes, from the family table's
+    sublayers (loaders/families.py's Sublayer): each x + module(norm(x)), in order, the module
+    a class of the trunk's own mlx-lm module built from the config."""
+
+    def __init__(self, module: Any, args: Any, parts: tuple[Sublayer, ...], eps: float) -> None:
+        super().__init__()
+        if sum(part.attends for part in parts) > 1:
+            raise ValueError("a composite MTP block holds one cache: one attending sublayer")
+        object.__setattr__(self, "_parts", parts)
+        for part in parts:
+            built = getattr(module, part.cls)(args, **part.args)
+            attr, _, slot = part.name.partition(".")
+            setattr(self, attr, [built] if slot else built)
+            setattr(self, part.norm, nn.RMSNorm(args.hidden_size, eps=eps))
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        for part in self._parts:
+            attr, _, slot = part.name.partition(".")
+            module = getattr(self, attr)[int(slot)] if slot else getattr(self, attr)
+            y = getattr(self, part.norm)(x)
+            x = x + (module(y, mask, cache) if part.attends else module(y))
+        return x
+
+
+@dataclass(frozen=True)
+class BlockFactory:
+    """Builds a family's composite MTP block (called with the MTP depth, as a LayerFactory)
+    and its cache (`cache`): one KVCache, for its one attending sublayer (or, for a pattern of
+    layers, its one attending layer: mlx-lm makes a KVCache for attention layers)."""
+
+    trunk: Trunk
+    family: Family
+
+    def __call__(self, depth: int = 0) -> _Block:
+        module = sys.modules[type(self.trunk.text).__module__]
+        args = self.trunk.args
+        return _Block(module, args, self.family.mtp_block, getattr(args, self.family.eps_key))
+
+    def cache(self, layer: nn.Module) -> KVCache:
+        return KVCache()
+
+
+def _layers(trunk: Trunk, family: Family, layer_kind: str, names: list[str]
+            ) -> tuple[Any, list[nn.Module], list[list[int]], list[bool]]:
+    """(what builds and caches them, the head's physical layers, each draft block's layers,
+    which of them attend): one layer per block, or for a family with an mtp_pattern one block
+    of every layer, each built with the constructor value its weights say."""
+    physical = 1 + max((int(m[1]) for n in names if (m := re.match(r"^layers\.(\d+)\.", n))),
+                       default=0)
+    if family.mtp_pattern is None:
+        build = (BlockFactory(trunk, family) if family.mtp_block
+                 else trunk.layer_factory(layer_kind, family.mtp_layer_args))
+        return (build, [build(k) for k in range(physical)], [[k] for k in range(physical)],
+                [True] * physical)
+    arg, by_module, attending = family.mtp_pattern
+    values = [next((v for module, v in by_module.items()
+                    if any(n.startswith(f"layers.{j}.{module}.") for n in names)), None)
+              for j in range(physical)]
+    if None in values:
+        raise ValueError(f"MTP layer {values.index(None)} holds none of {sorted(by_module)}")
+    layers = [trunk.layer_factory("full_attention", {arg: v})() for v in values]
+    return (BlockFactory(trunk, family), layers, [list(range(physical))],
+            [v == attending for v in values])
+
+
+class WindowKVCache(KVCache):
+    """A sliding-window block's cache in the head: every position kept, the window applied by
+    the mask (mlx-lm's causal mask with its window_size, which the layer takes as any mask).
+    mlx-lm's RotatingKVCache overwrites its oldest keys once it wraps, so the chained draft
+    entries a round leaves could not be trimmed away; this cache trims, exports and restores
+    as a KVCache does, and attends to the same keys. It costs what a full-attention layer's
+    cache does: one layer's keys for the whole context."""
+
+    def __init__(self, window: int) -> None:
+        super().__init__()
+        self.window = window
+
+    def make_mask(self, n: int, return_array: bool = False,
+                  window_size: int | None = None) -> mx.array:
+        return create_causal_mask(n, self.offset, window_size=window_size or self.window)
+
+
+def _windowed(cache: Any) -> Any:
+    """A sliding window's RotatingKVCache (no kept prefix) as a WindowKVCache of its size."""
+    if isinstance(cache, RotatingKVCache) and not cache.keep:
+        return WindowKVCache(cache.max_size)
+    return cache
+
+
 def _positions(cache: Any) -> Any:
     """The cache that says a block's positions (offset, mask): a DSA layer's CacheList holds
     its KV cache first and its indexer's second, and mlx-lm's model reads the first."""
@@ -128,13 +219,12 @@ class MTPHead(nn.Module):
         if (vocab := weights.get(f"mtp.{DRAFT_VOCAB}")) is not None:
             weights[f"mtp.{DRAFT_VOCAB}"] = self.draft_vocab = vocab.astype(mx.int32)
         names = [_module_name(n) for n in weights]
-        blocks = 1 + max((int(m[1]) for n in names if (m := re.match(r"^layers\.(\d+)\.", n))),
-                         default=0)
         role_sets = 1 + max((int(m[1]) for n in names if (m := re.match(r"^roles\.(\d+)\.", n))),
                             default=0)
         family = family_for(getattr(args, "model_type", None))
-        self._build = trunk.layer_factory(layer_kind, family.mtp_layer_args)
-        self.layers = [self._build() for _ in range(blocks)]
+        self._build, self.layers, steps, attends = _layers(trunk, family, layer_kind, names)
+        object.__setattr__(self, "_steps", steps)  # the physical layers of each draft block
+        object.__setattr__(self, "_attends", attends)  # which of them take the mask and cache
         self.roles = [_Roles(args.hidden_size, getattr(args, family.eps_key),
                              _role_names(names, k), args.vocab_size) for k in range(role_sets)]
         specs = {_module_name(p): q.quant for p, q in quant.items() if q.quant is not None}
@@ -167,12 +257,13 @@ class MTPHead(nn.Module):
 
     @property
     def blocks(self) -> int:
-        return len(self.layers)
+        return len(self._steps)
 
     def make_cache(self, bounded: bool = False) -> list[Any]:
         """One cache per block, of the kind mlx-lm's model makes for the block's trunk twin
-        (decoder/trunk.py's LayerFactory); `bounded`: a plain KVCache padded, as the trunk's."""
-        caches = [self._build.cache() for _ in self.layers]
+        (decoder/trunk.py's LayerFactory), a sliding window's as a WindowKVCache; `bounded`: a
+        plain KVCache padded, as the trunk's."""
+        caches = [_windowed(self._build.cache(self.layers[step[0]])) for step in self._steps]
         return bounded_caches(caches) if bounded else caches
 
     def _roles(self, block: int) -> _Roles:
@@ -212,7 +303,9 @@ class MTPHead(nn.Module):
         kv = _positions(layer_cache)
         offset = 0 if kv is None else kv.offset
         x = self.layer_input(hidden, tokens, block, offset == 0)  # per row in a batch
-        x = self.layers[block](x, create_attention_mask(x, kv, return_array=True), layer_cache)
+        mask = create_attention_mask(x, kv, return_array=True)
+        for j in self._steps[block]:
+            x = self.layers[j](x, mask, layer_cache) if self._attends[j] else self.layers[j](x)
         if pick is not None:
             x = mx.take_along_axis(x, pick[:, None, None], axis=1)
         elif last_only:

@@ -20,6 +20,7 @@ from mtpkit.decoder.options import KVQuant
 from mtpkit.decoder.recording import install, recorded
 from mtpkit.decoder.shapes import bounded_caches
 from mtpkit.decoder.traced import TracedPasses
+from mtpkit.loaders.families import LAYER_KIND_ATTRIBUTES, family_for
 
 INNER = ("model", "backbone")  # where mlx-lm's classes keep the inner text model (Nemotron-H:
 # backbone)
@@ -46,6 +47,7 @@ class Trunk:
         self.text = getattr(model, "language_model", model)
         self.inner = next(getattr(self.text, n) for n in INNER if hasattr(self.text, n))
         self.args = self.text.args
+        self._embed_module = family_for(getattr(self.args, "model_type", None)).embed_module
         self.hidden_feed = hidden_feed
         self._tap: _NormTap | None = None
         if hidden_feed == "pre_norm":
@@ -54,6 +56,12 @@ class Trunk:
         self.recorders = install(list(self.inner.layers))
         self.passes: TracedPasses | None = None
         self.kv: KVQuant | None = None  # --kv-bits: the caches' quantization (Runner.quantize_kv)
+
+    @property
+    def embedding(self) -> nn.Module:
+        """The token embedding, where the family table says mlx-lm's inner model keeps it
+        (read each time: a module swapped after load is the one used)."""
+        return getattr(self.inner, self._embed_module)
 
     @property
     def tied(self) -> bool:
@@ -69,17 +77,17 @@ class Trunk:
         return cache
 
     def embed(self, tokens: mx.array) -> mx.array:
-        return self.inner.embed_tokens(tokens)
+        return self.embedding(tokens)
 
     def logits(self, post_norm: mx.array) -> mx.array:
         if self.tied:
-            return self.inner.embed_tokens.as_linear(post_norm)
+            return self.embedding.as_linear(post_norm)
         return self.text.lm_head(post_norm)
 
     def output_rows(self, ids: mx.array) -> mx.array:
         """The unembedding rows of `ids` (float weights; for a truncated draft vocabulary)."""
-        weight = self.inner.embed_tokens.weight if self.tied else self.text.lm_head.weight
-        if "scales" in (self.inner.embed_tokens if self.tied else self.text.lm_head):
+        weight = self.embedding.weight if self.tied else self.text.lm_head.weight
+        if "scales" in (self.embedding if self.tied else self.text.lm_head):
             raise ValueError("a draft vocabulary needs float unembedding weights (dequantize)")
         return weight[ids]
 
@@ -115,38 +123,39 @@ class Trunk:
 
     def layer_factory(self, kind: str, layer_args: dict[str, Any] | None = None
                       ) -> LayerFactory:
-        """A constructor for one more decoder layer of the trunk's own class and kind: the MTP
-        layer is "full_attention" (like the trunk's softmax-attention layers) or "after_trunk"
-        (built as layer num_hidden_layers, e.g. DeepSeek's MoE nextn layer). layer_args: the
+        """A constructor for more decoder layers of the trunk's own class and kind: the MTP
+        layer is "full_attention" (like the trunk's first softmax-attention layer that keeps
+        the constructor arguments' values) or "after_trunk" (depth k built as trunk layer
+        num_hidden_layers + k, as vLLM numbers DeepSeek's nextn layers). layer_args: the
         constructor's keyword arguments beyond the config (the family table's)."""
         layers, layer_args = list(self.inner.layers), layer_args or {}
-        twin = _twin(layers, kind, layer_args)
-        index = len(layers) if kind == "after_trunk" else twin
-        return LayerFactory(type(layers[twin]), self.args, index, self.model, self.inner, kind,
+        if kind == "after_trunk":
+            index, like = len(layers), layers[-1]
+        else:
+            twins = [i for i, layer in enumerate(layers)
+                     if layer is not None and not getattr(layer, "is_linear", False)
+                     and all(getattr(layer, k, v) == v for k, v in layer_args.items())]
+            if not twins:
+                raise ValueError(f"no trunk layer of this stage is like the MTP layer ({kind})")
+            index = twins[0]
+            like = layers[index]
+        return LayerFactory(type(like), self.args, index, self.model, self.inner, kind,
                             layer_args)
 
 
-def _twin(layers: list[Any], kind: str, layer_args: dict[str, Any]) -> int:
-    """The trunk layer the MTP layer is like: the last one ("after_trunk"), else the first
-    attention layer that keeps the constructor arguments' values (None in `layers`: another
-    pipeline stage's)."""
-    if kind == "after_trunk":
-        return len(layers) - 1
-    twins = (i for i, layer in enumerate(layers)
-             if layer is not None and not getattr(layer, "is_linear", False)
-             and all(getattr(layer, k, v) == v for k, v in layer_args.items()))
-    twin = next(twins, None)
-    if twin is None:
-        raise ValueError(f"no trunk layer of this stage is like the MTP layer ({kind})")
-    return twin
+def _kind(layer: nn.Module) -> dict[str, Any]:
+    """What mlx-lm's classes say of a layer's kind (families.LAYER_KIND_ATTRIBUTES), which
+    decides the cache its model makes for it."""
+    return {a: getattr(layer, a) for a in LAYER_KIND_ATTRIBUTES if hasattr(layer, a)}
 
 
 @dataclass(frozen=True)
 class LayerFactory:
-    """Builds one more decoder layer of the trunk's class (called), and the cache mlx-lm's
-    model makes for its twin, the trunk layer of the same kind (`cache`): a DSA layer reads a
-    CacheList of its KV and indexer caches, a sliding-window one a RotatingKVCache. So the
-    head's caches are of the kinds the trunk's are, and whatever handles those handles them."""
+    """Builds decoder layers of the trunk's class (called with the MTP depth), and the cache
+    mlx-lm's model makes for a built layer's twin, the trunk layer of the same kind (`cache`):
+    a DSA layer reads a CacheList of its KV and indexer caches, a sliding-window one a
+    RotatingKVCache. So the head's caches are of the kinds the trunk's are, and whatever
+    handles those handles them."""
 
     cls: type[nn.Module]
     args: Any
@@ -156,14 +165,26 @@ class LayerFactory:
     kind: str
     layer_args: dict[str, Any]
 
-    def __call__(self) -> nn.Module:
-        if "layer_idx" in inspect.signature(self.cls.__init__).parameters:
-            return self.cls(self.args, layer_idx=self.index, **self.layer_args)
-        return self.cls(self.args, **self.layer_args)
+    def __call__(self, depth: int = 0) -> nn.Module:
+        index = self.index + (depth if self.kind == "after_trunk" else 0)
+        try:
+            if "layer_idx" in inspect.signature(self.cls.__init__).parameters:
+                return self.cls(self.args, layer_idx=index, **self.layer_args)
+            return self.cls(self.args, **self.layer_args)
+        except (IndexError, KeyError) as exc:  # a per-layer config list that stops at the trunk
+            raise ValueError(f"mlx-lm's {self.cls.__name__} cannot be built as layer {index} "
+                             f"from this config ({type(exc).__name__}: {exc})") from exc
 
-    def cache(self) -> Any:
-        """A fresh cache of the twin's kind, read where it is now: a pipeline stage's caches
-        are its own layers', the last of the inner model's list (the earlier ones None)."""
+    def cache(self, layer: nn.Module) -> Any:
+        """A fresh cache of the kind mlx-lm's model makes for the trunk layers like `layer`
+        (the last such for "after_trunk", the first otherwise), read where they are now: a
+        pipeline stage's caches are its own layers', the last of the inner model's list (the
+        earlier ones None)."""
         caches = make_prompt_cache(self.model)
         layers = list(self.inner.layers)[len(self.inner.layers) - len(caches):]
-        return caches[_twin(layers, self.kind, self.layer_args)]
+        kind = _kind(layer)
+        twins = [i for i, other in enumerate(layers)
+                 if other is not None and _kind(other) == kind]
+        if not twins:
+            raise ValueError(f"no trunk layer of this stage is of the MTP layer's kind {kind}")
+        return caches[twins[-1] if self.kind == "after_trunk" else twins[0]]

@@ -31,6 +31,21 @@ class ShapeRule:
 
 
 @dataclass(frozen=True)
+class Sublayer:
+    """One pre-norm residual step of an MTP block that no single layer class of the trunk
+    computes: x + module(norm(x)), the module a class of the trunk's own mlx-lm module built
+    from the config (decoder/head.py). name: where its weights sit in the block ("self_attn.0":
+    the first of a list, as the trunk layer names its attentions); attends: called with the
+    mask and the block's cache."""
+
+    name: str
+    cls: str
+    norm: str
+    args: dict[str, Any] = field(default_factory=dict)
+    attends: bool = False
+
+
+@dataclass(frozen=True)
 class Family:
     """How one family stores its MTP head.
 
@@ -78,12 +93,24 @@ class Family:
     # DecoderLayer(config, is_moe, is_sliding_window)); its cache is the one mlx-lm makes for
     # the first trunk layer whose attributes agree with those it keeps (decoder/trunk.py).
     mtp_layer_args: dict[str, Any] = field(default_factory=dict)
-    # The head's layer modules the checkpoint names apart from mlx-lm's class (published ->
-    # mlx-lm), and the config key of the head's RMSNorm epsilon.
+    # The head's layer modules the checkpoint names apart from mlx-lm's class (a pattern over
+    # the published path inside the layer -> mlx-lm's, groups allowed; the longest pattern
+    # wins), and the config key of the head's RMSNorm epsilon.
     layer_names: dict[str, str] = field(default_factory=dict)
     eps_key: str = "rms_norm_eps"
+    # Where mlx-lm's inner text model keeps the token embedding the head embeds with (Bailing:
+    # word_embeddings, Nemotron-H: embeddings).
+    embed_module: str = "embed_tokens"
     # MiMo zeroes the token embedding of the MTP input at sequence position 0.
     zero_first_embedding: bool = False
+    # An MTP block built from the trunk module's classes, where it is no one trunk layer
+    # (LongCat-Flash: one MLA attention and a dense MLP); empty: a layer of the trunk's class.
+    mtp_block: tuple[Sublayer, ...] = ()
+    # A draft step that runs every physical MTP layer in a row, each a trunk-class layer
+    # (Nemotron-H's mtp_hybrid_override_pattern, which mlx-lm's ModelArgs does not keep): the
+    # constructor argument, its value per layer read from the module the layer holds (first
+    # match), and the value whose layer attends with the step's KV cache (the rest take none).
+    mtp_pattern: tuple[str, dict[str, str], str] | None = None
     # The config value that counts the trunk's decoder layers (`layers.0` .. `layers.N-1`).
     layers_key: str = "num_hidden_layers"
     # Shapes this family's tensors pin beyond UNIVERSAL_SHAPE_RULES (head counts, MLP widths).
@@ -201,9 +228,9 @@ _NEXTN_ROLES = {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden",
 _NEXTN_FINAL = {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "eh_proj": "fc",
                 "final_layernorm": "norm"}
 _AFTER_TRUNK = r"^model\.layers\.(?P<block>\d+)\.(?P<rest>.+)$"
-# Why a recognised head does not run here (the finding mtp.unsupported quotes it).
-_OWN_LAYER = ("its MTP layer is not a layer of the trunk's own class ({}); decoder/head.py builds "
-              "every block from the trunk's layer factory")
+# mlx-lm's Bailing sanitize renames the MoE router (bailing_moe.py, bailing_hybrid.py).
+_BAILING_ROUTER = {"mlp.gate.weight": "mlp.gate.gate_proj.weight",
+                   "mlp.gate.bias": "mlp.gate.gate_proj.bias"}
 
 FAMILIES: tuple[Family, ...] = (
     Family("qwen3_5", ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_6",
@@ -244,9 +271,15 @@ FAMILIES: tuple[Family, ...] = (
     Family("nemotron_h", ("nemotron_h",),
            (r"^(?:language_model\.)?mtp\.layers\.(?P<block>\d+)\.(?P<rest>.+)$",),
            head_roles=_NEXTN_FINAL, shared_roles=True, layer_parts=("norm", "mixer"),
-           experts_key="n_routed_experts",
-           unsupported="one draft step runs two pattern layers (attention, then MoE: "
-                       "mtp_hybrid_override_pattern), not one decoder layer per block",
+           experts_key="n_routed_experts", embed_module="embeddings",
+           eps_key="layer_norm_epsilon",
+           # vLLM nemotron_h_mtp.py: one step runs a layer per pattern character (attention
+           # "*", then the non-gated MoE "E"): mlx-lm's NemotronHBlock(args, block_type)
+           mtp_pattern=("block_type", {"mixer.q_proj": "*", "mixer.gate": "E",
+                                       "mixer.up_proj": "-"}, "*"),
+           # its non-gated experts are mlx-lm's SwitchMLP fc1 / fc2 (nemotron_h.py sanitize)
+           layer_names={r"mixer\.experts\.(\d+)\.up_proj": r"mixer.experts.\1.fc1",
+                        r"mixer\.experts\.(\d+)\.down_proj": r"mixer.experts.\1.fc2"},
            sources="vLLM nemotron_h_mtp.py; SGLang nemotron_h_mtp.py; mlx-lm nemotron_h.py"),
     Family("longcat_flash", ("longcat_flash", "longcat_flash_ngram"),
            (r"^model\.mtp\.layers\.(?P<block>\d+)\.(?P<rest>.+)$",
@@ -254,19 +287,23 @@ FAMILIES: tuple[Family, ...] = (
            head_roles={"enorm.m": "pre_fc_norm_embedding", "hnorm.m": "pre_fc_norm_hidden",
                        "eh_proj": "fc", "norm": "norm", "embed_tokens": "embed_tokens"},
            shared_roles=True, layer_parts=("input_layernorm", "post_attention_layernorm",
-                                           "self_attn", "transformer_layer.mlp"),
+                                           "self_attn", "mlp"),
            default_mtp_layers=1, layers_key="num_layers",
-           unsupported=_OWN_LAYER.format("one MLA attention and a dense MLP, where the trunk's "
-                                         "layers are LongCat's dual-attention MoE layers"),
+           # vLLM builds a DeepseekV2DecoderLayer without experts: LongCat's own MLA class (its
+           # q/kv LoRA scaling) and dense MLP; the attention sits where the trunk layer's first
+           # one does, so mlx-lm's sanitize splits its kv_b_proj as it does the trunk's.
+           mtp_block=(Sublayer("self_attn.0", "LongcatFlashMLA", "input_layernorm",
+                               attends=True),
+                      Sublayer("mlp", "LongcatFlashMLP", "post_attention_layernorm",
+                               {"is_expert": False})),
+           layer_names={"self_attn": "self_attn.0", "transformer_layer.mlp": "mlp"},
+           sanitize_mtp_layer=True,
            sources="vLLM longcat_flash_mtp.py; mlx-lm longcat_flash.py"),
     Family("step3p5", ("step3p5",), (_AFTER_TRUNK,), block_offset_key="num_hidden_layers",
            head_roles={**_NEXTN_ROLES, "transformer.shared_head.norm": "norm",
                        "transformer.shared_head.output": "shared_head"},
            experts_key="moe_num_experts", zero_centred_norms=True,
            next_hidden="pre_mtp_norm", mtp_layer_kind="after_trunk",
-           unsupported="its depth layers are sliding-window attention blocks (their own head "
-                       "count and window) at indices past the trunk's layer_types; the head "
-                       "builds each block as trunk layer N over a full causal KV cache",
            sources="vLLM step3p5_mtp.py (docs.vllm.ai); NeMo/Megatron Step-3.5 bridge "
                    "(transformer.shared_head.{norm,output} per depth); mlx-lm step3p5.py"),
     Family("kimi_k3", ("kimi_k3", "kimi_linear"),
@@ -274,8 +311,11 @@ FAMILIES: tuple[Family, ...] = (
            block_offset_key="num_hidden_layers", head_roles=_NEXTN_ROLES,
            layer_parts=("input_layernorm", "post_attention_layernorm", "self_attn"),
            mtp_layer_kind="after_trunk", next_hidden="pre_mtp_norm",
-           unsupported="its draft layer runs without the trunk's block-residual mixing "
-                       "(attn_res_block_size), which mlx-lm's layer class always applies",
+           unsupported="its draft layer is mlx-lm's KimiK3DecoderLayer as layer N with the "
+                       "block-residual mixing off (vLLM drops attn_res_block_size for the "
+                       "draft), a changed config decoder/head.py does not build a layer "
+                       "under (the layer then returns (hidden, blocks)); no Kimi-K3 fixture "
+                       "shows a head decoding exactly",
            sources="vLLM kimi_k3 mtp.py; mlx-lm kimi_k3.py"),
     Family("mimo_v2", ("mimo_v2_flash",),
            (r"^model\.mtp\.layers\.(?P<block>\d+)\.(?P<rest>.+)$",),
@@ -283,21 +323,28 @@ FAMILIES: tuple[Family, ...] = (
            mtp_layer_args={"is_moe": False, "is_sliding_window": True},
            layer_names={"pre_mlp_layernorm": "post_attention_layernorm"},
            eps_key="layernorm_epsilon",
-           unsupported="its draft layer's sliding-window cache (mlx-lm's RotatingKVCache) is "
-                       "trimmed per block after each round, which no wrapped window allows",
            sources="vLLM mimo_v2_mtp.py; SGLang mimo_v2_flash_nextn.py; mlx-lm mimo_v2_flash.py"),
-    Family("bailing", ("bailing_moe", "bailing_hybrid"), (_AFTER_TRUNK,),
+    Family("bailing", ("bailing_moe",), (_AFTER_TRUNK,),
            block_offset_key="num_hidden_layers", head_roles=_NEXTN_FINAL,
            layer_parts=("input_layernorm", "attention", "post_attention_layernorm", "mlp"),
-           mtp_layer_kind="after_trunk",
-           unsupported="its trunk embeds through model.word_embeddings, which the decoder's "
-                       "trunk wrapper does not read for the head's input",
+           mtp_layer_kind="after_trunk", embed_module="word_embeddings",
+           layer_names=_BAILING_ROUTER,
            sources="SGLang bailing_moe_nextn.py; vLLM bailing_moe_mtp.py; mlx-lm bailing_moe.py"),
+    Family("bailing_hybrid", ("bailing_hybrid",), (_AFTER_TRUNK,),
+           block_offset_key="num_hidden_layers", head_roles=_NEXTN_FINAL,
+           layer_parts=("input_layernorm", "attention", "post_attention_layernorm", "mlp"),
+           mtp_layer_kind="after_trunk", embed_module="word_embeddings",
+           layer_names=_BAILING_ROUTER, sanitize_mtp_layer=True,
+           unsupported="the Ling-2.5 hybrid's MTP layer (MLA attention, vLLM "
+                       "BailingMoeV25MTPModel) has no fixture that shows it decoding exactly",
+           sources="vLLM bailing_moe_mtp.py (BailingMoeV25MTPModel); mlx-lm bailing_hybrid.py"),
     Family("minimax_m3", ("minimax_m3_vl",),
            (r"^(?:language_model\.)?model\.mtp\.layers\.(?P<block>\d+)\.(?P<rest>.+)$",),
            head_roles=_NEXTN_FINAL, layer_parts=("transformer_layer",),
-           unsupported=_OWN_LAYER.format("a forced-sparse-attention MoE layer under "
-                                         "transformer_layer"),
+           unsupported="its transformer_layer is mlx-lm's DecoderLayer forced to sparse "
+                       "attention and MoE (vLLM minimax_m3 mtp.py), a changed config "
+                       "decoder/head.py does not build a layer under, with Gemma-style (1+w) "
+                       "norms; no MiniMax-M3 fixture shows a head decoding exactly",
            sources="vLLM minimax_m3 mtp.py; mlx-lm minimax_m3_vl.py"),
     Family("llama", ("llama", "mistral", "smollm3"), shape_rules=PLAIN_ATTENTION_RULES),
 )
@@ -316,8 +363,12 @@ def _canonical_from_block(rest: str, block: int, fam: Family) -> str:
         if rest == source or rest.startswith(source + "."):
             scope = "mtp." if block == 0 or fam.shared_roles else f"mtp.heads.{block}."
             return scope + role + rest[len(source):]
-    first, dot, tail = rest.partition(".")
-    return f"mtp.layers.{block}.{fam.layer_names.get(first, first)}{dot}{tail}"
+    for source in sorted(fam.layer_names, key=len, reverse=True):
+        m = re.match(rf"(?:{source})(?=\.|$)", rest)
+        if m:
+            rest = m.expand(fam.layer_names[source]) + rest[m.end():]
+            break
+    return f"mtp.layers.{block}.{rest}"
 
 
 def _family_match(name: str, fam: Family) -> tuple[str, int] | None:
@@ -351,10 +402,11 @@ def canonical_mtp_name(name: str, fam: Family, config: dict[str, Any]) -> str | 
 # MoE expert layouts, family-independent: (layout, pattern over a tensor name).
 EXPERT_LAYOUTS: tuple[tuple[str, str], ...] = (
     ("numbered", r"^(?P<moe>.+)\.experts\.(?P<expert>\d+)\."
-                 r"(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.(?P<param>weight|scales|biases)$"),
+                 r"(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3|fc1|fc2)"
+                 r"\.(?P<param>weight|scales|biases)$"),
     ("fused", r"^(?P<moe>.+)\.experts\.(?P<proj>gate_up_proj|down_proj)"
               r"(?:\.(?P<param>weight|scales|biases))?$"),
-    ("stacked", r"^(?P<moe>.+)\.switch_mlp\.(?P<proj>gate_proj|up_proj|down_proj)"
+    ("stacked", r"^(?P<moe>.+)\.switch_mlp\.(?P<proj>gate_proj|up_proj|down_proj|fc1|fc2)"
                 r"\.(?P<param>weight|scales|biases)$"),
 )
 
@@ -381,6 +433,10 @@ def stacked_modules(path: str) -> tuple[str, ...]:
 
 # Attributes under which mlx-lm's decoder layers hold a recurrent (non-trimmable) mixer.
 RECURRENT_ATTRIBUTES = ("linear_attn",)
+# Attributes by which mlx-lm's decoder layers say their kind (recurrent, sliding-window, MLA
+# among linear layers), which decides the cache mlx-lm's model makes for them: an MTP layer's
+# cache is the one made for the trunk layers that agree with it on these (decoder/trunk.py).
+LAYER_KIND_ATTRIBUTES = ("is_linear", "is_sliding", "is_sliding_window", "is_global")
 # mlx-lm model types whose attention applies its mask with mx.where, so a traced pass must give
 # them a bool mask (the rest add it): decoder/traced.py.
 SELECTING_MASK = frozenset({"bailing_hybrid", "bailing_moe_v3", "deepseek_v3", "deepseek_v32",
@@ -425,16 +481,30 @@ def is_shifted_norm(name: str) -> bool:
     return norm_role(name) is not None
 
 
-def _attn_out(c: dict[str, Any]) -> int | None:
-    heads = c.get("num_attention_heads")
-    per_head = c.get("v_head_dim") or c.get("head_dim")
+def _attn_out(c: dict[str, Any], path: str) -> int | None:
+    heads, per_head = c.get("num_attention_heads"), c.get("v_head_dim") or c.get("head_dim")
+    other = c.get("attention_other_setting")
+    if isinstance(other, dict) and _layer_type(c, path) == other.get("attention_type"):
+        # Step-3.5: layers of this type take their own head count (vLLM step3p5.py)
+        heads, per_head = other.get("num_attention_heads", heads), other.get("head_dim", per_head)
     if per_head is None and heads and c.get("hidden_size"):
         per_head = c["hidden_size"] // heads
     return heads * per_head if heads and per_head else None
 
 
-def _product(*keys: str) -> Callable[[dict[str, Any]], int | None]:
-    def get(c: dict[str, Any]) -> int | None:
+def _layer_type(c: dict[str, Any], path: str) -> str | None:
+    """The config's layer_types entry of the layer at `path`: trunk layer i, or MTP block k,
+    which per-layer lists number after the trunk's (Step-3.5's cover 45 + 3 layers)."""
+    m = re.search(r"(?:^|\.)(mtp\.)?layers\.(\d+)\.", path)
+    types, n = c.get("layer_types"), c.get("num_hidden_layers")
+    if m is None or not isinstance(types, list) or not isinstance(n, int):
+        return None
+    index = int(m[2]) + (n if m[1] else 0)
+    return types[index] if index < len(types) else None
+
+
+def _product(*keys: str) -> Callable[[dict[str, Any], str], int | None]:
+    def get(c: dict[str, Any], _path: str = "") -> int | None:
         values = [c.get(k) for k in keys]
         if all(isinstance(v, int) for v in values):
             out = 1
@@ -445,14 +515,15 @@ def _product(*keys: str) -> Callable[[dict[str, Any]], int | None]:
     return get
 
 
-# Input width of a linear, by module path: first matching rule wins. A string value names a
-# sibling module whose output rows equal this module's input (GLU down_proj <- up_proj).
-IN_FEATURES_RULES: tuple[tuple[str, Callable[[dict[str, Any]], int | None] | str], ...] = (
-    (r"(?:^|\.)(?:fc|eh_proj|input_proj)$", lambda c: 2 * c["hidden_size"]),
+# Input width of a linear, by module path: first matching rule wins; a function of the flat
+# config and the module's path. A string value names a sibling module whose output rows equal
+# this module's input (GLU down_proj <- up_proj).
+IN_FEATURES_RULES: tuple[tuple[str, Callable[[dict[str, Any], str], int | None] | str], ...] = (
+    (r"(?:^|\.)(?:fc|eh_proj|input_proj)$", lambda c, _path: 2 * c["hidden_size"]),
     (r"\.down_proj$", "up_proj"),
     (r"\.w2$", "w3"),
     (r"\.fc2$", "fc1"),  # Nemotron-H's stacked non-gated experts (mlx-lm's names)
-    (r"\.(?:self_attn|mixer)\.o_proj$|\.attention\.dense$", _attn_out),
+    (r"\.(?:self_attn(?:\.\d+)?|mixer)\.o_proj$|\.attention\.dense$", _attn_out),
     (r"\.mixer\.out_proj$", _product("mamba_num_heads", "mamba_head_dim")),
     (r"\.linear_attn\.out_proj$", _product("linear_num_value_heads", "linear_value_head_dim")),
     (r"\.q_b_proj$", _product("q_lora_rank")),

@@ -171,7 +171,9 @@ def _check_complete(layout: MTPLayout, fam: Family) -> None:
                         if f"{scope}{r}.weight" not in layout.tensors]
         layer = f"mtp.layers.{k}."
         missing += [layer + part for part in fam.layer_parts if not _has(layout, f"{layer}{part}.")]
-        if _has(layout, layer + "self_attn.") and not _has(layout, layer + "self_attn.o_proj."):
+        if _has(layout, layer + "self_attn.") and not any(  # (LongCat's: self_attn.0.o_proj)
+                re.match(rf"{re.escape(layer)}self_attn\.(?:\d+\.)?o_proj\.", c)
+                for c in layout.tensors):
             missing.append(layer + "self_attn.o_proj")
     if missing:
         shown = ", ".join(missing[:6]) + (f" (+{len(missing) - 6} more)" if len(missing) > 6 else "")

@@ -84,7 +84,7 @@ def in_features(path: str, modules: dict[str, Module], config: dict[str, Any]) -
             weight = sibling.params.get("weight") if sibling else None
             return weight.shape[-2] if weight is not None and len(weight.shape) >= 2 else None
         try:
-            return rule(config)
+            return rule(config, path)
         except (KeyError, TypeError):
             return None
     return None
