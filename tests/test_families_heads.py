@@ -321,12 +321,15 @@ def _window(runner: Runner) -> int:
     return next(c.window for c in runner.head.make_cache() if isinstance(c, WindowKVCache))
 
 
+@pytest.mark.parametrize("bounded", [False, True])
 @pytest.mark.parametrize("family", WINDOWED)
-def test_a_windowed_head_drafts_exactly_past_its_window(bundles, family):
+def test_a_windowed_head_drafts_exactly_past_its_window(bundles, family, bounded, monkeypatch):
     """A head block of a sliding-window kind keeps every position in a WindowKVCache, the
     window applied by its mask (mlx-lm's RotatingKVCache could not trim a round's chained
     drafts once wrapped): past the window, its drafts verify into stock mlx-lm's tokens at
-    depths 1 and 3."""
+    depths 1 and 3; with a GPU's bounded shapes too (the head fed in bounded pieces, its
+    full-attention blocks padded)."""
+    monkeypatch.setattr(session_module, "bounded_by_default", lambda: bounded)
     path = bundles(family)
     runner = mtpkit.load(path, dtype="float32")
     assert len(WINDOW_PROMPT) > _window(runner)
