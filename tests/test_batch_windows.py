@@ -264,6 +264,26 @@ def test_bounded_attention_shapes_decode_the_same(
         _same(a, b)
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
+@pytest.mark.parametrize("family", ["gemma4", "mimo_v2_flash"])
+def test_plain_rows_step_together_as_alone(
+        runners: Callable[[str], Runner], monkeypatch: pytest.MonkeyPatch, family: str,
+        pipelined: bool) -> None:
+    """Rows all at depth 0 decode in plain stretches (Batch.plain_steps: the windows written
+    in place, rotating), queued ahead as on a GPU or not; a row joins as another leaves, then
+    a speculative row's rounds follow the rotated windows."""
+    runner = runners(family)
+    steps = _pipelined_seen(monkeypatch, "plain_steps", ahead=pipelined)
+    prompts, _ = _rows(runner, family)
+    each = [{"depth": 0, "max_tokens": n} for n in (50, 20, 40)] + [
+        {"depth": 3, "draft": "lookup", "max_tokens": 40}]
+    alone = [runner.generate(p, **e) for p, e in zip(prompts, each, strict=True)]
+    order, batched = _streamed(runner, prompts, each, max_batch=3)
+    for a, b in zip(alone, batched, strict=True):
+        _same(a, b)
+    assert order.index(3) > order.index(1) and max(steps) == 3
+
+
 # -- 3. forced rejections ------------------------------------------------------------------
 
 @pytest.mark.parametrize("pipelined", [False, True])
