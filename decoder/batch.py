@@ -164,6 +164,9 @@ class Batch:
         """Rows at the indices `gone` leave (finished, cancelled, disconnected)."""
         stay = [i for i in range(len(self.rows)) if i not in gone]
         heads = [sum(self.headed[:i]) for i in stay if self.headed[i]]
+        for i in gone:  # a row gone keeps no view of the batch
+            if isinstance(model := self.rows[i].model, AssistantProposer):
+                model.batched = None
         if not stay:
             self.__init__(self.trunk, self.head, self.bounded, self.between)  # type: ignore[misc]
             return
