@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache
 
 from mtpkit.decoder.caches import (
     arrays,
     batch_size,
+    batchable,
     exportable,
     freeze,
     snapshot,
     traceable,
     trim,
     trimmable,
+    window,
 )
 from mtpkit.decoder.shapes import PaddedKVCache
 
@@ -69,3 +71,14 @@ def test_traced_passes_take_padded_attention_and_plain_recurrent_states() -> Non
 def test_the_batch_is_the_first_dimension() -> None:
     assert batch_size(_kv(batch=3)) == 3 and batch_size(_recurrent(batch=2)) == 2
     assert batch_size(KVCache()) == 1 and batch_size(ArraysCache(2)) == 1
+
+
+def test_what_joins_a_batch() -> None:
+    """decoder/batch_cache.py holds KVCache, recurrent states, windows that keep no prefix
+    (mlx-lm's batched window has none) and CacheLists of those; nothing else."""
+    dsa = CacheList(KVCache(), KVCache())
+    assert batchable([KVCache(), _recurrent(), RotatingKVCache(8), dsa])
+    for kind in (RotatingKVCache(8, keep=4), ChunkedKVCache(16),
+                 CacheList(KVCache(), RotatingKVCache(8, keep=4))):
+        assert not batchable([KVCache(), kind]), kind
+    assert [window(c) for c in (RotatingKVCache(8), KVCache(), dsa)] == [8, None, None]
