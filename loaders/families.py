@@ -334,9 +334,12 @@ FAMILIES: tuple[Family, ...] = (
            block_offset_key="num_hidden_layers", head_roles=_NEXTN_FINAL,
            layer_parts=("input_layernorm", "attention", "post_attention_layernorm", "mlp"),
            mtp_layer_kind="after_trunk", embed_module="word_embeddings",
-           layer_names=_BAILING_ROUTER, sanitize_mtp_layer=True,
-           unsupported="the Ling-2.5 hybrid's MTP layer (MLA attention, vLLM "
-                       "BailingMoeV25MTPModel) has no fixture that shows it decoding exactly",
+           # vLLM bailing_moe_mtp.py: the router bias is e_score_correction_bias in the MTP
+           # layer (mlx-lm's expert_bias), the embedding zeroed at position 0; mlx-lm's
+           # sanitize splits the MLA's kv_b_proj
+           layer_names={**_BAILING_ROUTER,
+                        "mlp.gate.e_score_correction_bias": "mlp.gate.expert_bias"},
+           sanitize_mtp_layer=True, zero_first_embedding=True,
            sources="vLLM bailing_moe_mtp.py (BailingMoeV25MTPModel); mlx-lm bailing_hybrid.py"),
     Family("minimax_m3", ("minimax_m3_vl",),
            (r"^(?:language_model\.)?model\.mtp\.layers\.(?P<block>\d+)\.(?P<rest>.+)$",),

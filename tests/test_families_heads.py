@@ -46,12 +46,14 @@ from mtpkit.schemas import finding_codes
 from mtpkit.verify.doctor import report
 
 RUNNABLE = ("glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "deepseek_v32", "ernie4_5_moe",
-            "bailing_moe", "mimo_v2_flash", "step3p5", "longcat_flash", "nemotron_h")
+            "bailing_moe", "mimo_v2_flash", "step3p5", "longcat_flash", "nemotron_h",
+            "bailing_hybrid")
 # Heads with a sliding-window block (a WindowKVCache in the head), and a prompt past the window.
 WINDOWED = ("mimo_v2_flash", "step3p5")
 WINDOW_PROMPT = [(7 * i + 3) % 97 + 2 for i in range(40)] * 4  # 160 tokens that lookup can copy
 INDEXED = ("glm_moe_dsa", "deepseek_v32")  # DSA attention: an indexer cache beside the KV cache
-MOE_HEADS = ("glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "deepseek_v32", "nemotron_h", "bailing_moe")
+MOE_HEADS = ("glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "deepseek_v32", "nemotron_h", "bailing_moe",
+             "bailing_hybrid")
 
 
 def baseline(family: str) -> set[str]:
@@ -181,8 +183,8 @@ def _unsupported_finding(path: Path) -> None:
 
 @pytest.fixture
 def unrunnable(monkeypatch: pytest.MonkeyPatch) -> str:
-    """Nemotron-H's table entry marked unsupported, as Kimi-K3's, MiniMax-M3's and Ling 2.5's
-    are (none of which has a fixture here): every family with one runs its head."""
+    """Nemotron-H's table entry marked unsupported, as Kimi-K3's and MiniMax-M3's are (neither
+    has a fixture here): every family with one runs its head."""
     fam = family_for("nemotron_h")
     marked = replace(fam, unsupported="marked unsupported by the test")
     monkeypatch.setattr(families_module, "FAMILIES",
