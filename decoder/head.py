@@ -3,7 +3,9 @@
 One module for every family: the canonical roles (fc over the concat of the normed embedding and
 the normed trunk hidden, decoder layer(s) of the trunk's own class, final norm, and optionally
 DeepSeek's own embedding and shared head). Family differences are the contract knobs (concat
-order, which hidden is chained, zeroed first embedding), read from the family table.
+order, which hidden is chained, zeroed first embedding) and how a block is built (a trunk-class
+layer with constructor arguments, a block composed of the trunk module's classes, or a step of
+several trunk-class layers), read from the family table.
 """
 
 from __future__ import annotations
