@@ -314,8 +314,8 @@ FAMILIES: tuple[Family, ...] = (
            unsupported="its draft layer is mlx-lm's KimiK3DecoderLayer as layer N with the "
                        "block-residual mixing off (vLLM drops attn_res_block_size for the "
                        "draft), a changed config decoder/head.py does not build a layer "
-                       "under (the layer then returns (hidden, blocks)); no Kimi-K3 fixture "
-                       "shows a head decoding exactly",
+                       "under; mlx-lm's sanitize, which splits an MLA kv_b_proj, drops every "
+                       "mtp.* name; no Kimi-K3 fixture shows a head decoding exactly",
            sources="vLLM kimi_k3 mtp.py; mlx-lm kimi_k3.py"),
     Family("mimo_v2", ("mimo_v2_flash",),
            (r"^model\.mtp\.layers\.(?P<block>\d+)\.(?P<rest>.+)$",),
