@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -296,12 +297,28 @@ class SlowDraft(ScriptedDraft):
         return super().__call__(inputs, cache)
 
 
+class DearLayer(nn.Module):
+    """A trunk layer's MLP whose every call costs `seconds` more on the host: beside it a scripted
+    drafter is cheap on any backend (a tiny trunk alone costs what a drafter step costs on a
+    GPU, where both are bound by launches)."""
+
+    def __init__(self, layer: nn.Module, seconds: float) -> None:
+        super().__init__()
+        self.layer, self.seconds = layer, seconds
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        time.sleep(self.seconds)
+        return self.layer(*args, **kwargs)
+
+
 def test_auto_prices_the_draft_model(built: Callable[..., Path]) -> None:
     """depth auto chooses per round by the draft model's own step cost (timed at first use) and
-    its acceptance: a cheap drafter that is always right is taken at depths above 1; one
-    costing 50 ms a step beside a tiny trunk is left for plain steps (probes aside). Tokens
-    stay stock mlx-lm's either way."""
+    its acceptance: a cheap drafter that is always right beside a dear trunk (5 ms a pass) is
+    taken at depths above 1; one costing 50 ms a step is left for plain steps (probes aside).
+    Tokens stay stock mlx-lm's either way."""
     runner, reference, script = scripted(built("llama"), 96)
+    first = runner.trunk.inner.layers[0]
+    first.mlp = DearLayer(first.mlp, 0.005)
     right = {p: t for p, t in enumerate(FORCED_PROMPT + reference)}
     vocab = runner.trunk.args.vocab_size
     runner.drafter = DraftModel(ScriptedDraft(vocab, right), vocab)
