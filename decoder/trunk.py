@@ -65,7 +65,8 @@ class Trunk:
 
     @property
     def tied(self) -> bool:
-        return not hasattr(self.text, "lm_head")
+        """No LM head of its own (mlx-lm's Kimi-K3 keeps `lm_head = None` when tied)."""
+        return getattr(self.text, "lm_head", None) is None
 
     def make_cache(self, bounded: bool = False) -> list[Any]:
         """mlx-lm's caches for this model; `bounded`: attention views of bounded shapes

@@ -475,3 +475,29 @@ def test_minimax_counts_its_modules():
     assert ModelConfig(text={"num_mtp_modules": 2}).num_mtp_layers == 2
     assert ModelConfig(text={"num_nextn_predict_layers": 1, "num_mtp_modules": 2}
                        ).num_mtp_layers == 1
+
+
+def test_a_trunk_whose_lm_head_is_none_is_tied():
+    """mlx-lm's Kimi-K3 keeps `lm_head = None` when its embeddings are tied: the trunk's logits
+    are then the embedding's (read where the family table says it is), not a call of None."""
+    import mlx.nn as nn
+
+    from mtpkit.decoder.trunk import Trunk
+
+    class Inner(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed_tokens = nn.Embedding(8, 4)
+            self.layers: list[nn.Module] = []
+            self.norm = nn.RMSNorm(4)
+
+    class Text(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model, self.lm_head = Inner(), None
+            self.args = type("Args", (), {"model_type": "kimi_k3"})()
+
+    trunk = Trunk(Text())
+    post = mx.ones((1, 2, 4))
+    assert trunk.tied
+    assert_close(trunk.logits(post), post @ trunk.inner.embed_tokens.weight.T, "tied logits")
