@@ -1,0 +1,79 @@
+"""Why `--depth auto` decoding plainly at a long context runs slower than the plain arm
+(diagnostic, issue 49: H200, 8B oracle, 16K: auto plain in 93-95 of 95 steps at 0.74x of plain).
+
+Four arms interleaved per run at one context, decode tok/s after `--drop` tokens:
+- `plain`: `Runner.stream(depth=0)`, as bench_context's plain arm;
+- `auto`: `Runner.stream(depth="auto")`, as its auto arm (the depths it chose beside);
+- `spec-session steps`: a speculative session's own pipelined plain steps, no policy (what auto's
+  stretches run, hiddens owed to the head);
+- `plain-session steps`: a plain session's pipelined steps, no policy.
+If the two sessions' steps run alike and auto is slower, the policy's path costs it (stretch
+boundaries, probes); if the speculative session's steps are slower, the session does.
+
+    python bench/prof_auto_plain.py --context 16384 --runs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_context import Arm, oracle_setup, run_ours  # noqa: E402
+from bench_decode import steady_tps  # noqa: E402
+
+
+def session_steps(setup, ids: list[int], tokens: int, drop: int, speculative: bool) -> float:
+    """Decode tok/s of a started session's pipelined plain steps."""
+    import mlx.core as mx
+
+    from mtpkit.decoder.sampling import SamplingParams
+    from mtpkit.decoder.session import Session
+
+    runner = setup.runner
+    mx.clear_cache()
+    session = Session(runner.trunk, runner.head if speculative else None, SamplingParams(),
+                      1 if speculative else 0)
+    session.start(ids)
+    times = []
+    for _ in session.plain_steps(tokens - 1):
+        times.append(time.perf_counter())
+    return steady_tps(times, drop)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--context", type=int, default=16384)
+    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--drop", type=int, default=16)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--small", action="store_true", help="a small trunk (a CPU check)")
+    args = ap.parse_args()
+    setup = oracle_setup("llama8b", args.small, not args.small)
+    ids = setup.prompt(args.context)
+    rows: dict[str, list[float]] = {}
+    for run in range(args.runs):
+        for name in ("plain", "auto", "spec-session steps", "plain-session steps"):
+            setup.ready(ids, args.tokens, run)
+            if name in ("plain", "auto"):
+                row = run_ours(setup.runner, Arm(name), ids, args.tokens, args.drop, setup.draft,
+                               0, {}, run)
+                tps, extra = row["decode_tps"], row.get("depths", "")
+            else:
+                tps = session_steps(setup, ids, args.tokens, args.drop, name.startswith("spec"))
+                extra = ""
+            rows.setdefault(name, []).append(tps)
+            print(f"run {run + 1} {name:20s} {tps:7.1f} tok/s {extra}", flush=True)
+    plain = rows["plain"]
+    for name, got in rows.items():
+        paired = statistics.median(g / p for g, p in zip(got, plain, strict=True))
+        print(f"{name:20s} median {statistics.median(got):7.1f} ({min(got):.1f}-{max(got):.1f}) "
+              f"tok/s, {paired:.2f}x plain paired")
+
+
+if __name__ == "__main__":
+    main()
