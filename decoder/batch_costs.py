@@ -1,11 +1,12 @@
 """What a batch's rounds cost here, timed up front (`mtpkit tune --batch N`) and kept on disk.
 
-`tune --batch N` runs the real engine (Scheduler, Batch, the policy's own `observe`) on
-synthetic prompts at 2, 4, ... N rows with a policy that asks for each shape still untimed (a
-plain stretch, a plain round, every depth up to EXPLORE) until each has ROUNDS times, and stores
-them beside the cost curve (same key): later runners start from those prices. A traced trunk's
-shapes are timed both ways, traced and stock, and the faster way is kept per (rows, width)
-(`choose`). Why: docs/tune.md, "Batched rounds".
+`tune --batch N` runs the real engine (Scheduler, Batch, the cost table's own `observe`) on
+synthetic prompts at 2, 4, ... N rows, choosing each shape still untimed (plain steps, every
+depth up to DEEPEST) until each has ROUNDS times, and stores them beside the cost curve (same
+key): later runners' cost tables start from those prices (`seed`). A traced trunk's shapes are
+timed both ways, traced and stock, and the faster way is kept per (rows, width) (`choose`).
+Stored keys: (rows, K) for a synchronous round at depth K, (rows, -1 - K) for a pipelined one
+(-1: plain steps). Why: docs/tune.md, "Batched rounds".
 """
 
 from __future__ import annotations
@@ -15,15 +16,13 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from mtpkit.decoder import store as disk
 from mtpkit.decoder.batch import Batch
-from mtpkit.decoder.batch_policy import EXPLORE, PIPED, BatchPolicy, Row, piped
 from mtpkit.decoder.caches import is_recurrent
-from mtpkit.decoder.policy import MIN_OBSERVED, WINDOW
+from mtpkit.decoder.policy import CostTable, Shape, memory
 from mtpkit.decoder.scheduler import Request, Scheduler
 
 if TYPE_CHECKING:
@@ -33,7 +32,8 @@ if TYPE_CHECKING:
     from mtpkit.decoder.policy import DepthPolicy
     from mtpkit.decoder.trunk import Trunk
 
-ROUNDS = MIN_OBSERVED + 2  # times per shape: the first may have compiled something (a GPU)
+ROUNDS = 5  # times per shape: a median of the four after one that may have compiled (a GPU)
+DEEPEST = 3  # depths timed up front; deeper ones the prior prices and decoding corrects
 MARGIN = 0.95  # the stock pass takes a shape only where its rounds cost under 0.95x traced ones
 MAX_TOKENS = 100_000  # the requests never end by length: the timing policy ends the run
 
@@ -57,54 +57,42 @@ class Preparing(Protocol):
                 ) -> Request: ...
 
 
-@dataclass
-class _Timing(BatchPolicy):
-    """A batch policy that asks for the first shape at the batch's size with fewer than ROUNDS
-    times (a plain stretch, a plain round, then depths 1..max_depth) and says when all have
-    them (`done`)."""
+def key(shape: Shape) -> int:
+    """A pass shape's stored key at its rows (the module's doc)."""
+    _, width, piped = shape
+    return -width if piped else width - 1
 
-    size: int = 0  # the batch's full size: shapes are asked for only once every row joined
-    done: bool = False
 
-    def wanted(self, rows: int) -> int | None:
-        return missing(self.paid, rows, self.max_depth)
+def shape_of(rows: int, stored: int) -> Shape:
+    """The pass shape a stored key stands for."""
+    return (rows, -stored, True) if stored < 0 else (rows, stored + 1, False)
 
-    def depth(self, requests: list[Row], rows: int | None = None) -> int:
-        self.decided = False
-        if self.plain_left > 0:
-            self.plain_left -= 1
-            return 0
-        rows = len(requests) if rows is None else rows
-        shape = self.wanted(rows) if rows == self.size else 0
-        if shape is None:
-            self.done = True
-            return 0
-        if shape == PIPED:
-            self.plain_left = ROUNDS + 2  # as a stretch runs: pipelined where the batch can
-            return 0
-        self.decided = shape > 0  # chosen "on prices": the scheduler may pipeline it
-        return shape
+
+def seed(table: CostTable, paid: Paid) -> None:
+    """Stored round times into a runner's cost table, as its first corrections."""
+    for (rows, stored), times in paid.items():
+        shape = shape_of(rows, stored)
+        table.seed(shape, times, (shape[1] - 1) * table.draft)  # (head rounds)
 
 
 def deepest(runner: Preparing) -> int:
-    """The deepest depth timed up front: the runner's, at most EXPLORE."""
-    return min(runner.policy("auto")[0], EXPLORE)
+    """The deepest depth timed up front: the runner's, at most DEEPEST."""
+    return min(runner.policy("auto")[0], DEEPEST)
 
 
 def shapes(max_depth: int) -> list[int]:
-    """The shapes timed at each size, in order: a plain stretch (PIPED), a plain round (0),
-    then each depth."""
-    return [PIPED, 0, *range(1, max_depth + 1)]
+    """The depths timed at each size, in order (0: plain steps)."""
+    return list(range(max_depth + 1))
 
 
 def missing(paid: Paid, rows: int, max_depth: int) -> int | None:
-    """The first shape at `rows` rows with fewer than ROUNDS times (a depth's, pipelined or
-    not), None when every one has them."""
-    def have(shape: int) -> int:
-        keys = (shape, piped(shape)) if shape > 0 else (shape,)
+    """The first depth at `rows` rows with fewer than ROUNDS times (0: plain steps; a round's
+    pipelined or not), None when every one has them."""
+    def have(depth: int) -> int:
+        keys = (depth, -1 - depth) if depth > 0 else (key((rows, 1, True)),)
         return max(len(paid.get((rows, k), ())) for k in keys)
 
-    return next((shape for shape in shapes(max_depth) if have(shape) < ROUNDS), None)
+    return next((depth for depth in shapes(max_depth) if have(depth) < ROUNDS), None)
 
 
 def sizes_up_to(most: int) -> list[int]:
@@ -120,7 +108,7 @@ def measure(runner: Preparing, most: int, told: Told | None = None, paid: Paid |
             seed: int = 0, stock: Stock | None = None) -> Paid:
     """Round times by (rows, shape) at every size of sizes_up_to(most), through the real
     engine, into `paid` (so an interrupted run leaves what it timed there); depths up to
-    EXPLORE (deeper ones the policy extends, then times as it runs). A traced trunk's shapes
+    DEEPEST. A traced trunk's shapes
     are then timed stock too: `stock` gets the choice, `paid` the faster way's times."""
     passes = runner.trunk.passes
     if passes is not None and any(is_recurrent(c) for c in runner.trunk.make_cache()):
@@ -152,32 +140,48 @@ def measure(runner: Preparing, most: int, told: Told | None = None, paid: Paid |
 
 def _time(runner: Preparing, sizes: list[int], paid: Paid, told: Told | None, done: int,
           total: int, seed: int, how: str = "") -> None:
-    """Every shape at every size, through a Scheduler driven by the timing policy."""
+    """Every shape at every size, through a Scheduler whose depths are the untimed shapes'."""
     curve = runner.costs()
     max_depth = deepest(runner)
     vocab = runner.trunk.args.vocab_size
     rng = random.Random(seed)
     order = shapes(max_depth)
     for size in sizes:
-        policy = _Timing(curve, max_depth, paid=paid, size=size)
-        scheduler = Scheduler(Batch(runner.trunk, runner.head), size, paid, solo=False)
-        scheduler.policy = policy
+        table = CostTable(curve)
+        scheduler = Scheduler(Batch(runner.trunk, runner.head), size, table, solo=False)
+        finished: list[bool] = []
+
+        def timed(size: int = size, table: CostTable = table) -> Paid:
+            return {(size, key(shape)): times for shape, times in table.times.items()
+                    if shape[0] == size}
+
+        def depth(rows: list[Request], size: int = size, timed: Callable[[], Paid] = timed,
+                  finished: list[bool] = finished) -> int:
+            if len(rows) != size:
+                return 0
+            wanted = missing(timed(), size, max_depth)
+            if wanted is None:
+                finished.append(True)
+            return wanted or 0
+
+        scheduler.decider = depth
         for _ in range(size):
             ids = [rng.randrange(vocab) for _ in range(curve.context)]
             scheduler.add(runner.prepare(ids, MAX_TOKENS, depth="auto", draft="head"))
         last = None
-        while scheduler and not policy.done:
+        while scheduler and not finished:
             scheduler.step()
-            now = policy.wanted(size) if len(scheduler.active) == size else last
+            now = missing(timed(), size, max_depth) if len(scheduler.active) == size else last
             if told is not None and now != last and now is not None:
                 told(f"{size} rows, {_name(now)}{how}", done + order.index(now), total)
             last = now
+        paid.update({k: deque(v, maxlen=memory()) for k, v in timed().items()})
         done += len(order)
 
 
 def width(shape: int) -> int:
     """The positions per row of a pass of `shape` (plain: 1; depth K, pipelined or not: K+1)."""
-    return shape + 1 if shape >= 0 else -shape  # (piped(K) = -1 - K; PIPED = piped(0))
+    return shape_of(0, shape)[1]
 
 
 def choose(traced: Paid, stock: Paid, margin: float = MARGIN) -> Stock:
@@ -194,8 +198,8 @@ def choose(traced: Paid, stock: Paid, margin: float = MARGIN) -> Stock:
     return {key: s < margin * t for key, (t, s) in sums.items()}
 
 
-def _name(shape: int) -> str:
-    return "plain steps" if shape == PIPED else "plain rounds" if shape == 0 else f"depth {shape}"
+def _name(depth: int) -> str:
+    return "plain steps" if depth == 0 else f"depth {depth}"
 
 
 def _path(key: dict[str, Any]) -> Path:
@@ -223,6 +227,6 @@ def read(key: dict[str, Any]) -> tuple[Paid, Stock]:
     during it: every shape stays traced)."""
     doc = disk.read(_path(key), "batch")
     doc = doc if doc is not None and doc["key"] == key else {}
-    paid = {shape: deque(map(float, times), maxlen=WINDOW)
+    paid = {shape: deque(map(float, times), maxlen=memory())
             for shape, times in _pairs(doc.get("paid", {})).items()}
     return paid, _pairs(doc.get("stock", {}))

@@ -1,11 +1,9 @@
-"""`--depth auto`'s controller: the only caller of the depth policy.
+"""`--depth auto` for a lone session: the depth policy (decoder/policy.py) decides each round.
 
-Before each round it chooses the source and depth (decoder/policy.py, from the cost curve at the
-session's context and the acceptance seen); the session verifies and commits what it is given and
-returns a RoundOutcome; the controller then tells the policy what the round kept and paid. Where
-plain decoding wins it runs a pipelined plain stretch (cut short when a context match would pay),
-then a timed depth-1 probe. First, while the runner has not timed plain decoding yet, a short
-calibrating stretch.
+Before each round it chooses the source and depth (priced at the session's context); the session
+verifies and commits what it is given and returns a RoundOutcome; the controller then tells the
+policy what the round kept and paid. Where plain decoding wins it runs pipelined plain steps for
+as long as the policy, asked again after each, still prefers them.
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ from mtpkit.decoder.caches import extent
 from mtpkit.decoder.costs import check_plain
 from mtpkit.decoder.drafts import Draft, chain
 from mtpkit.decoder.options import Source
-from mtpkit.decoder.policy import DepthPolicy
+from mtpkit.decoder.policy import DepthPolicy, memory
 from mtpkit.decoder.session import RoundOutcome, Session
 from mtpkit.decoder.stats import Stats
 
@@ -45,7 +43,7 @@ class Controller:
         """The policy asks the curve at the session's context from now on (a stretch's steps
         and a round's are predicted, and what they pay compared, there)."""
         self.policy.context = context(self.session)
-        self.session.stats.plain_s = self.policy.priced.plain
+        self.session.stats.plain_s = self.policy.cost(0)
 
     def extend(self, draft: Draft, most: int) -> Draft:
         """A head draft continued by context tokens (a chain round, at most `most` drafts in
@@ -95,64 +93,45 @@ class Controller:
                 session = self.session
                 shape = (o.source, o.width, o.owed if fed else 0, extent(session.cache),
                          extent(session.mtp_cache))
-                policy.observe_round(o.paid_s, o.depth, o.source, o.drafted, shape)
+                policy.observe_round(o.paid_s, o.depth, o.source, o.drafted, shape, o.width)
+            else:
+                policy.costs.tick(1)
             self.session.stats.predicted_s += policy.cost(o.depth, o.source, o.drafted)
         self.switched = False
 
     def rounds(self, left: Callable[[], int]) -> Iterator[list[int]]:
         """Committed token batches, round after round, as the policy chooses. `left()`: tokens
         still wanted."""
-        policy, session = self.policy, self.session
-        yield from self._stretch(min(policy.calibration(), left() - 1))
         while True:
             source, depth, drafts, match = self.choose(left() - 1)
-            if depth > 0 or left() <= 1:
-                policy.reset_stretch()
+            wanted = self.interrupt is not None and self.interrupt()  # a clean point owed
+            if depth > 0 or left() <= 1 or wanted:
                 yield self.round(self.proposed(source, depth, drafts, match, left() - 1)
                                  ).committed
                 continue
+            # timed every memory() steps (a stretch cut off by the generation's end never is)
+            yield from self._stretch(min(left(), memory()),
+                                     lambda: self.choose(left() - 1)[1] > 0)
 
-            cut: list[bool] = []
-
-            def pays(cut: list[bool] = cut) -> bool:
-                cut.append(self.choose(left() - 1)[0] == Source.LOOKUP)
-                return cut[-1]
-
-            yield from self._stretch(min(policy.plain_stretch(), left()),
-                                     pays if session.lookup is not None else None)
-            if left() <= 1 or (cut and cut[-1]):  # a context match pays: the loop takes it
-                continue
-            drafts, match = (session.lookup.propose(1) if session.head is None and session.lookup
-                             else ([], 0))
-            if session.head is not None or drafts or session.model is not None:  # the probe
-                source = (Source.MODEL if session.model is not None
-                          else Source.LOOKUP if drafts else Source.HEAD)
-                outcome = self.round(self.proposed(source, 1, drafts, match, 1))
-                policy.observe_probe(outcome.paid_s, len(outcome.committed))
-                yield outcome.committed
-
-    def _stretch(self, count: int, stop: Callable[[], bool] | None = None
-                 ) -> Iterator[list[int]]:
-        """A plain stretch chosen by the policy (counted and timed for it)."""
+    def _stretch(self, count: int, stop: Callable[[], bool]) -> Iterator[list[int]]:
+        """Pipelined plain steps until `stop()` (timed for the policy)."""
         policy, session = self.policy, self.session
-        if count <= 0:
-            return
-        self.price()
         if self.interrupt is not None:
             stop = _either(self.interrupt, stop)
         for token in session.plain_steps(count, stop):
-            policy.chosen[0] = policy.chosen.get(0, 0) + 1
-            session.stats.predicted_s += policy.priced.plain
+            policy.plain()
+            policy.costs.tick(1)
+            session.stats.predicted_s += policy.cost(0)
             yield [token]
         policy.observe_plain(*session.plain_paid)
-        if policy.paid.timed("plain"):  # the stored curve judged by what steps pay (costs.py)
-            check_plain(policy.curve, policy.priced.plain * policy.paid.scale("plain"))
+        if policy.costs.learn and (1, 1, True) in policy.costs.ratios:
+            check_plain(policy.curve, policy.cost(0))  # the stored curve judged by what it paid
         self.switched = True
 
     def report(self, stats: Stats) -> None:
         """The depths chosen so far and the cost scales in use, into the statistics."""
         stats.depths = dict(sorted(self.policy.chosen.items()))
-        stats.cost_scale = self.policy.paid.summary()
+        stats.cost_scale = self.policy.costs.summary()
 
 
 def context(session: Session) -> int:

@@ -1,39 +1,26 @@
-"""`--depth auto`: each round's draft source and depth chosen by expected tokens per second.
+"""`--depth auto`: one policy chooses every round's depth, for a lone sequence and a batch alike.
 
-A round at depth K yields 1 + a_1 + ... + a_K tokens on average, where a_i is the chance that the
-first i drafts are all kept, and costs K head drafts plus a verify pass (`CostCurve.round_cost`). A
-plain step yields one token per `plain` seconds. Both are asked of the curve at the session's
-context (`context`, set by the controller before each choice: `CostCurve.at`), so a GPU whose
-multi-row passes grow dear with the keys decodes plainly at 64K before paying for any round. The
-a_i are learned online from the rounds of this generation (an exponentially decayed count, started
-from a prior), so the depth follows the text: deep on boilerplate, shallow on prose, plain where
-the head helps nothing. With context lookup drafting a round may instead take the tokens that
-followed an earlier match of the text's suffix (decoder/lookup.py): free to draft, tracked apart.
-With both sources a head round may go on with what followed the context's match of the text plus
-the head's drafts ("chain": the head guesses where the text is, the context knows how it goes on),
-tracked apart again, as the chance that each extension token is kept given that all head drafts
-were. The depth and the extension depend only on past rounds and on drafts already made, never on
-the verify pass, so each round is exact.
+A round over B rows at depth K runs one pass of shape (B rows, K+1 positions each, pipelined or
+not) plus the drafting; each row then commits 1 + a_1 + ... + a_K tokens on average, where a_i is
+the chance that its first i drafts are kept. The policy picks the K with the most expected
+committed tokens per second across the rows (`decide`): a lone sequence is B = 1, and K = 0 is
+plain decoding (pipelined steps where the rows can take them). Each row drafts from its best
+source at that depth (the head, its context, a draft model), so rows get their own drafts.
 
-A measured curve is an estimate taken apart from decoding, and on a host-bound GPU a round as
-decoding pays it (head drafts, bookkeeping, the host sync) can cost twice what the curve says. So
-the session reports what each round and each plain stretch really took (`observe_round`,
-`observe_plain`), and the policy scales the curve's costs at the context by the median ratio of
-paid to predicted over the last WINDOW of each (robust to a one-off trace or a stalled host), rounds
-once MIN_OBSERVED are in. The first round of each shape a runner runs is not counted (on a GPU
-it may have paid a compile), nor is the first round after a plain stretch: it also pays for the
-switch (the head catching up on the stretch). Until plain decoding has been timed, a
-generation starts with a short calibrating plain stretch. These ratios are the machine's, not
-the text's: the runner keeps them across its generations (acceptance starts afresh each
-time). A curve given by hand (`estimate=False`: a what-if) is taken as it is.
+The a_i are each row's own (`Tracker`: decayed counts from a prior, per source and, for context
+drafts, per match length), so the depth follows the text: deep on boilerplate, shallow on prose,
+plain where drafts help nothing. Evidence fades while a source drafts nothing (plain steps age
+it), so a source written off long ago is tried again once its prior would pay.
 
-When plain decoding wins, the session decodes plainly (pipelined, as fast as depth 0) for a
-stretch, then probes one depth-1 round to see whether the head has become useful; a probe that
-does not switch back doubles the stretch (up to MAX_STRETCH). What a probe pays beyond the
-plain steps its tokens would have cost (`observe_probe`) is timed too, and a stretch is at least
-long enough for that to be PROBE_SHARE of it: where a round costs three plain steps (a small
-trunk on a host-bound GPU), probes come every few hundred tokens, not every 16. So a head that
-drafts nothing useful costs about a percent.
+What a round costs comes from one table (`CostTable`) keyed by its pass's shape: the cost curve
+priced at the rows' context (decoder/curve.py) is its prior, and what rounds pay here corrects
+it: per shape, the median of its last paid/prior ratios, weighed by their decayed count against
+PRIOR_WEIGHT for what `tune` timed of that shape or, without, what the nearest shape timed alike
+says. Untried costs are explored by optimism: every shape is priced cheaper by
+OPTIMISM / sqrt(1 + n), n the decayed count of its timings here, so a shape nobody has timed
+lately gets tried where its price is near the best, and a price taken too dear once is taken
+again as that timing fades. The choice depends only on past rounds and on drafts already made,
+never on the verify pass, so every round stays exact.
 """
 
 from __future__ import annotations
@@ -41,30 +28,33 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 from mtpkit.decoder.curve import CostCurve
 from mtpkit.decoder.options import Source
 
-DECAY = 0.97  # per round: about the last 30 rounds weigh in
-PRIOR_WEIGHT = 2.0  # rounds' worth of belief in the prior
+DECAY = 0.97  # evidence kept per round: about the last 30 rounds weigh in (acceptance and the
+# confidence in a cost alike)
 PRIOR = 0.5  # a_1 before anything is measured; a_i = PRIOR ** i
-MIN_STRETCH = 16
-MAX_STRETCH = 512
-PROBE_SHARE = 0.01  # a probe's cost beyond plain decoding, as a share of the stretch before it
-MARGIN = 1.02  # speculation must beat plain by this much to be chosen
-WINDOW = 15  # paid/predicted cost ratios the policy takes the median of, per source and plain
-MIN_OBSERVED = 3  # round ratios needed before they count (one odd round says little; one
-# plain stretch averages its steps)
-CALIBRATE = 8  # plain tokens decoded first while plain decoding has not been timed as paid
+PRIOR_WEIGHT = 2.0  # rounds' worth of belief in a prior
+OPTIMISM = 0.25  # an untimed shape is priced up to this share cheaper: within it of the best
+# it gets tried; further off, what a try would cost outweighs what it could show
 LONG_MATCH = 4  # lookups are tracked apart by match length 1, 2, 3, 4+: a rejected one-token
 # match says little about an eight-token one, and one tracker let it starve the long ones
+
+Shape = tuple[int, int, bool]  # a pass: (rows, positions per row, pipelined)
 
 
 def tracker_key(source: Source, match: int = 0) -> str:
     """The tracker of a source; a lookup's by the length of the match it drafts from."""
     return f"lookup:{min(max(match, 1), LONG_MATCH)}" if source == Source.LOOKUP else str(source)
+
+
+def memory() -> int:
+    """Timings a shape's correction is the median of: as many as DECAY keeps in mind."""
+    return round(1 / (1 - DECAY))
 
 
 @dataclass
@@ -93,111 +83,237 @@ class Tracker:
             out.append(min(rate, out[-1]) if out else rate)
         return out
 
+    def age(self, rounds: int = 1) -> None:
+        """Evidence fades by DECAY a round (a plain step counts as one)."""
+        keep = DECAY ** rounds
+        self.kept = [k * keep for k in self.kept]
+        self.seen = [s * keep for s in self.seen]
+
     def record(self, depth: int, accepted: int) -> None:
-        for i in range(self.size):
-            self.kept[i] *= DECAY
-            self.seen[i] *= DECAY
+        self.age()
         for i in range(min(depth, self.size)):
             self.seen[i] += 1.0
             self.kept[i] += i < accepted
 
 
 @dataclass
-class PaidCosts:
-    """Ratios of what rounds (per source) and plain steps cost as decoding paid them to what the
-    curve predicted: the median of the last WINDOW of each (1.0 before any), and per source and
-    depth (`by_depth`): what the curve misses may grow with a round's width (attention over
-    W x S scores), so one scale per source would price every shallow round by the deep ones
-    and lock requests into plain steps (docs/benchmarks-history.md, 2026-11-27)."""
+class CostTable:
+    """Seconds of a pass by its shape: the curve's prior corrected by what passes paid here
+    (a runner's: its generations and batches share it). `draft`: one head draft step;
+    `learn`: false for a curve given by hand (a what-if taken as it is)."""
 
-    ratios: dict[str, deque] = field(default_factory=dict)
-    by_depth: dict[tuple[str, int], deque] = field(default_factory=dict)
-    probes: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # plain steps' worth
-    shapes: set[Hashable] = field(default_factory=set)  # of the rounds run here
-    _scales: dict[tuple[str, int | None], float] = field(default_factory=dict)  # asked per
-    # depth option: kept until the next ratio
+    curve: CostCurve
+    ratios: dict[Shape, deque] = field(default_factory=dict)  # paid / prior, the last memory()
+    times: dict[Shape, deque] = field(default_factory=dict)  # paid seconds, as timed
+    confidence: dict[Shape, tuple[float, int]] = field(default_factory=dict)  # (n, clock then)
+    clock: dict[int, int] = field(default_factory=dict)  # passes run, by rows
+    compiled: set[Hashable] = field(default_factory=set)  # pass shapes a round has run here
+    seeded: dict[Shape, float] = field(default_factory=dict)  # corrections timed elsewhere
+    _medians: dict[Shape, float] = field(default_factory=dict)  # of `ratios`, as asked
+    _nearest: dict[Shape, Shape | None] = field(default_factory=dict)  # until a new shape
+
+    @property
+    def learn(self) -> bool:
+        return self.curve.estimate
+
+    @property
+    def draft(self) -> float:
+        return self.curve.draft
+
+    def prior(self, shape: Shape, context: int = 0) -> float:
+        """The curve's price of a pass at `context`: a pipelined plain step for (1, 1, True),
+        else the verify pass over rows x width tokens (one row pads to a cheaper width),
+        pipelined passes by what pipelining saves a plain step. A pipelined step is never
+        priced over the synchronous pass of as many tokens (the same work, its host part
+        overlapped): a curve that says so was timed busy."""
+        rows, width, piped = shape
+        curve = self.curve.at(context)
+        saving = min(curve.plain / curve.verify[0], 1.0)
+        if rows == 1 and width == 1 and piped:
+            return curve.verify[0] * saving
+        tokens = curve.width(width) if rows == 1 else rows * width
+        verify = curve.verify
+        if tokens <= len(verify):
+            seconds = verify[tokens - 1]
+        else:  # beyond the curve: its mean slope (attention and matmuls grow with the tokens)
+            seconds = verify[-1] + (verify[-1] - verify[0]) / max(len(verify) - 1, 1) * (
+                tokens - len(verify))
+        return seconds * (saving if piped else 1.0)
+
+    def correction(self, shape: Shape) -> float:
+        """paid / prior: the median of the shape's own timings, weighed by their decayed count
+        against PRIOR_WEIGHT for what `tune` timed of it or, without, what the nearest shape
+        timed alike (pipelined or not; the fewest rows, then positions, apart) says, else 1:
+        a timing long past, or one alone, gives way to what its neighbours pay now."""
+        n = self.timings(shape) if shape in self.ratios else 0.0
+        base = self.seeded.get(shape)
+        if base is None:
+            if shape not in self._nearest:
+                rows, width, piped = shape
+                self._nearest[shape] = min(
+                    (s for s in (*self.ratios, *self.seeded) if s[2] == piped and s != shape),
+                    default=None, key=lambda s: (abs(s[0] - rows), abs(s[1] - width), s))
+            near = self._nearest[shape]
+            base = 1.0 if near is None else self._median(near)
+        return (n * self._median(shape) + PRIOR_WEIGHT * base) / (n + PRIOR_WEIGHT) if n \
+            else base
+
+    def _median(self, shape: Shape) -> float:
+        if shape not in self.ratios:
+            return self.seeded[shape]
+        if shape not in self._medians:
+            self._medians[shape] = statistics.median(self.ratios[shape])
+        return self._medians[shape]
+
+    def seconds(self, shape: Shape, context: int = 0, drafting: float = 0.0) -> float:
+        """What a round of this pass `shape` is expected to cost at `context`, its drafts
+        priced at `drafting` seconds by the prior (corrected with the pass: both are paid
+        as one round's time)."""
+        return (self.prior(shape, context) + drafting) * self.correction(shape)
+
+    def timings(self, shape: Shape) -> float:
+        """The decayed count of this shape's timings here."""
+        n, then = self.confidence.get(shape, (0.0, 0))
+        return n * DECAY ** (self.clock.get(shape[0], 0) - then)
+
+    def optimistic(self, shape: Shape, context: int = 0, drafting: float = 0.0) -> float:
+        """The price the policy compares: `seconds`, cheaper by OPTIMISM / sqrt(1 + n)."""
+        return self.pricer(shape, context, True)(drafting)
+
+    def pricer(self, shape: Shape, context: int, optimism: bool) -> Callable[[float], float]:
+        """`seconds` (or `optimistic`) of `shape` as a function of the drafting, its terms
+        computed once (the policy asks several plans of one shape)."""
+        prior, factor = self.prior(shape, context), self.correction(shape)
+        if optimism:
+            factor /= 1 + OPTIMISM / math.sqrt(1 + self.timings(shape))
+        return lambda drafting: (prior + drafting) * factor
+
+    def tick(self, rows: int, count: int = 1) -> None:
+        """`count` passes of `rows` rows ran (every shape's confidence at that size fades)."""
+        self.clock[rows] = self.clock.get(rows, 0) + count
+
+    def observe(self, shape: Shape, seconds: float, context: int = 0, count: int = 1,
+                drafting: float = 0.0) -> None:
+        """`count` rounds of pass `shape` (ticked apart) paid `seconds` each, drafts the prior
+        prices at `drafting` seconds included."""
+        self.confidence[shape] = (self.timings(shape) + count, self.clock.get(shape[0], 0))
+        self.times.setdefault(shape, deque(maxlen=memory())).append(seconds)
+        if self.learn and seconds > 0:
+            if shape not in self.ratios:
+                self._nearest.clear()
+            self.ratios.setdefault(shape, deque(maxlen=memory())).append(
+                seconds / (self.prior(shape, context) + drafting))
+            self._medians.pop(shape, None)
+
+    def seed(self, shape: Shape, times: Iterable[float], drafting: float = 0.0) -> None:
+        """Timings taken elsewhere (`tune`'s, from disk), at the curve's own context: what the
+        shape's own timings here are weighed against (they count for nothing in confidence:
+        the shape is still tried as untimed)."""
+        prior = self.prior(shape, self.curve.context) + drafting
+        ratios = [t / prior for t in times if t > 0]
+        if ratios:
+            self.seeded[shape] = statistics.median(ratios)
+            self._nearest.clear()
 
     def first_of(self, shape: Hashable) -> bool:
-        """Whether this is the first round of its shape here (and remember it)."""
-        new = shape not in self.shapes
-        self.shapes.add(shape)
+        """Whether this is the first round of its `shape` here (it may have compiled)."""
+        new = shape not in self.compiled
+        self.compiled.add(shape)
         return new
 
-    def probe_stretch(self) -> int:
-        """The shortest plain stretch that the median probe's extra cost is PROBE_SHARE of."""
-        return math.ceil(statistics.median(self.probes) / PROBE_SHARE) if self.probes else 0
-
-    def add(self, kind: str, paid: float, predicted: float, depth: int | None = None) -> None:
-        if predicted > 0 and paid > 0:
-            ratio = paid / predicted
-            self.ratios.setdefault(kind, deque(maxlen=WINDOW)).append(ratio)
-            if depth is not None:
-                self.by_depth.setdefault((kind, depth), deque(maxlen=WINDOW)).append(ratio)
-            self._scales.clear()
-
-    def scale(self, kind: str, depth: int | None = None) -> float:
-        """The kind's median ratio; a source not yet seen takes the median of every round's;
-        1.0 until MIN_OBSERVED ratios are in. With `depth`: that depth's (`_at`)."""
-        key = (kind, depth)
-        if key not in self._scales:
-            self._scales[key] = self._median(kind) if depth is None else self._at(kind, depth)
-        return self._scales[key]
-
-    def _at(self, kind: str, depth: int) -> float:
-        """A round of `depth` drafts from `kind`: the median of what rounds of that depth paid
-        (MIN_OBSERVED of them); between two such depths, linear in depth; beyond the deepest,
-        the deepest's; below the shallowest, linear toward plain steps' ratio at depth 0 where
-        plain is timed (a narrow pass is nearly a plain step), else the shallowest's. A depth
-        priced too cheap this way is chosen, paid and corrected; one priced too dear by a
-        deeper one's ratio would never have been. No depth of the kind timed: its median."""
-        points = {d: statistics.median(q) for (k, d), q in self.by_depth.items()
-                  if k == kind and len(q) >= MIN_OBSERVED}
-        if not points:
-            return self._median(kind)
-        if depth in points:
-            return points[depth]
-        if min(points) > depth and self.timed("plain"):
-            points[0] = self._median("plain")
-        lo = max((d for d in points if d < depth), default=None)
-        hi = min((d for d in points if d > depth), default=None)
-        if lo is None or hi is None:
-            return points[hi if lo is None else lo]
-        return points[lo] + (points[hi] - points[lo]) * (depth - lo) / (hi - lo)
-
-    def _median(self, kind: str) -> float:
-        seen = list(self.ratios.get(kind, ()))
-        if kind == "plain":
-            return statistics.median(seen) if seen else 1.0
-        if len(seen) < MIN_OBSERVED:
-            seen = [r for k, q in self.ratios.items() if k != "plain" for r in q]
-        return statistics.median(seen) if len(seen) >= MIN_OBSERVED else 1.0
-
-    def timed(self, kind: str) -> bool:
-        return bool(self.ratios.get(kind))
-
     def summary(self) -> dict[str, float]:
-        """kind -> the scale in use (for the generation's statistics)."""
-        return {kind: self.scale(kind) for kind in self.ratios}
+        """Each timed shape's correction, named "rows x width" (+ " piped"), for statistics."""
+        return {f"{r}x{w}{' piped' if p else ''}": self.correction((r, w, p))
+                for r, w, p in sorted({*self.ratios, *self.seeded})}
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What one row can draft this round, as chances that its first i drafts are kept, per
+    source: `head` (the head's or a draft model's: `paid` says which steps it pays; [] for
+    none) and `context` (as many as its context offers, drafted for free)."""
+
+    head: Sequence[float] = ()
+    context: Sequence[float] = ()
+    paid: Source = Source.HEAD
+    sums: tuple[list[float], list[float]] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:  # expected kept drafts by depth, per source
+        object.__setattr__(self, "sums", (list(accumulate(self.head, initial=0.0)),
+                                          list(accumulate(self.context, initial=0.0))))
+
+    def source(self, depth: int) -> Source | None:
+        """The source that keeps more at `depth` (the context on a tie: it drafts for free)."""
+        if depth <= 0 or not (self.head or self.context):
+            return None
+        if self.context and self.kept(depth, True) >= self.kept(depth, head_only=True):
+            return Source.LOOKUP
+        return self.paid if self.head else Source.LOOKUP
+
+    def kept(self, depth: int, free_only: bool = False, head_only: bool = False) -> float:
+        """Expected kept drafts at `depth`: from its best source (or the free one, the head)."""
+        head, context = self.sums
+        free = context[min(depth, len(context) - 1)]
+        if free_only:
+            return free
+        paid = head[min(depth, len(head) - 1)]
+        return paid if head_only else max(paid, free)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A round as decided: its depth (0: plain), each row's source, and the expected rate."""
+
+    depth: int
+    sources: tuple[Source | None, ...]
+    rate: float
+
+
+def decide(offers: Sequence[Offer], table: CostTable, max_depth: int, context: int = 0,
+           pipelined: bool = False, plain: Shape | None = None, model_step: float = 0.0,
+           optimism: bool = True) -> Plan:
+    """The depth with the most expected committed tokens per second for these rows (see the
+    module's doc). `pipelined`: whether a round would run pipelined; `plain`: the shape plain
+    decoding takes (default: pipelined steps); `model_step`: a draft model's step."""
+    rows = len(offers)
+    optimism = optimism and table.learn
+    plain = plain or (rows, 1, True)
+    best = Plan(0, (None,) * rows, rows / table.pricer(plain, context, optimism)(0.0))
+    headed = any(o.head for o in offers)
+    step = model_step if any(o.paid == Source.MODEL for o in offers) else table.draft
+    plans = (False, True) if headed and any(o.context for o in offers) else (not headed,)
+    deepest = max_depth if headed else min(max((len(o.context) for o in offers), default=0),
+                                           max_depth)
+    for depth in range(1, deepest + 1):
+        price = table.pricer((rows, depth + 1, pipelined), context, optimism)
+        for free in plans:
+            kept = rows + sum(o.kept(depth, free) for o in offers)
+            rate = kept / price(0.0 if free else depth * step)
+            if rate > best.rate:
+                sources = tuple(o.source(depth) if not free else
+                                (Source.LOOKUP if o.context else None) for o in offers)
+                best = Plan(depth, sources, rate)
+    return best
 
 
 @dataclass
 class DepthPolicy:
-    """Per round: which source drafts ("head", "lookup") and how deep, or plain decoding; and
-    how far a head round's drafts are extended from the context (`extension`)."""
+    """One request's view of the policy: its acceptance trackers (per source), the runner's
+    cost table (`table`), the context it decodes at; `choose` is `decide` for this one row."""
 
     curve: CostCurve
     max_depth: int
     prior: float = PRIOR
     sources: tuple[Source, ...] = (Source.HEAD,)
-    context: int = 0  # tokens the next round attends over: the curve is asked there
+    context: int = 0  # tokens the next round attends over: priced there
     trackers: dict[str, Tracker] = field(default_factory=dict)
-    stretch: int = MIN_STRETCH
     chosen: dict[int, int] = field(default_factory=dict)  # depth -> rounds (0: plain steps)
-    paid: PaidCosts = field(default_factory=PaidCosts)
+    table: CostTable | None = None
     model_step: float = 0.0  # seconds of one draft model step (a draft model's rounds)
 
     def __post_init__(self) -> None:
         self.sources = tuple(Source(s) for s in self.sources)
+        self.table = self.table if self.table is not None else CostTable(self.curve)
         keys = [tracker_key(s, n) for s in self.sources
                 for n in (range(1, LONG_MATCH + 1) if s == Source.LOOKUP else (0,))]
         keys += [tracker_key(Source.CHAIN)] if {Source.HEAD, Source.LOOKUP} <= set(self.sources) \
@@ -205,48 +321,68 @@ class DepthPolicy:
         self.trackers = self.trackers or {k: Tracker(self.max_depth, self.prior) for k in keys}
 
     @property
+    def costs(self) -> CostTable:
+        assert self.table is not None
+        return self.table
+
+    @property
     def priced(self) -> CostCurve:
-        """The curve at the session's context (the curve keeps each context's: asked often)."""
+        """The curve at the session's context."""
         return self.curve.at(self.context)
 
     def acceptance(self, source: Source = Source.HEAD, match: int = 0) -> list[float]:
         """a_1..a_max_depth of a source (a lookup's: of matches `match` tokens long)."""
         return self.trackers[tracker_key(source, match)].estimates()
 
+    def shape(self, depth: int) -> Shape:
+        """A lone round's pass at `depth` (0: a pipelined plain step)."""
+        return (1, 1, True) if depth == 0 else (1, self.priced.width(depth + 1), False)
+
     def cost(self, depth: int, source: Source = Source.HEAD, drafted: int | None = None) -> float:
-        """Seconds for a round of `depth` drafts, `drafted` of them by the head (default: all
-        for "head", none for "lookup"): a lookup drafts on the host, for free; a draft model
-        pays `model_step` per draft."""
+        """Seconds for a lone round of `depth` drafts, `drafted` of them by the head (default:
+        all for "head", none for "lookup"; a draft model pays `model_step` per draft)."""
+        return self.costs.seconds(self.shape(depth), self.context,
+                                  self.drafting(depth, source, drafted))
+
+    def drafting(self, depth: int, source: Source = Source.HEAD,
+                 drafted: int | None = None) -> float:
+        """What the prior prices a lone round's drafts at (see `cost`)."""
+        if depth == 0:
+            return 0.0
         if source == Source.MODEL:
-            return self.priced.round_cost(depth, 0) + depth * self.model_step
-        if drafted is None:
-            drafted = depth if source == Source.HEAD else 0
-        return self.priced.round_cost(depth, drafted)
+            return depth * self.model_step
+        drafted = (depth if source == Source.HEAD else 0) if drafted is None else drafted
+        return drafted * self.costs.draft
+
+    def offer(self, lookup_width: int = 0, match: int = 0,
+              sources: tuple[Source, ...] | None = None) -> Offer:
+        """This row's offer: its paid source's acceptance, and `lookup_width` context drafts
+        from a `match`-token match."""
+        sources = self.sources if sources is None else sources
+        paid = next((s for s in sources if s in (Source.HEAD, Source.MODEL)), None)
+        context = (self.acceptance(Source.LOOKUP, match)[:lookup_width]
+                   if Source.LOOKUP in sources and lookup_width > 0 else [])
+        return Offer(self.acceptance(paid) if paid is not None else [], context,
+                     paid or Source.HEAD)
+
+    def choose(self, lookup_width: int = 0, sources: tuple[Source, ...] | None = None,
+               match: int = 0) -> tuple[Source | None, int]:
+        """(source, depth) with the highest expected rate for this row alone ((None, 0):
+        plain). A lookup drafts at most `lookup_width` tokens, from a `match`-token match."""
+        plan = decide([self.offer(lookup_width, match, sources)], self.costs, self.max_depth,
+                      self.context, model_step=self.model_step)
+        source = plan.sources[0]
+        if plan.depth == 0 or source is None:
+            return None, 0
+        return source, min(plan.depth, lookup_width) if source == Source.LOOKUP else plan.depth
 
     def rate(self, depth: int, acceptance: list[float] | None = None,
              source: Source = Source.HEAD) -> float:
         """Expected tokens per second at `depth` from `source` (0: plain decoding)."""
         if depth == 0:
-            return 1.0 / (self.priced.plain * self.paid.scale("plain"))
+            return 1.0 / self.cost(0)
         a = self.acceptance(source) if acceptance is None else acceptance
-        return (1.0 + sum(a[:depth])) / (self.cost(depth, source)
-                                        * self.paid.scale(source, depth))
-
-    def choose(self, lookup_width: int = 0, sources: tuple[Source, ...] | None = None,
-               match: int = 0) -> tuple[Source | None, int]:
-        """The (source, depth) with the highest expected rate; (None, 0), plain, unless speculation
-        beats plain by MARGIN. A lookup can draft at most `lookup_width` tokens this round,
-        from a match `match` tokens long."""
-        options = []
-        for source in self.sources if sources is None else sources:
-            most = (min(lookup_width, self.max_depth) if source == Source.LOOKUP
-                    else self.max_depth)
-            a = self.acceptance(source, match)
-            options += [(self.rate(d, a, source), source, d) for d in range(1, most + 1)]
-        if not options:
-            return None, 0
-        rate, source, depth = max(options)
-        return (source, depth) if rate >= MARGIN * self.rate(0) else (None, 0)
+        return (1.0 + sum(a[:depth])) / self.cost(depth, source)
 
     def extension(self, depth: int, available: int) -> int:
         """How many of `available` context tokens to append to `depth` head drafts: the count
@@ -264,7 +400,7 @@ class DepthPolicy:
         return max(range(most + 1), key=lambda more: (rate(more), -more))
 
     def best(self) -> int:
-        """The head's best depth, 0 unless it beats plain decoding by MARGIN."""
+        """The head's best depth, 0 where plain decoding is faster."""
         return self.choose(sources=(Source.HEAD,))[1]
 
     def predicted_speedup(self, depth: int | None = None,
@@ -288,38 +424,27 @@ class DepthPolicy:
             self.trackers[tracker_key(source, match)].record(depth, accepted)
         self.chosen[depth] = self.chosen.get(depth, 0) + 1
 
-    def observe_round(self, seconds: float, depth: int, source: Source = Source.HEAD,
-                      drafted: int | None = None, shape: Hashable | None = None) -> None:
-        """What a round of `depth` drafts really took (a measured curve only), unless it is
-        the first of its `shape` (the verify width and the cache buffers): that one may have
-        compiled."""
-        if self.curve.estimate and (shape is None or not self.paid.first_of(shape)):
-            self.paid.add(source, seconds, self.cost(depth, source, drafted), depth)
+    def plain(self, steps: int = 1) -> None:
+        """`steps` plain steps decoded: counted, and every source's evidence ages by them."""
+        self.chosen[0] = self.chosen.get(0, 0) + steps
+        for tracker in self.trackers.values():
+            tracker.age(steps)
 
-    def observe_probe(self, seconds: float, tokens: int) -> None:
-        """What a probe after a plain stretch took, committing `tokens` (a measured curve
-        only): its cost beyond that many plain steps sets the shortest stretch."""
-        if self.curve.estimate:
-            step = self.priced.plain * self.paid.scale("plain")
-            self.paid.probes.append(max(seconds / step - tokens, 0.0))
+    def observe_round(self, seconds: float, depth: int, source: Source = Source.HEAD,
+                      drafted: int | None = None, shape: Hashable | None = None,
+                      width: int | None = None) -> None:
+        """What a lone round of `depth` drafts took (its pass ran `width` positions), unless
+        it is the first of its `shape` here (the verify width and the cache buffers): that
+        one may have compiled."""
+        self.costs.tick(1)
+        if shape is not None and self.costs.first_of(shape):
+            return
+        pass_shape = (1, width, False) if width else self.shape(depth)
+        self.costs.observe(pass_shape, seconds, self.context,
+                           drafting=self.drafting(depth, source, drafted))
 
     def observe_plain(self, seconds: float, tokens: int) -> None:
-        """What `tokens` plain steps really took (a measured curve only)."""
-        if self.curve.estimate and tokens > 0:
-            self.paid.add("plain", seconds / tokens, self.priced.plain)
+        """What `tokens` pipelined plain steps took."""
+        if tokens > 0:  # (the clock ticked step by step: the controller)
+            self.costs.observe((1, 1, True), seconds / tokens, self.context, tokens)
 
-    def calibration(self) -> int:
-        """Plain tokens to decode before the first choice: CALIBRATE while plain decoding has
-        not been timed as paid (a measured plain step is as much an estimate as a round, and
-        a policy that never goes plain would never learn it), else none."""
-        return CALIBRATE if self.curve.estimate and not self.paid.timed("plain") else 0
-
-    def plain_stretch(self) -> int:
-        """Tokens to decode plainly before the next probe; each call doubles the next one, and
-        none is shorter than what probes have cost allows (up to MAX_STRETCH). Called only
-        when `best` chose plain; `reset_stretch` after speculation wins again."""
-        n, self.stretch = self.stretch, min(2 * self.stretch, MAX_STRETCH)
-        return max(n, min(self.paid.probe_stretch(), MAX_STRETCH))
-
-    def reset_stretch(self) -> None:
-        self.stretch = MIN_STRETCH

@@ -18,7 +18,6 @@ from mlx_lm.utils import dequantize_model, load_model
 from mtpkit.decoder import batch_costs, distributed, kernels, sharding
 from mtpkit.decoder.assistant import attach as attach_assistant
 from mtpkit.decoder.batch import Batch
-from mtpkit.decoder.batch_policy import Prices
 from mtpkit.decoder.caches import batchable, unquantizable
 from mtpkit.decoder.context import check_prompt, context_of
 from mtpkit.decoder.controller import Controller
@@ -38,7 +37,7 @@ from mtpkit.decoder.options import (
     dtype_option,
     kv_option,
 )
-from mtpkit.decoder.policy import DepthPolicy, PaidCosts
+from mtpkit.decoder.policy import CostTable, DepthPolicy
 from mtpkit.decoder.prefix import PrefixCache
 from mtpkit.decoder.rows import use_few_rows_linears, use_kernel_linears
 from mtpkit.decoder.scheduler import Event, Request, Scheduler
@@ -157,8 +156,7 @@ class Runner:
         self.dtype_note = ""  # what dtype="auto" chose and why (decoder/dtypes.py)
         self.unsupported: str | None = None  # why the bundle's head is not run (mtp.unsupported)
         self._costs: CostCurve | None = None
-        self.paid = PaidCosts()  # what rounds and plain steps really cost here (policy.py)
-        self.batch_paid = Prices()  # what a batch's rounds cost, by (rows, depth): batch_policy.py
+        self.paid: CostTable | None = None  # what passes cost here, by shape (policy.py)
         self.drafter: DraftModel | None = None  # a draft model (load_draft_model)
         self.vocab: dict[str, int] | None = None  # its tokenizer's token -> id, as the bundle's
 
@@ -193,13 +191,20 @@ class Runner:
         progress: told how a measurement goes (decoder/costs.py's Tick); nothing is printed."""
         if self._costs is None or refresh:
             self._costs = costs_for(self, refresh, progress)
-            self.paid = PaidCosts()
-            self.batch_paid.clear()  # (in place: schedulers made before share it)
+            self.paid = None
             if self._costs.key:  # a bundle's: what `tune --batch` timed, as the first prices
                 paid, stock = batch_costs.read(self._costs.key)
-                self.batch_paid.update(paid)
+                batch_costs.seed(self.table(), paid)
                 self._stock(stock)
         return self._costs
+
+    def table(self) -> CostTable:
+        """The cost table every auto generation and batch of this runner prices passes by
+        (decoder/policy.py): its curve the prior, what passes paid here the correction."""
+        curve = self.costs()
+        if self.paid is None or self.paid.curve is not curve:
+            self.paid = CostTable(curve)
+        return self.paid
 
     def _stock(self, stock: batch_costs.Stock) -> None:
         """A traced trunk's batch passes go stock where tune timed that faster."""
@@ -225,8 +230,8 @@ class Runner:
             finally:  # Ctrl-C keeps the shapes timed so far (a later tune times the rest)
                 if key and paid:
                     batch_costs.store(key, paid, stock)
-        self.batch_paid.clear()
-        self.batch_paid.update(paid)
+        self.paid = None
+        batch_costs.seed(self.table(), paid)
         self._stock(stock)
         return paid, timed
 
@@ -266,7 +271,7 @@ class Runner:
             return FIXED_DEPTH, None
         if draft == Source.MODEL and depth == "auto" and self.drafter is not None:
             return MAX_AUTO_DEPTH, DepthPolicy(self.costs(), MAX_AUTO_DEPTH, sources=(draft,),
-                                               paid=self.paid,
+                                               table=self.table(),
                                                model_step=self.drafter.step_cost())
         if depth == "auto":
             sources = tuple(s for s, ok in ((Source.HEAD, self.head is not None
@@ -274,9 +279,8 @@ class Runner:
                                             (Source.LOOKUP, draft != Source.HEAD)) if ok)
             if not sources:
                 return 0, None
-            curve = self.costs()
-            return MAX_AUTO_DEPTH, DepthPolicy(curve, MAX_AUTO_DEPTH, sources=sources,
-                                               paid=self.paid)
+            return MAX_AUTO_DEPTH, DepthPolicy(self.costs(), MAX_AUTO_DEPTH, sources=sources,
+                                               table=self.table())
         if depth is None:
             return (self.head.blocks if self.head is not None else 0), None
         assert isinstance(depth, int)  # checked: DecodeOptions
@@ -380,8 +384,7 @@ class Runner:
         (prompt index, Piece) as text is committed; each prompt's last piece carries its
         Result. `options` apply to every prompt, `each[i]` (max_tokens included) to prompt i
         only."""
-        scheduler = Scheduler(Batch(self.trunk, self.head), batch_option(max_batch, self.kv, self.batchable),
-                              self.batch_paid)
+        scheduler = Scheduler(Batch(self.trunk, self.head), batch_option(max_batch, self.kv, self.batchable))
         asks = [options | {"max_tokens": max_tokens} | (dict(each[i]) if each else {})
                 for i in range(len(prompts))]
         requests = [self.prepare(p, **a) for p, a in zip(prompts, asks, strict=True)]

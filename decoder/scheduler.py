@@ -8,8 +8,9 @@ mid-round (`take_arrivals`), that chunk may run between the stages of a round's 
 (Batch._staged): a request that arrives during a round waits for one stage, not the round.
 Each round every row asks for its draft: at a fixed depth as a lone
 session would (context drafts where its text offers some, else the head's, else a plain step);
-under `--depth auto` from its own acceptance trackers, with the batch's depth chosen by
-decoder/batch_policy.py from what a pass of this many rows and positions costs here.
+under `--depth auto` the depth policy (decoder/policy.py's `decide`, as for a lone sequence)
+chooses the round's depth from every auto row's acceptance and what a pass of this shape costs
+here, and each row drafts from its best source at it.
 """
 
 from __future__ import annotations
@@ -22,15 +23,16 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from mtpkit.decoder.batch import Ask, Batch
-from mtpkit.decoder.batch_policy import BatchPolicy, Prices
 from mtpkit.decoder.batch_prefill import pays as prefill_pays
 from mtpkit.decoder.batch_prefill import prefill_together
 from mtpkit.decoder.controller import Controller
-from mtpkit.decoder.policy import DepthPolicy
+from mtpkit.decoder.options import Source
+from mtpkit.decoder.policy import CostTable, DepthPolicy, Offer, decide
 from mtpkit.decoder.session import RoundOutcome, Session, Stopped
 from mtpkit.decoder.stats import Stats
 
-SPEC_ROUNDS = 16  # pipelined speculative rounds between two of the batch policy's choices
+SPEC_ROUNDS = 16  # pipelined speculative rounds between two of the policy's choices (each
+# asks every row's context: not every round)
 
 
 @dataclass
@@ -48,7 +50,6 @@ class Request:
     finish: str | None = None  # "stop", "length" or "cancelled" once done
     started: float = 0.0
     first_at: float | None = None
-    plain_run: int = 0  # auto: rounds decoded plain since the last probe
 
     @property
     def stats(self) -> Stats:
@@ -77,13 +78,14 @@ class Scheduler:
     another arrives; then it ends any plain stretch (its queued step committed) and joins the
     batch at the next clean point, and the newcomer's prefill starts."""
 
-    def __init__(self, batch: Batch, max_batch: int, paid: dict | None = None,
+    def __init__(self, batch: Batch, max_batch: int, paid: CostTable | None = None,
                  solo: bool = True) -> None:
-        """paid: round times by (rows, depth), shared by the batches of one runner (its
-        `batch_paid`), for the batch policy under auto."""
+        """paid: the runner's cost table (decoder/policy.py), which auto rows are priced by
+        (default: the first auto request's)."""
         self.batch, self.max_batch = batch, max_batch
-        self.policy: BatchPolicy | None = None
-        self.paid = Prices() if paid is None else paid
+        self.paid = paid
+        self.decider: Callable[[list[Request]], int] | None = None  # overrides the policy's
+        # choice of depth (decoder/batch_costs.py times shapes through it)
         self.waiting: deque[Request] = deque()
         self.filling: tuple[Request, Iterator[int | None]] | None = None
         self.active: list[Request] = []
@@ -99,12 +101,11 @@ class Scheduler:
         self.next_depth: tuple[int, int] | None = None  # (rows, depth) stop() chose: _asks
 
     def add(self, request: Request) -> None:
-        """Queue a request (prepared by Runner.prepare); the first under auto brings the batch
-        policy its curve."""
+        """Queue a request (prepared by Runner.prepare); the first under auto brings its cost
+        table where none was given."""
         request.started = time.perf_counter()
-        if request.policy is not None and self.policy is None:
-            self.policy = BatchPolicy(request.policy.curve, request.policy.max_depth,
-                                      paid=self.paid)
+        if request.policy is not None and self.paid is None:
+            self.paid = request.policy.costs
         self.waiting.append(request)
 
     def __bool__(self) -> bool:
@@ -255,11 +256,11 @@ class Scheduler:
     # -- rounds -----------------------------------------------------------------------------
 
     def _round(self) -> list[Event]:
-        if self._start_stretch():
+        asks = self._asks()
+        if self._start_stretch(asks):
             events = self._stretch_step()
             if events is not None:
                 return events
-        asks = self._asks()
         if self._start_spec(asks) and (events := self._spec_step()) is not None:
             return events
         events = self._settled(self.batch.round(asks))
@@ -269,8 +270,8 @@ class Scheduler:
     def _settled(self, outcomes: list[RoundOutcome], pipelined: bool = False) -> list[Event]:
         """A round's outcomes learnt and committed (a row done earlier in a pipelined stretch
         takes no more)."""
-        if self.policy is not None:
-            self.policy.observe(len(outcomes), outcomes, pipelined)
+        if self.paid is not None:
+            self._observe(outcomes, pipelined)
         events = []
         for request, outcome in zip(list(self.active), outcomes, strict=True):
             if request.finish is None:
@@ -292,13 +293,11 @@ class Scheduler:
 
     def _start_spec(self, asks: list[Ask]) -> bool:
         """Speculative rounds pipelined (Batch.spec_rounds) where every row drafts the same
-        depth from the head: under auto once the batch policy chose that depth on prices (not
-        while it explores). Every SPEC_ROUNDS rounds the policy chooses again (a stale
-        neighbouring depth's probe among its choices: BatchPolicy._probe) and
-        the stretch goes on while it picks this depth (a restart costs a round the host
-        cannot overlap); once a row is done, until every row is (a done row
-        stays until then: `_wanted`). With a row at a fixed depth, no round can reach a row's
-        max_tokens (its last rounds draft fewer, as alone: its seeded text is the same
+        depth from the head (under auto: the policy's choice). Every SPEC_ROUNDS rounds the
+        policy chooses again and the stretch goes on while it picks this depth (a restart
+        costs a round the host cannot overlap); once a row is done, until every row is (a done
+        row stays until then: `_wanted`). With a row at a fixed depth, no round can reach a
+        row's max_tokens (its last rounds draft fewer, as alone: its seeded text is the same
         batched); under auto a row's surplus past its max_tokens is dropped (its depth is
         the batch's choice anyway, and what it commits is exact at any depth), so the
         batch's last tokens come pipelined too. Rows then draft from the
@@ -306,12 +305,10 @@ class Scheduler:
         drafts from its context where its text offers, as alone). Only where the host's work
         overlaps the device's (a GPU: batch.overlaps)."""
         depth = asks[0].depth
-        auto = any(r.policy is not None for r in self.active)
         if (not self.batch.pipelined or depth < 1
                 or any(a.context or a.depth != depth for a in asks)
                 or not all(self.batch.headed)
-                or any(r.policy is None and r.session.lookup is not None for r in self.active)
-                or auto and not (self.policy is not None and self.policy.decided)):
+                or any(r.policy is None and r.session.lookup is not None for r in self.active)):
             return False
         fixed = [r.left for r in self.active if r.policy is None]
         rounds = ((min(fixed) - 1) // (depth + 1) if fixed
@@ -338,13 +335,12 @@ class Scheduler:
 
     def _chosen_otherwise(self, auto_rows: list[Request], depth: int) -> bool:
         """The policy's choice at a pipelined stretch's check: whether it is not `depth` again
-        (the stretch then ends). A different depth chosen on prices (a probe among them) is
-        what the next stretch runs: `_asks` takes it rather than choosing again."""
-        assert self.policy is not None
-        chosen = self.policy.depth(auto_rows, len(self.active))
-        if chosen == depth and self.policy.decided:
+        (the stretch then ends). A different depth is what the next stretch runs: `_asks`
+        takes it rather than choosing again."""
+        chosen = self._depth(auto_rows)
+        if chosen == depth:
             return False
-        if chosen > 0 and self.policy.decided:
+        if chosen > 0:
             self.next_depth = (len(self.active), chosen)
         return True
 
@@ -361,23 +357,23 @@ class Scheduler:
         self.rows = len(self.active)
         return self._settled(outcomes, pipelined=True)
 
-    def _start_stretch(self) -> bool:
+    def _start_stretch(self, asks: list[Ask]) -> bool:
         """Plain steps pipelined (Batch.plain_steps) where every row decodes plain for a
-        while: rows at a fixed depth 0, and under auto a plain stretch the policy chose. A row
-        at a fixed depth above 0 keeps every round a speculative one."""
-        if any(r.policy is None and r.session.depth > 0 for r in self.active):
+        while: rows at a fixed depth 0, and auto rows while the policy prefers plain steps
+        (asked again after each). A row at a fixed depth above 0 keeps every round a
+        speculative one."""
+        if (any(r.policy is None and r.session.depth > 0 for r in self.active)
+                or any(a.depth or a.context for a in asks)):
             return False
-        fewest = min(r.left for r in self.active)
-        if not any(r.policy is not None for r in self.active):
-            steps = fewest  # all plain, for good
-        elif self.policy is not None and self.policy.plain_left >= 3:
-            steps = min(self.policy.stretch_steps(), fewest)
-        else:
-            return False
+        steps = min(r.left for r in self.active)
         if steps < 2:
             return False
+        auto = [r for r in self.active if r.policy is not None]
 
-        self.stretch = self.batch.plain_steps(steps, self._wanted)
+        def stop() -> bool:
+            return self._wanted() or bool(auto) and self._depth(auto) > 0
+
+        self.stretch = self.batch.plain_steps(steps, stop)
         return True
 
     def _stretch_step(self) -> list[Event] | None:
@@ -390,27 +386,44 @@ class Scheduler:
             self._leave()
             return None
         self.rows = len(self.active)
-        if self.policy is not None:
-            self.policy.observe_plain(self.rows, paid)
+        if self.paid is not None:
+            self.paid.tick(self.rows)
+            self.paid.observe((self.rows, 1, True), paid)
         events = []
         for request, token in zip(self.active, tokens, strict=True):
             if request.finish is None:  # a row done earlier in the stretch takes no more
                 if request.policy is not None:
-                    request.policy.chosen[0] = request.policy.chosen.get(0, 0) + 1
+                    request.policy.plain()
                 events += self._commit(request, [token])
         return events
 
+    def _pipelines(self) -> bool:
+        """Whether a round chosen now would run pipelined (as _start_spec asks: every row
+        drafting from the head where host and device overlap)."""
+        return (self.batch.pipelined and all(self.batch.headed)
+                and all(r.session.lookup is None and r.session.model is None
+                        for r in self.active))
+
+    def _depth(self, auto: list[Request]) -> int:
+        """The depth of the next round for the auto rows (0: plain): the policy's plan over
+        every row (mates at a fixed depth priced as a row that commits one token), or the
+        `decider`'s."""
+        if self.decider is not None:
+            return self.decider(auto)
+        assert self.paid is not None and auto
+        first = auto[0].policy
+        assert first is not None
+        offers = [_offer(r) for r in auto] + [Offer()] * (len(self.active) - len(auto))
+        stretch = not any(r.policy is None and r.session.depth > 0 for r in self.active)
+        return decide(offers, self.paid, first.max_depth, 0, self._pipelines(),
+                      (len(self.active), 1, stretch), first.model_step).depth
+
     def _asks(self) -> list[Ask]:
         auto = [r for r in self.active if r.policy is not None]
-        if self.policy is not None:  # as _start_spec asks (context drafts keep rounds apart)
-            self.policy.overlaps = self.batch.pipelined and all(self.batch.headed)
-            self.policy.pipelines = (self.policy.overlaps
-                                     and all(r.session.lookup is None for r in self.active))
         if self.next_depth is not None and self.next_depth[0] == len(self.active):
-            depth = self.next_depth[1]  # chosen as the last stretch ended (decided)
+            depth = self.next_depth[1]  # chosen as the last stretch ended
         else:
-            depth = (self.policy.depth(auto, len(self.active))
-                     if self.policy is not None and auto else 0)
+            depth = self._depth(auto) if auto else 0
         self.next_depth = None
         return [self._ask(r, depth) for r in self.active]
 
@@ -428,7 +441,26 @@ class Scheduler:
                 if drafts:
                     return Ask(context=tuple(drafts), match=match)
             return Ask(depth=depth if headed else 0)
-        return self.policy.ask(request, batch_depth, most, headed)
+        depth = min(batch_depth, most)
+        if depth <= 0:
+            return Ask()
+        offer = _offer(request, depth)
+        if offer.source(depth) == Source.LOOKUP:
+            drafts, match = _context(request, depth)
+            return Ask(context=tuple(drafts), match=match)
+        return Ask(depth=depth if offer.head else 0)
+
+    def _observe(self, outcomes: list[RoundOutcome], pipelined: bool) -> None:
+        """A round's time into the cost table, under its pass's shape (the widest row), its
+        head steps priced as the prior prices them."""
+        assert self.paid is not None
+        rows = len(outcomes)
+        depth = max(o.depth for o in outcomes)
+        steps = max((o.drafted for o in outcomes if o.source in (Source.HEAD, Source.CHAIN)),
+                    default=0)
+        self.paid.tick(rows)
+        self.paid.observe((rows, depth + 1, pipelined), outcomes[0].paid_s,
+                          drafting=steps * self.paid.draft)
 
     def _learn(self, request: Request, outcome: RoundOutcome) -> None:
         policy = request.policy
@@ -438,7 +470,7 @@ class Scheduler:
             policy.record(outcome.depth, outcome.kept, outcome.source, outcome.drafted,
                           outcome.match)
         else:
-            policy.chosen[0] = policy.chosen.get(0, 0) + 1
+            policy.plain()
 
     # -- committing and leaving -------------------------------------------------------------
 
@@ -482,3 +514,26 @@ class Scheduler:
                     and self.filling is None and not self.entering):  # the last one left: solo again
                 self.batch.part()
                 self._start_solo(self.active.pop())
+
+
+def _context(request: Request, width: int) -> tuple[list[int], int]:
+    """The row's context drafts (up to `width`) and their match length, where it drafts from
+    its context under auto."""
+    policy, lookup = request.policy, request.session.lookup
+    if policy is None or lookup is None or Source.LOOKUP not in policy.sources:
+        return [], 0
+    drafts, match = lookup.propose(width)
+    return drafts, match
+
+
+def _offer(request: Request, width: int | None = None) -> Offer:
+    """What an auto row offers the policy, up to `width` drafts (default: its deepest): its
+    head's acceptance where it has head drafts, and its context's drafts' (a context's are
+    those of the match it would draft from now, its tracker by match length)."""
+    policy, session = request.policy, request.session
+    assert policy is not None
+    width = policy.max_depth if width is None else width
+    headed = session.head is not None and session.depth > 0 and Source.HEAD in policy.sources
+    drafts, match = _context(request, width)
+    sources = (Source.HEAD,) * headed + (Source.LOOKUP,)
+    return policy.offer(len(drafts), match, sources)

@@ -95,8 +95,8 @@ class Service:
                                lambda: prefix.nbytes if prefix else 0,
                                lambda: len(prefix) if prefix else 0,
                                lambda: len(self.queue.batch))
-        batcher = (lambda: Scheduler(Batch(runner.trunk, runner.head), self.max_batch,
-                                     runner.batch_paid)) if self.max_batch > 1 else None
+        batcher = (lambda: Scheduler(Batch(runner.trunk, runner.head), self.max_batch)
+                   ) if self.max_batch > 1 else None
         # the line of requests, and the worker serving it
         self.queue = Worker(max_queue, self.max_batch, batcher, self.metrics.rows_per_pass.observe)
 

@@ -178,7 +178,8 @@ def test_serve_auto_measures_the_curve_at_start_up(built: Callable[..., Path], c
     assert "timing batched rounds for --depth auto" in result.stderr
     assert re.search(r"batches: round prices for [\d, ]+ rows, timed once", result.stderr)
     runner = started[0].service.runner
-    assert runner._costs is not None and {2, 4, 8} <= {rows for rows, _ in runner.batch_paid}
+    assert runner._costs is not None and runner.paid is not None
+    assert {2, 4, 8} <= {rows for rows, _, _ in runner.paid.seeded}
 
     started.clear()  # a second start reads both; one at a time times no batch
     again = _invoke("serve", str(built("qwen3_5")), "--port", "0", "--max-batch", "4")

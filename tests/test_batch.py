@@ -439,112 +439,85 @@ def test_traced_batch_passes_decode_the_same(monkeypatch: pytest.MonkeyPatch) ->
     assert calls and all(calls), "every batch pass was traced"
 
 
-def test_the_batch_policy_times_each_depth_and_drops_a_losing_one() -> None:
-    """A single-sequence curve that makes drafts look free, rows that keep 90% of their drafts,
-    and a batch whose rounds really cost 3 plain rounds per draft: the policy times depths 0 to
-    EXPLORE first, then decodes plain; where drafts are cheap it climbs to the deepest."""
-    from types import SimpleNamespace
+def _keen(curve: Any, max_depth: int, kept: float = 0.9, depth: int = 3) -> Any:
+    """A row's policy (the batch's view of an auto row) whose head kept `kept` of its drafts
+    at `depth`."""
+    from mtpkit.decoder.policy import DepthPolicy
 
-    from mtpkit.decoder.batch_policy import EXPLORE, BatchPolicy
+    row = DepthPolicy(curve, max_depth)
+    for i in range(40):
+        row.record(depth, depth if (i % 10) < 10 * kept else 0)
+    return row
+
+
+def _run(table: Any, offers: list[Any], max_depth: int, paid: Callable[[int], float],
+         rounds: int) -> list[int]:
+    """`rounds` batch rounds as `decide` plans them, each paying `paid(depth)` (0: a plain
+    step of every row): the depths chosen."""
+    from mtpkit.decoder.policy import decide
+
+    rows, chosen = len(offers), []
+    for _ in range(rounds):
+        depth = decide(offers, table, max_depth).depth
+        chosen.append(depth)
+        table.tick(rows)
+        table.observe((rows, depth + 1, depth == 0), paid(depth))
+    return chosen
+
+
+def test_the_policy_drops_a_depth_whose_batch_rounds_cost_more_than_priced() -> None:
+    """A curve that makes drafts look free and rows that keep 90% of their drafts: where a
+    batch's rounds really cost 3 plain steps per draft, the policy leaves the depths it tries
+    as they are timed and decodes plain; where drafts are as cheap as priced it goes deepest."""
     from mtpkit.decoder.curve import CostCurve
-    from mtpkit.decoder.policy import MIN_OBSERVED, DepthPolicy
+    from mtpkit.decoder.policy import CostTable
 
-    curve = CostCurve([0.01] * 16, 0.01, 0.0)
-
-    def rows() -> list[Any]:
-        out = []
-        for _ in range(4):
-            policy = DepthPolicy(curve, 8)
-            for _ in range(40):
-                policy.record(8, 8 if random.random() < 0.9 else 0)
-            out.append(SimpleNamespace(policy=policy, session=SimpleNamespace(head=1, depth=8)))
-        return out
-
+    curve = CostCurve([0.01] * 16, 0.01, 0.0, estimate=True)
     for per_draft, want in ((3.0, 0), (0.02, 8)):
-        policy, batch = BatchPolicy(curve, 8), rows()
-        chosen = []
-        for _ in range((EXPLORE + 1) * MIN_OBSERVED + 30):  # deeper depths: one at a time
-            depth = policy.depth(batch)
-            chosen.append(depth)
-            policy.observe(4, [SimpleNamespace(depth=depth, paid_s=0.01 * (1 + per_draft * depth))])
-        assert sorted(set(chosen[:(EXPLORE + 1) * MIN_OBSERVED])) == list(range(EXPLORE + 1))
-        assert chosen[-1] == want, (per_draft, chosen)
+        offers = [_keen(curve, 8, depth=8).offer() for _ in range(4)]
+        chosen = _run(CostTable(curve), offers, 8, lambda d, p=per_draft: 0.01 * (1 + p * d), 60)
+        assert chosen[0] == 8 and chosen[-1] == want, (per_draft, chosen)
+        assert chosen[-20:].count(want) >= 18, chosen
 
 
-def test_a_new_batch_size_borrows_the_nearest_sizes_timings() -> None:
-    """Rows leave and join all the time: a size not timed yet decides on the nearest size's
-    round times at once (no exploration rounds), then on its own as they are taken."""
-    from types import SimpleNamespace
-
-    from mtpkit.decoder.batch_policy import EXPLORE, BatchPolicy
+def test_a_new_batch_size_takes_the_nearest_sizes_correction() -> None:
+    """Rows leave and join all the time: a size not timed yet is priced by the curve's prior
+    for its rows x positions, corrected as the nearest size's same shape paid (then by its own
+    timings, weighed by their count)."""
     from mtpkit.decoder.curve import CostCurve
-    from mtpkit.decoder.policy import MIN_OBSERVED
+    from mtpkit.decoder.policy import CostTable
 
-    curve = CostCurve([0.01] * 16, 0.01, 0.0)
-    rows = _keen_rows(curve, 3)
-    policy = BatchPolicy(curve, 3)
-    for depth in range(EXPLORE + 1):
-        for _ in range(MIN_OBSERVED):
-            policy.observe(4, [SimpleNamespace(depth=depth, paid_s=0.01 * (1 + 0.1 * depth))])
-    assert policy.depth(rows[:3], 3) == 3 and policy.decided
-    for _ in range(MIN_OBSERVED):  # deep rounds of three rows turn out dear
-        policy.observe(3, [SimpleNamespace(depth=3, paid_s=0.2)])
-    assert policy.depth(rows[:3], 3) == 2 and policy.decided
-    assert policy.depth(rows, 4) == 3
-
-
-def test_a_smaller_batch_lends_no_deeper_shape_than_this_size_has_timed() -> None:
-    """A 4-row batch's cheap deep rounds do not price an 8-row batch's: depths beyond what a
-    batch of 8 or more has timed (and beyond EXPLORE) are priced by extending the 8-row
-    prices (the old borrowing chose depth 7 here); shapes 8 rows have timed are still lent to
-    a batch of 7, and shallow ones to a larger batch that has timed one depth only (it
-    explores nothing)."""
-    from mtpkit.decoder.batch_policy import EXPLORE, PIPED, BatchPolicy, piped
-    from mtpkit.decoder.curve import CostCurve
-    from mtpkit.decoder.policy import MIN_OBSERVED
-
-    curve = CostCurve([0.001] * 16, 0.001, 0.0)
-    rows = _keen_rows(curve, 8) * 2
-    policy = BatchPolicy(curve, 8)
-    prices = {(8, PIPED): 0.014, (8, piped(1)): 0.015, (8, piped(2)): 0.020,
-              (8, piped(3)): 0.027, (8, piped(4)): 0.036,
-              (4, piped(4)): 0.017, (4, piped(5)): 0.018, (4, piped(6)): 0.019}
-    for (size, key), cost in prices.items():
-        for _ in range(MIN_OBSERVED):
-            policy._paid(size, key, cost)
-    timed = policy._timed(8)
-    assert piped(5) not in timed and piped(6) not in timed
-    assert timed[piped(4)] == pytest.approx(0.036)
-    assert policy.cost(8, 6, timed) == pytest.approx(0.036 + 2 * 0.009)
-    assert policy.depth(rows, 8) == 2 and policy.decided  # (the best of the 8-row prices)
-    assert policy._timed(7) == {k: c for (size, k), c in prices.items() if size == 8}
-    assert policy.depth(rows[:4], 4) >= 6  # (4 rows: their own cheap deep rounds)
-    fresh = BatchPolicy(curve, 8)
-    for key in (PIPED, piped(1), piped(2), piped(3), piped(4), piped(5)):
-        for _ in range(MIN_OBSERVED):
-            fresh._paid(4, key, 0.01)
-    for _ in range(MIN_OBSERVED):
-        fresh._paid(8, piped(1), 0.02)
-    timed = fresh._timed(8)
-    assert fresh._explore(timed) is None
-    assert set(timed) == {PIPED, piped(1), piped(2), piped(3)} and EXPLORE == 3
+    curve = CostCurve([0.01 + 0.001 * t for t in range(16)], 0.01, 0.0, estimate=True)
+    table = CostTable(curve)
+    for width in (1, 2, 3, 4):
+        for _ in range(20):
+            table.tick(4)
+            table.observe((4, width, False), 2 * table.prior((4, width, False)))
+    assert table.seconds((3, 3, False)) == pytest.approx(
+        2 * table.prior((3, 3, False)), rel=0.05)
+    assert table.prior((3, 3, False)) == pytest.approx(curve.verify[8])  # 9 tokens
+    for _ in range(40):
+        table.tick(3)
+        table.observe((3, 3, False), table.prior((3, 3, False)))
+    assert table.correction((3, 3, False)) < 1.15, "its own timings, once it has many"
+    assert table.correction((4, 3, False)) == pytest.approx(2.0)
 
 
 def test_a_copying_row_is_priced_by_the_match_it_would_draft_from() -> None:
     """A row whose text repeats (a 40-token line seen before: a match of 8) keeps 95% of the
-    context drafts of long matches and 10% of one-token ones. The batch's expected tokens take
-    the long match's tracker, as the row's draft would, so a depth-3 round pays (old: the
-    one-token matches' tracker, and plain steps); a row whose text offers no match gains
-    nothing from a context, and a mate whose head keeps little leaves it plain."""
+    context drafts of long matches and 10% of one-token ones. Its offer to the policy is the
+    long match's tracker, as its draft would be, so a depth-3 round pays and the row drafts
+    from its context; a row whose text offers no match gains nothing from a context, and with
+    a head that keeps little the batch decodes plain."""
     from types import SimpleNamespace
 
-    from mtpkit.decoder.batch_policy import BatchPolicy
     from mtpkit.decoder.curve import CostCurve
     from mtpkit.decoder.lookup import ContextIndex
     from mtpkit.decoder.options import Source
-    from mtpkit.decoder.policy import MIN_OBSERVED, DepthPolicy
+    from mtpkit.decoder.policy import DepthPolicy, decide
+    from mtpkit.decoder.scheduler import _offer
 
-    curve = CostCurve([0.01] * 16, 0.01, 0.0)
+    curve = CostCurve([0.01 + 0.002 * t for t in range(16)], 0.01, 0.0)
 
     def row(text: list[int]) -> Any:
         policy = DepthPolicy(curve, 3, sources=(Source.HEAD, Source.LOOKUP))
@@ -559,32 +532,59 @@ def test_a_copying_row_is_priced_by_the_match_it_would_draft_from() -> None:
 
     line = [(7 * i) % 50 for i in range(40)]
     copying = row(line + line[:10])
-    policy = BatchPolicy(curve, 3)
-    for depth, paid in ((0, 0.010), (1, 0.012), (2, 0.014), (3, 0.016)):
-        for _ in range(MIN_OBSERVED):
-            policy.observe(4, [SimpleNamespace(depth=depth, paid_s=paid)])
-    gains = policy.gains(copying)
-    assert gains[3] == pytest.approx(sum(copying.policy.acceptance(Source.LOOKUP, 8)[:3]))
-    assert gains[3] > 2.5 and sum(copying.policy.acceptance(Source.LOOKUP, 1)[:3]) < 0.5
-    assert policy.depth([copying] * 4) == 3 and policy.decided
+    offer = _offer(copying)
+    assert list(offer.context) == copying.policy.acceptance(Source.LOOKUP, 8)[:3]
+    assert sum(offer.context) > 2.5 > 0.5 > sum(copying.policy.acceptance(Source.LOOKUP, 1)[:3])
+    plan = decide([offer] * 4, copying.policy.costs, 3)
+    assert plan.depth == 3 and set(plan.sources) == {Source.LOOKUP}
     fresh = row(list(range(50)))  # no earlier occurrence of any suffix
-    assert policy.gains(fresh)[3] == pytest.approx(sum(fresh.policy.acceptance()[:3]))
-    assert policy.depth([fresh] * 4) == 0
+    assert list(_offer(fresh).context) == []
+    assert decide([_offer(fresh)] * 4, fresh.policy.costs, 3).depth == 0
 
 
-def _keen_rows(curve: Any, max_depth: int) -> list[Any]:
-    """Four auto rows (as the batch policy sees them) whose head kept 90% of depth-3 drafts."""
-    from types import SimpleNamespace
+def test_plain_is_priced_by_pipelined_steps_once_timed() -> None:
+    """Depth-1 rounds that beat plain steps as the curve prices them, but lose to plain steps
+    as they really run: once a stretch's steps are timed, the policy decodes plain."""
+    from mtpkit.decoder.curve import CostCurve
+    from mtpkit.decoder.policy import CostTable, decide
 
-    from mtpkit.decoder.policy import DepthPolicy
+    curve = CostCurve([0.02] * 16, 0.02, 0.0, estimate=True)
+    offers = [_keen(curve, 1, kept=0.5, depth=1).offer() for _ in range(4)]
+    table = CostTable(curve)
+    for _ in range(20):  # a round's 1.5 tokens for 1.25 plain steps as priced
+        table.tick(4)
+        table.observe((4, 2, False), 0.025 * 4 / 4)
+    assert decide(offers, table, 1).depth == 1
+    for _ in range(20):
+        table.tick(4)
+        table.observe((4, 1, True), 0.012)  # a pipelined step: 1.5 tokens would need 0.018
+    assert decide(offers, table, 1).depth == 0
 
-    rows = []
-    for _ in range(4):
-        row = DepthPolicy(curve, max_depth)
-        for i in range(40):
-            row.record(3, 3 if i % 10 else 0)
-        rows.append(SimpleNamespace(policy=row, session=SimpleNamespace(head=1, depth=3)))
-    return rows
+
+def test_a_pipelined_round_is_priced_as_pipelined_passes_paid() -> None:
+    """Where a round would run pipelined its prior is the synchronous pass's scaled by what
+    pipelining saves a plain step (the curve's plain step over its one-row pass), and it takes
+    the correction of the nearest pipelined shape timed (plain steps before any round ran
+    pipelined), never the synchronous rounds'; so depths are compared as the batch would run
+    them."""
+    from mtpkit.decoder.curve import CostCurve
+    from mtpkit.decoder.policy import CostTable, decide
+
+    curve = CostCurve([0.01] * 16, 0.006, 0.0, estimate=True)
+    table = CostTable(curve)
+    assert table.prior((4, 2, True)) == pytest.approx(0.01 * 0.6)
+    offers = [_keen(curve, 1, kept=0.75, depth=1).offer() for _ in range(4)]
+    for _ in range(20):
+        table.tick(4)
+        table.observe((4, 2, False), 0.0227)  # synchronous: dear
+        table.observe((4, 1, True), 0.0121)  # pipelined plain steps: 2x the curve
+    assert decide(offers, table, 1).depth == 0  # 1.75 tokens for 22.7 ms
+    assert table.correction((4, 2, True)) == pytest.approx(0.0121 / 0.006)
+    assert decide(offers, table, 1, pipelined=True).depth == 1  # 1.75 for 12.1 ms
+    for _ in range(20):  # run pipelined, the depth has its own price
+        table.tick(4)
+        table.observe((4, 2, True), 0.030)
+    assert decide(offers, table, 1, pipelined=True).depth == 0
 
 
 def _pipelined_seen(monkeypatch: pytest.MonkeyPatch, name: str = "plain_steps",
@@ -608,212 +608,6 @@ def _pipelined_seen(monkeypatch: pytest.MonkeyPatch, name: str = "plain_steps",
     return steps
 
 
-def test_pipelined_prices_alone_need_no_exploring_and_extend_deeper() -> None:
-    """A GPU's tune times every depth pipelined (and plain rounds): a runner starting from
-    those prices explores nothing synchronously, climbs by what is timed either way, and
-    prices one depth beyond by extending the pipelined prices."""
-
-    from mtpkit.decoder.batch_policy import PIPED, BatchPolicy, piped
-    from mtpkit.decoder.curve import CostCurve
-    from mtpkit.decoder.policy import MIN_OBSERVED
-
-    curve = CostCurve([0.001] * 16, 0.001, 0.0)  # one sequence's rounds: far cheaper
-    rows = _keen_rows(curve, 5)
-    policy = BatchPolicy(curve, 5)
-    for key, cost in {0: 0.02, PIPED: 0.012, piped(1): 0.014, piped(2): 0.016,
-                      piped(3): 0.018}.items():
-        for _ in range(MIN_OBSERVED):
-            policy._paid(4, key, cost)
-    timed = policy._timed(4)
-    assert policy._explore(timed) is None
-    assert policy.cost(4, 4, timed) == pytest.approx(0.020)  # not the single curve's 1 ms
-    assert policy.depth(rows) >= 3 and policy.decided  # (climbed past depth 1)
-
-
-def test_a_stale_neighbouring_price_is_taken_again(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Only the chosen depth is timed as it runs: where rounds run pipelined, a neighbouring
-    depth whose price is older than STALE_S and PROBE_ROUNDS rounds of its size runs once
-    more (decided, so pipelined), and a price once taken too dear stops deciding the depth
-    as soon as it is fresh."""
-    from types import SimpleNamespace
-
-    import mtpkit.decoder.batch_policy as batch_policy
-    from mtpkit.decoder.batch_policy import BatchPolicy, Prices, piped
-    from mtpkit.decoder.curve import CostCurve
-    from mtpkit.decoder.policy import MIN_OBSERVED
-    from mtpkit.decoder.scheduler import SPEC_ROUNDS
-
-    clock = [100.0]
-    monkeypatch.setattr(batch_policy.time, "monotonic", lambda: clock[0])
-    curve = CostCurve([0.01] * 16, 0.01, 0.0)
-    rows = _keen_rows(curve, 3)
-    paid = Prices()
-    policy = BatchPolicy(curve, 3, paid=paid)
-    policy.pipelines = policy.overlaps = True
-    timed = {0: 0.012, 1: 0.020, 2: 0.030, 3: 0.040, piped(0): 0.012,
-             piped(1): 0.030, piped(2): 0.021}  # depth 1 once timed too dear
-    for key, cost in timed.items():
-        for _ in range(batch_policy.WINDOW if key == piped(1) else MIN_OBSERVED):
-            policy._paid(4, key, cost)
-    assert policy.depth(rows) == 2  # every price fresh: depth 2
-    clock[0] += batch_policy.STALE_S + 1
-    policy._paid(4, piped(2), 0.021)  # depth 2 ran; 1 and 3 were not timed since
-    assert policy.depth(rows) == 2  # stale by the clock, but few rounds decoded since
-    short = batch_policy.PROBE_ROUNDS - (paid.rounds[4] - paid.at[(4, piped(1))]) - 1
-    for _ in range(short):
-        policy._paid(4, piped(2), 0.021)
-    assert paid.stale(4, piped(1), clock[0]) is None  # one round short since depth 1's price
-    policy._paid(4, piped(2), 0.021)
-    assert paid.stale(4, piped(1), clock[0]) == pytest.approx(batch_policy.STALE_S + 1)
-    true = {1: 0.012, 3: 0.040}  # what their pipelined rounds cost now
-    probed = []
-    for _ in range(2):  # the older neighbour, then the other unless depth 1 won already
-        depth = policy.depth(rows)
-        if depth not in true or depth in probed:
-            break
-        assert policy.decided
-        probed.append(depth)
-        for _ in range(SPEC_ROUNDS):  # the probe's stretch: a WINDOW of fresh times
-            policy.observe(4, [SimpleNamespace(depth=depth, paid_s=true[depth])],
-                           pipelined=True)
-    assert 1 in probed  # depth 1 re-priced: 12 ms, not the 30 it was once timed at
-    assert policy.depth(rows) == 1 == policy.depth(rows)  # it wins; no probe again at once
-    policy.pipelines = policy.overlaps = False  # synchronous rounds: no probes
-    clock[0] += 10 * batch_policy.STALE_S
-    assert policy.depth(rows) == 1
-
-
-def test_a_price_from_tune_is_taken_again_once_after_a_few_stretches(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Prices loaded from tune's store were timed apart from decoding, once: a neighbouring
-    depth's that this process never timed is probed after FIRST_PROBE rounds of its size,
-    not after STALE_S and PROBE_ROUNDS (a bench's or a short server's whole life), and then
-    only as any other price (on the H100's oracle, tune priced 8-row depth-1 rounds at
-    17.6-18.4 ms, they ran at 13.6, and 8-stream runs went at depth 2 on the dear price)."""
-    from collections import deque
-    from types import SimpleNamespace
-
-    import mtpkit.decoder.batch_policy as batch_policy
-    from mtpkit.decoder.batch_policy import FIRST_PROBE, BatchPolicy, Prices, piped
-    from mtpkit.decoder.curve import CostCurve
-    from mtpkit.decoder.scheduler import SPEC_ROUNDS
-
-    clock = [100.0]
-    monkeypatch.setattr(batch_policy.time, "monotonic", lambda: clock[0])
-    curve = CostCurve([0.01] * 16, 0.01, 0.0)
-    rows = _keen_rows(curve, 3)
-    paid = Prices()
-    stored = {0: 0.012, 1: 0.020, 2: 0.030, 3: 0.040, piped(0): 0.012, piped(1): 0.030,
-              piped(2): 0.021, piped(3): 0.060}  # depth 1 timed too dear by tune
-    paid.update({(4, k): deque([c] * batch_policy.WINDOW) for k, c in stored.items()})
-    policy = BatchPolicy(curve, 3, paid=paid)
-    policy.pipelines = policy.overlaps = True
-    assert policy.depth(rows) == 2
-    for _ in range(FIRST_PROBE - 1):
-        policy.observe(4, [SimpleNamespace(depth=2, paid_s=0.021)], pipelined=True)
-    assert paid.stale(4, piped(1), clock[0]) is None and policy.depth(rows) == 2
-    policy.observe(4, [SimpleNamespace(depth=2, paid_s=0.021)], pipelined=True)
-    assert paid.stale(4, piped(1), clock[0]) is not None  # a minute has not passed
-    assert paid.stale(4, piped(4), clock[0]) is None  # never stored (extended): waits as ever
-    true = {1: 0.012, 3: 0.060}
-    probed = []
-    for _ in range(2):
-        depth = policy.depth(rows)
-        if depth not in true or depth in probed:
-            break
-        probed.append(depth)
-        for _ in range(SPEC_ROUNDS):
-            policy.observe(4, [SimpleNamespace(depth=depth, paid_s=true[depth])],
-                           pipelined=True)
-    assert 1 in probed and policy.depth(rows) == 1  # re-priced at 12 ms: it wins
-    for _ in range(FIRST_PROBE):
-        policy.observe(4, [SimpleNamespace(depth=1, paid_s=0.012)], pipelined=True)
-    assert policy.depth(rows) == 1  # timed here now: stale only by the clock and the rounds
-
-
-def test_plain_is_priced_by_pipelined_steps_once_timed() -> None:
-    """Depth-1 rounds that beat plain rounds through the verify path but lose to pipelined
-    plain steps: once a stretch's steps are timed, the policy decodes plain."""
-    from types import SimpleNamespace
-
-    from mtpkit.decoder.batch_policy import PIPED, BatchPolicy
-    from mtpkit.decoder.curve import CostCurve
-    from mtpkit.decoder.policy import MIN_OBSERVED, DepthPolicy
-
-    curve = CostCurve([0.01] * 16, 0.01, 0.0)
-    rows = []
-    for _ in range(4):
-        row = DepthPolicy(curve, 1)
-        for i in range(40):
-            row.record(1, i % 2)  # half the drafts kept
-        rows.append(SimpleNamespace(policy=row, session=SimpleNamespace(head=1, depth=1)))
-    policy = BatchPolicy(curve, 1)
-    for depth, paid in ((0, 0.020), (1, 0.025)):  # a round's 1.5 tokens for 1.25 plain rounds
-        for _ in range(MIN_OBSERVED):
-            policy.observe(4, [SimpleNamespace(depth=depth, paid_s=paid)])
-    assert policy.depth(rows) == 1
-    for _ in range(MIN_OBSERVED):
-        policy.observe_plain(4, 0.012)  # a pipelined step: 1.5 tokens would need <= 0.018
-    assert (4, PIPED) in policy.paid and policy.depth(rows) == 0
-
-
-def test_before_any_depth_ran_pipelined_it_is_priced_as_plain_steps_saved() -> None:
-    """Plain priced by pipelined steps (12.1 ms), depth 1 only by synchronous rounds (22.7 ms;
-    the H200's oracle at 4 rows, where a run decoded 98% plain): where a chosen depth would run
-    pipelined, its price is scaled by what pipelining saved plain steps, so it is tried (and
-    then priced as it runs); where it would not, the synchronous price stands."""
-    from types import SimpleNamespace
-
-    from mtpkit.decoder.batch_policy import BatchPolicy, piped
-    from mtpkit.decoder.curve import CostCurve
-    from mtpkit.decoder.policy import MIN_OBSERVED, DepthPolicy
-
-    rows = []
-    for _ in range(4):
-        row = DepthPolicy(CostCurve([0.01] * 16, 0.01, 0.0), 1)
-        for i in range(100):
-            row.record(1, int(i % 4 != 0))  # 75% of drafts kept
-        rows.append(SimpleNamespace(policy=row, session=SimpleNamespace(head=1, depth=1)))
-    policy = BatchPolicy(CostCurve([0.01] * 16, 0.01, 0.0), 1)
-    for _ in range(MIN_OBSERVED):
-        policy.observe(4, [SimpleNamespace(depth=0, paid_s=0.0140)])
-        policy.observe(4, [SimpleNamespace(depth=1, paid_s=0.0227)])
-        policy.observe_plain(4, 0.0121)
-    assert policy.depth(rows) == 0  # 1.75 tokens for 22.7 ms lose to 12.1 ms a token
-    policy.plain_left = 0
-    policy.pipelines = True
-    assert policy.cost(4, 1) == pytest.approx(0.0227 * 0.0121 / 0.0140)
-    assert policy.depth(rows) == 1 and policy.decided
-    for _ in range(MIN_OBSERVED):  # run pipelined, the depth has its own price
-        policy.observe(4, [SimpleNamespace(depth=1, paid_s=0.030)], pipelined=True)
-    assert (4, piped(1)) in policy.paid and policy.cost(4, 1) == pytest.approx(0.030)
-    assert policy.depth(rows) == 0
-
-
-def test_pipelined_rounds_price_their_depth_and_scale_the_others() -> None:
-    """A depth run pipelined is priced by its pipelined rounds; a depth timed only
-    synchronously by its synchronous price scaled by what pipelining saved, so depths are
-    compared as the batch would run them."""
-    from types import SimpleNamespace
-
-    from mtpkit.decoder.batch_policy import BatchPolicy, piped
-    from mtpkit.decoder.curve import CostCurve
-    from mtpkit.decoder.policy import MIN_OBSERVED
-
-    policy = BatchPolicy(CostCurve([0.01] * 16, 0.01, 0.0), 3)
-    for depth, paid in ((0, 0.010), (1, 0.020), (2, 0.030)):
-        for _ in range(MIN_OBSERVED):
-            policy.observe(4, [SimpleNamespace(depth=depth, paid_s=paid)])
-    assert policy.cost(4, 2) == pytest.approx(0.030)
-    for _ in range(MIN_OBSERVED):
-        policy.observe(4, [SimpleNamespace(depth=1, paid_s=0.010)], pipelined=True)
-    assert (4, piped(1)) in policy.paid and (4, 1) in policy.paid
-    assert policy.cost(4, 1) == pytest.approx(0.010)
-    assert policy.cost(4, 2) == pytest.approx(0.015)  # 0.030 x 0.010 / 0.020
-    assert policy.cost(4, 3) == pytest.approx(0.020)  # extended to 0.040, scaled alike
-    assert policy.cost(4, 0) == pytest.approx(0.010)  # plain rounds are not scaled
-
-
 @pytest.mark.parametrize("traced", [False, True])
 def test_a_plain_stretch_runs_pipelined_and_decodes_the_same(
         monkeypatch: pytest.MonkeyPatch, traced: bool) -> None:
@@ -823,7 +617,7 @@ def test_a_plain_stretch_runs_pipelined_and_decodes_the_same(
     rows leave mid-stretch at their max_tokens, and a request that arrives mid-stretch ends it
     and joins."""
     import mtpkit.decoder.batch as batch
-    from mtpkit.decoder.batch_policy import PIPED, BatchPolicy
+    from mtpkit.decoder.policy import CostTable
 
     if traced:
         monkeypatch.setattr(batch, "bounded_by_default", lambda: True)
@@ -842,15 +636,15 @@ def test_a_plain_stretch_runs_pipelined_and_decodes_the_same(
             script[(i, seq[i - 1])] = (seq[i] + 1) % 6  # never the right token
     runner = Runner(base.trunk, BatchOracleHead(6, script), None)  # type: ignore[arg-type]
     steps = _pipelined_seen(monkeypatch)
-    # what-if round costs (a draft costs a plain round): the policy's choice, not this
+    # what-if round costs (a draft costs a plain step): the policy's choice, not this
     # machine's timings, is what this test holds fixed
-    monkeypatch.setattr(BatchPolicy, "cost", lambda self, rows, depth, timed=None:
-                        0.01 * (1 + depth))
+    monkeypatch.setattr(CostTable, "pricer", _what_if(lambda width: 0.01 * width))
     order, batched = _streamed(runner, prompts, each, max_batch=3)
     assert [b.tokens for b in batched] == plain
     assert len(steps) > 40 and max(steps) == 3, "most steps ran pipelined, three rows at once"
     assert order.index(3) > order.index(1), "the fourth request joined after a row left"
-    assert runner.batch_paid.get((3, PIPED)), "pipelined steps price the batch's plain decoding"
+    assert runner.paid is not None and runner.paid.times.get((3, 1, True)), \
+        "pipelined steps price the batch's plain decoding"
 
 
 @pytest.mark.parametrize("ahead", [True, False])
@@ -886,7 +680,7 @@ def test_a_waiting_request_waits_for_the_step_in_flight_only_on_a_cpu(ahead: boo
     alone = _alone(runner, prompts, each)
     batch = Batch(runner.trunk, runner.head)
     batch.pipelined = ahead
-    scheduler = Scheduler(batch, 3, runner.batch_paid)
+    scheduler = Scheduler(batch, 3)
     requests = [runner.prepare(p, **e) for p, e in zip(prompts, each, strict=True)]
     for request in requests[:2]:
         scheduler.add(request)
@@ -994,16 +788,15 @@ def test_seeded_rows_sample_the_same_text_in_pipelined_rounds(
 
 def test_auto_rounds_run_pipelined_once_the_policy_chooses(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under auto, once the batch policy has explored and chooses a depth on prices, rounds at
-    that depth run pipelined; tokens still equal plain decoding."""
-    from mtpkit.decoder.batch_policy import BatchPolicy
+    """Under auto, rounds at the depth the policy chooses run pipelined; tokens still equal
+    plain decoding."""
+    from mtpkit.decoder.policy import CostTable
 
     base = tiny_runner(vocab=6)
     prompts = [[1, 2, 3, 4], [5, 4, 3], [2, 2, 1]]
     oracle, plain = _oracle_batch(base, prompts, [7, 8, 9], 120)
     rounds = _pipelined_seen(monkeypatch, "spec_rounds")
-    monkeypatch.setattr(BatchPolicy, "cost", lambda self, rows, depth, timed=None:
-                        0.01 * (1 + 0.1 * depth))  # drafts nearly free: the deepest pays
+    monkeypatch.setattr(CostTable, "pricer", _what_if(lambda width: 0.01 * (0.9 + 0.1 * width)))
     results = oracle.generate_batch(prompts, each=[{"depth": "auto", "draft": "head",
                                                     "max_tokens": 120}] * 3)
     assert [r.tokens for r in results] == plain
@@ -1016,18 +809,16 @@ def test_auto_rows_done_mid_stretch_stay_until_it_ends(monkeypatch: pytest.Monke
     pass shape and a pipeline restart, not one per row); each row's surplus past its
     max_tokens is dropped, and every row's tokens are its plain greedy ones. The stretch
     goes on through the policy's choices while it picks the same depth: one stretch."""
-    import mtpkit.decoder.batch_policy as batch_policy
     from mtpkit.decoder.batch import Batch
-    from mtpkit.decoder.batch_policy import BatchPolicy
+    from mtpkit.decoder.policy import CostTable
 
-    monkeypatch.setattr(batch_policy, "STALE_S", float("inf"))  # (no neighbour probes)
     base = tiny_runner(vocab=6)
     prompts = [[1, 2, 3, 4], [5, 4, 3], [2, 2, 1]]
     lengths = [90, 100, 120]
     oracle, plain = _oracle_batch(base, prompts, [7, 8, 9], 120)
     _pipelined_seen(monkeypatch, "spec_rounds")
-    monkeypatch.setattr(BatchPolicy, "cost", lambda self, rows, depth, timed=None:
-                        0.01 if depth <= 4 else 1.0)  # depth 4 pays, every time it chooses
+    monkeypatch.setattr(CostTable, "pricer", _what_if(lambda width: 0.01 if width <= 5 else 1.0))
+    # depth 4 pays, every time it chooses
     dead: list[int] = []  # per pipelined round: rows already done when it was read
     left: list[int] = []  # rows that left, per Batch.leave
     starts: list[int] = []  # the depth of each pipelined stretch
@@ -1053,25 +844,23 @@ def test_auto_rows_done_mid_stretch_stay_until_it_ends(monkeypatch: pytest.Monke
     assert len(starts) == 1 and len(dead) > 16, (starts, len(dead))
 
 
-def test_a_stale_neighbour_is_probed_in_a_pipelined_stretch(
+def test_a_depth_chosen_at_a_stretchs_check_runs_next_pipelined(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Once the neighbouring depth's price goes stale mid-stretch, the policy's next choice
-    (at the stretch's SPEC_ROUNDS check) is a probe: it runs next, pipelined, for SPEC_ROUNDS
-    rounds, and the chosen depth resumes after it. Tokens stay the plain greedy ones."""
-    import mtpkit.decoder.batch_policy as batch_policy
+    """Every SPEC_ROUNDS rounds of a pipelined stretch the policy chooses again: where the
+    costs it prices by change (here: what-if prices that make depth 2 pay from round 20 on),
+    the stretch ends at that check and the new depth runs next, pipelined. Tokens stay the
+    plain greedy ones."""
     from mtpkit.decoder.batch import Batch
-    from mtpkit.decoder.batch_policy import BatchPolicy
+    from mtpkit.decoder.policy import CostTable
     from mtpkit.decoder.scheduler import SPEC_ROUNDS
 
-    clock = [0.0]
-    monkeypatch.setattr(batch_policy.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(batch_policy, "PROBE_ROUNDS", 8)  # (a short batch's worth)
     base = tiny_runner(vocab=6)
     prompts = [[1, 2, 3, 4], [5, 4, 3], [2, 2, 1]]
     oracle, plain = _oracle_batch(base, prompts, [7, 8, 9], 400)
     _pipelined_seen(monkeypatch, "spec_rounds")
-    monkeypatch.setattr(BatchPolicy, "cost", lambda self, rows, depth, timed=None:
-                        0.01 if depth <= 1 else 1.0)  # depth 1 pays best: one neighbour
+    late = [False]
+    monkeypatch.setattr(CostTable, "pricer", _what_if(
+        lambda width: 0.01 if width <= (3 if late[0] else 2) else 1.0))
     stretches: list[list[int]] = []  # per pipelined stretch: its depth, then its rounds
     spec = Batch.spec_rounds
 
@@ -1080,19 +869,23 @@ def test_a_stale_neighbour_is_probed_in_a_pipelined_stretch(
         for out in spec(self, depth, count, stop, done):
             stretches[-1][1] += 1
             if sum(n for _, n in stretches) == 20:
-                clock[0] += batch_policy.STALE_S + 1  # every other price goes stale
+                late[0] = True
             yield out
 
     monkeypatch.setattr(Batch, "spec_rounds", rounds)
     results = oracle.generate_batch(prompts, each=[{"depth": "auto", "draft": "head",
                                                     "max_tokens": 400}] * 3)
     assert [r.tokens for r in results] == plain
-    (best, first), *after = stretches
-    probes = [s for s in after[:2] if s[0] != best]
-    assert best == 1 and first >= 20, stretches  # (the check before the prices went stale)
-    assert [d for d, _ in probes] == [2], stretches
-    assert all(n == SPEC_ROUNDS for _, n in probes), stretches
-    assert after[len(probes)][0] == best, stretches
+    (first, n), (second, _), *_ = stretches
+    assert first == 1 and 20 <= n <= 21 + SPEC_ROUNDS, stretches  # (ended at a check)
+    assert second == 2, stretches
+
+
+def _what_if(price: Callable[[int], float]) -> Callable[..., Callable[[float], float]]:
+    """CostTable.pricer replaced by what-if prices by pass width (drafts free, no optimism)."""
+    def pricer(self: Any, shape: Any, context: int, optimism: bool) -> Callable[[float], float]:
+        return lambda drafting: price(shape[1])
+    return pricer
 
 
 @pytest.mark.parametrize(("ahead", "draft", "want"), [
@@ -1101,20 +894,20 @@ def test_the_policy_is_told_whether_a_depth_would_run_pipelined(
         monkeypatch: pytest.MonkeyPatch, ahead: bool, draft: str, want: set) -> None:
     """Head rows on a GPU: a chosen depth runs pipelined; on a CPU, or with rows that may
     draft from their context, it does not (and is priced synchronously)."""
-    from mtpkit.decoder.batch_policy import BatchPolicy
+    import mtpkit.decoder.scheduler as scheduler
 
     base = tiny_runner(vocab=6)
     prompts = [[1, 2, 3, 4], [5, 4, 3]]
     oracle, _ = _oracle_batch(base, prompts, [7, 8], 24)
     _pipelined_seen(monkeypatch, "spec_rounds", ahead)
     told: set[bool] = set()
-    real = BatchPolicy.depth
+    real = scheduler.decide
 
-    def spy(self: BatchPolicy, *args: Any, **kwargs: Any) -> int:
-        told.add(self.pipelines)
-        return real(self, *args, **kwargs)
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        told.add(args[4])
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(BatchPolicy, "depth", spy)
+    monkeypatch.setattr(scheduler, "decide", spy)
     oracle.generate_batch(prompts, each=[{"depth": "auto", "draft": draft, "max_tokens": 24}] * 2)
     assert told == want
 
@@ -1143,7 +936,7 @@ def test_a_request_arriving_mid_round_is_prefilled_between_the_rounds_stages(
     monkeypatch.setattr(session_module, "bounded_by_default", lambda: False)  # each prompt
     monkeypatch.setattr(scheduler_module, "prefill_pays", lambda: False)  # one chunk, alone
     batch.pipelined = False
-    scheduler = Scheduler(batch, 5, runner.batch_paid, solo=False)
+    scheduler = Scheduler(batch, 5, solo=False)
     requests = [runner.prepare(p, **e) for p, e in zip(prompts, each, strict=True)]
     for request in requests[:3]:
         scheduler.add(request)

@@ -22,7 +22,7 @@ from fixtures.decoder_models import tiny_runner
 from mtpkit.decoder import costs
 from mtpkit.decoder.curve import CONTEXT, GRAIN, CostCurve, Point
 from mtpkit.decoder.options import Source
-from mtpkit.decoder.policy import MIN_OBSERVED, DepthPolicy
+from mtpkit.decoder.policy import DepthPolicy
 from mtpkit.decoder.runner import Runner
 from mtpkit.schemas import validate
 from mtpkit.verify.tune import render_text, report
@@ -67,25 +67,26 @@ def test_auto_plays_plain_at_64k_and_speculates_at_1k_before_paying_any_round() 
     assert source == Source.HEAD and depth >= 3, "at 1K depth 3 pays"
     policy.context = 65536
     assert policy.choose() == (None, 0), "at 64K rounds cost 4x a step: plain"
-    assert policy.paid.ratios == {}, "decided from the curve alone, before any round"
+    assert policy.costs.ratios == {}, "decided from the curve alone, before any round"
     flat = DepthPolicy(CostCurve(h200().verify, 8.0 * MS, 0.3 * MS, context=1024), 8,
                        prior=0.73, context=65536)
     assert flat.choose()[1] >= 3, "a curve of one context (as before) would speculate at 64K"
 
 
 def test_what_rounds_pay_corrects_the_prediction_at_their_context() -> None:
-    """PaidCosts still works on top: rounds at 64K that paid what the curve says there leave
-    the scale at 1 (against the 1K price they would read as 4x dear)."""
+    """The cost table corrects on top: rounds at 64K that paid what the curve says there leave
+    the correction at 1 (against the 1K price they would read as 4x dear)."""
     policy = DepthPolicy(replace(h200(), estimate=True), 8, context=65536)  # (as measured)
     at_64k = h200().at(65536)
-    for _ in range(MIN_OBSERVED):
+    for _ in range(3):
         policy.observe_round(at_64k.round_cost(1), 1)
         policy.observe_plain(10 * at_64k.plain, 10)
-    assert policy.paid.scale(Source.HEAD, 1) == pytest.approx(1.0)
-    assert policy.paid.scale("plain") == pytest.approx(1.0)
-    for _ in range(MIN_OBSERVED + 1):  # dearer than the curve at 64K: corrected
+    assert policy.costs.correction((1, 2, False)) == pytest.approx(1.0)
+    assert policy.costs.correction((1, 1, True)) == pytest.approx(1.0)
+    assert policy.cost(1) == pytest.approx(at_64k.round_cost(1))
+    for _ in range(20):  # dearer than the curve at 64K: corrected
         policy.observe_round(2 * at_64k.round_cost(1), 1)
-    assert policy.paid.scale(Source.HEAD, 1) == pytest.approx(2.0)
+    assert policy.cost(1) == pytest.approx(2 * at_64k.round_cost(1), rel=0.15)
 
 
 def _steep(per_token: float = 1e-4, calls: list[tuple[str, int]] | None = None
@@ -258,14 +259,15 @@ def test_tune_shows_the_cost_by_context(runner: Runner) -> None:
     assert "      4096*" in text and "       512 " in text
 
 
-def test_plain_steps_are_compared_with_their_context_s_price() -> None:
-    """The calibrating stretch of a 3,000-token prompt is predicted at 3,000 tokens: its paid
-    ratio is about 1, not the ratio to a step at the curve's first context (1,000x here)."""
+def test_rounds_are_compared_with_their_context_s_price() -> None:
+    """The rounds of a 3,000-token prompt are predicted at 3,000 tokens: their paid ratio is
+    about 1, not the ratio to a round at the curve's first context (1,000x here)."""
     runner = tiny_runner()
     runner._costs = CostCurve([1e-6] * 16, 1e-6, 1e-7, context=256, estimate=True,
                               longer=[Point(2048, [1e-3] * 16, 1e-3)])
-    runner.generate([(7 * i) % 6 for i in range(3000)], 12, depth="auto")
-    assert runner.paid.timed("plain") and runner.paid.scale("plain") < 100
+    runner.generate([(7 * i) % 6 for i in range(3000)], 40, depth="auto")
+    assert runner.paid is not None and runner.paid.ratios
+    assert all(max(r) < 100 for r in runner.paid.ratios.values()), runner.paid.ratios
 
 
 def test_the_longer_contexts_first_piece_compiling_does_not_price_them_out(

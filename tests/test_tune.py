@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -163,12 +164,11 @@ def test_bad_input_is_a_one_line_error(built: Callable[..., Path], tmp_path: Pat
 
 def test_tune_times_batched_rounds_and_runners_start_from_them(built: Callable[..., Path],
                                                                cache: Path) -> None:
-    """`tune --max-batch N` times every shape a batch policy prices (plain steps, plain
-    rounds, each depth) at 2..N rows through the real engine, says so as it goes, stores it
-    beside the curve, and a later runner's batch policy starts from those prices (no
-    exploration rounds); the second call reads them."""
+    """`tune --max-batch N` times every shape a batch decodes (plain steps, each depth up to
+    DEEPEST) at 2..N rows through the real engine, says so as it goes, stores it beside the
+    curve, and a later runner's cost table prices those shapes by them; the second call reads
+    them."""
     from mtpkit.decoder import batch_costs
-    from mtpkit.decoder.batch_policy import PIPED, BatchPolicy, piped
     from mtpkit.decoder.runner import load
     from mtpkit.verify.tune import batch_summary
 
@@ -181,23 +181,24 @@ def test_tune_times_batched_rounds_and_runners_start_from_them(built: Callable[.
     doc = _json(bundle, "--max-batch", "3")
     batch = doc["batch"]
     assert batch["measured"] is False and batch["max_batch"] == 3 and batch["head"] is True
-    deepest = min(doc["max_depth"], 3)
+    deepest = min(doc["max_depth"], batch_costs.DEEPEST)
     for rows in (2, 3):
-        for shape in (PIPED, 0, *range(1, deepest + 1)):  # a depth pipelined where it can be
-            keys = {f"{rows},{shape}", f"{rows},{piped(shape)}"}
-            assert keys & set(batch["round_ms"]), (rows, shape, batch["round_ms"])
+        assert f"{rows},-1" in batch["round_ms"], batch["round_ms"]  # plain steps
+        for depth in range(1, deepest + 1):  # a depth pipelined where it can be
+            keys = {f"{rows},{depth}", f"{rows},{-1 - depth}"}
+            assert keys & set(batch["round_ms"]), (rows, depth, batch["round_ms"])
 
     runner = load(bundle)
     curve = runner.costs()
     stored, _ = batch_costs.read(curve.key)
-    assert len(stored[(3, PIPED)]) >= batch_costs.ROUNDS
-    assert {k: list(v) for k, v in runner.batch_paid.items()} == \
-        {k: list(v) for k, v in stored.items()}
-    policy = BatchPolicy(curve, deepest, paid=runner.batch_paid)
-    assert policy._explore(policy._timed(3)) is None, "nothing left to explore at 3 rows"
-    assert re.search(r"round prices for (1, )?2, 3 rows, timed once", batch_summary(runner))
+    assert len(stored[(3, -1)]) >= batch_costs.ROUNDS
+    table = runner.table()
+    assert set(table.seeded) == {batch_costs.shape_of(*k) for k in stored}
+    assert table.ratios == {}, "nothing timed here yet"
+    assert table.seconds((3, 1, True)) == pytest.approx(statistics.median(stored[(3, -1)]))
+    assert re.search(r"round prices for 2, 3 rows, timed once", batch_summary(runner))
     headless = batch_summary(load(built("qwen3_5", sidecar=None)))
-    assert "timed as they run" in headless and "no MTP head" in headless
+    assert "corrected as rounds run" in headless and "no MTP head" in headless
 
     code, out, err = _tune(str(bundle), "--max-batch", "0")
     assert code == 2 and "options.invalid" in out + err and "--max-batch" in out + err
@@ -229,7 +230,8 @@ def test_an_interrupted_batch_timing_keeps_what_it_timed(built: Callable[..., Pa
                                                                                   0.012]}
     monkeypatch.setattr(batch_costs, "measure", real)
     paid, timed = runner.batch_costs(2)
-    assert timed and (2, 0) in paid and len(paid[(2, -1)]) > 3, "timed again, not trusted"
+    assert timed and {(2, 1), (2, -2)} & set(paid) and len(paid[(2, -1)]) > 3, \
+        "timed again, not trusted"
     assert runner.batch_costs(2)[1] is False, "now complete: read back"
 
 
@@ -241,8 +243,12 @@ def test_choose_takes_the_stock_pass_only_where_it_is_clearly_faster(
     from collections import deque
 
     from mtpkit.decoder import batch_costs
-    from mtpkit.decoder.batch_policy import PIPED, piped
     from mtpkit.decoder.runner import load
+
+    PIPED = -1  # noqa: N806 (the stored keys: plain steps, K synchronous, -1 - K pipelined)
+
+    def piped(depth: int) -> int:
+        return -1 - depth
 
     assert [batch_costs.width(s) for s in (PIPED, 0, 1, 3, piped(1), piped(3))] == \
         [1, 1, 2, 4, 2, 4]
@@ -276,7 +282,6 @@ def test_a_traced_trunk_times_its_batch_passes_both_ways_and_keeps_the_faster(
     stored and read back by a later runner, and its batch then passes those shapes untraced
     (the traced function is never called for them) with the same tokens."""
     from mtpkit.decoder import batch_costs
-    from mtpkit.decoder.batch_policy import PIPED, piped
     from mtpkit.decoder.runner import load
 
     bundle = built("mimo")
@@ -300,9 +305,8 @@ def test_a_traced_trunk_times_its_batch_passes_both_ways_and_keeps_the_faster(
     assert timed and len(ways) == 2
     traced, untraced = ways
     assert paid is traced
-    assert list(paid[(2, PIPED)]) == list(untraced[(2, PIPED)])
-    assert list(paid[(2, 0)]) == list(untraced[(2, 0)])
-    one = 1 if (2, 1) in paid else piped(1)  # (a GPU times depths pipelined)
+    assert list(paid[(2, -1)]) == list(untraced[(2, -1)])  # plain steps: stock
+    one = 1 if (2, 1) in paid else -2  # (a GPU times depths pipelined)
     assert list(paid[(2, one)]) != list(untraced[(2, one)])
     assert any(what.endswith("untraced") for what, _, _ in lines)
     assert lines[-1][1] == lines[-1][2] == 2 * len(batch_costs.shapes(batch_costs.deepest(runner)))

@@ -362,14 +362,16 @@ def _batch_text(batch: dict[str, Any]) -> list[str]:
 
 def batch_summary(runner: Runner) -> str:
     """What `serve` says of its batches' round prices at start-up (after `summary`)."""
-    sizes = sorted({rows for rows, _ in runner.batch_paid})
+    table = runner.paid
+    timed = {*table.ratios, *table.seeded} if table is not None else set()
+    sizes = sorted({rows for rows, _, _ in timed if rows > 1})
     if sizes:
         return (f"batches: round prices for {', '.join(map(str, sizes))} rows, timed once for "
-                "this bundle (as mtpkit tune --max-batch N times them); other sizes borrow the "
-                "nearest, and every round is timed as it runs")
+                "this bundle (as mtpkit tune --max-batch N times them); the cost curve prices "
+                "the rest, and every round corrects the prices as it runs")
     why = ("no MTP head: nothing to time up front" if runner.head is None
            else "mtpkit tune BUNDLE --max-batch N times them once, up front")
-    return f"batches: rounds are timed as they run, the first at each size exploring depths 0-3 ({why})"
+    return f"batches: priced by the cost curve, corrected as rounds run ({why})"
 
 
 def summary(runner: Runner, draft: str | None = None, verbose: bool = False,
