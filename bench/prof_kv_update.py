@@ -1,0 +1,80 @@
+"""Does writing a pass's rows into the KV buffers copy them? (diagnostic, issue 49)
+
+A traced verify pass (decoder/traced.py) writes its rows into every layer's key and value
+buffer with `mx.slice_update` at an array offset, so the trace does not bake the position in.
+This times 32 layers x (keys, values) of (1, 8, L, 128) bfloat16 written 4 rows at a time, the
+buffers held by nothing else, four ways: `mx.slice_update` at an array offset eagerly and inside
+`mx.compile`, the same with the offset a constant of the trace, and the static slice assignment
+one-row decoding uses (`buffer[..., a:b, :] = rows`). Where a way donates the buffer it costs
+the rows; where it copies, the whole buffer.
+
+    python bench/prof_kv_update.py --contexts 16384,65536
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import mlx.core as mx
+
+LAYERS, KV_HEADS, DIM, ROWS = 32, 8, 128, 4
+
+
+def arms(at: int) -> dict[str, Callable[[list[mx.array], mx.array], list[mx.array]]]:
+    def dynamic(start: mx.array, new: mx.array, *buffers: mx.array) -> list[mx.array]:
+        return [mx.slice_update(b, new, start[None], axes=(2,)) for b in buffers]
+
+    def constant(new: mx.array, *buffers: mx.array) -> list[mx.array]:
+        return [mx.slice_update(b, new, mx.array([at]), axes=(2,)) for b in buffers]
+
+    def assign(buffers: list[mx.array], new: mx.array) -> list[mx.array]:
+        for b in buffers:
+            b[..., at:at + ROWS, :] = new
+        return buffers
+
+    traced, traced_constant = mx.compile(dynamic), mx.compile(constant)
+    return {"eager, array offset": lambda b, new: dynamic(mx.array(at, mx.int32), new, *b),
+            "traced, array offset": lambda b, new: traced(mx.array(at, mx.int32), new, *b),
+            "traced, constant offset": lambda b, new: traced_constant(new, *b),
+            "static assignment": assign}
+
+
+def _time(write: Callable, held: dict[str, list[mx.array]], new: mx.array, reps: int) -> float:
+    """Mean ms of `reps` writes after 3 warm-ups, the buffers donatable each time."""
+    def step() -> None:
+        buffers = held.pop("buffers")  # nothing else holds them
+        out = write(buffers, new)
+        del buffers
+        mx.eval(out)
+        held["buffers"] = out
+
+    for _ in range(3):
+        step()
+    start = time.perf_counter()
+    for _ in range(reps):
+        step()
+    return 1000 * (time.perf_counter() - start) / reps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", default="16384,65536")
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args()
+    for length in (int(c) for c in args.contexts.split(",")):
+        held = {"buffers": [mx.zeros((1, KV_HEADS, length, DIM), mx.bfloat16)
+                            for _ in range(2 * LAYERS)]}
+        new = mx.ones((1, KV_HEADS, ROWS, DIM), mx.bfloat16)
+        mx.eval(held["buffers"], new)
+        for name, write in arms(length // 2).items():
+            ms = _time(write, held, new, args.reps)
+            print(f"L={length:6d} {name:24s} {ms:8.2f} ms per pass ({2 * LAYERS} buffers)",
+                  flush=True)
+        del held
+        mx.clear_cache()
+
+
+if __name__ == "__main__":
+    main()
