@@ -37,14 +37,20 @@ class SidecarOptions:
 
 
 def _sanitize_layers(arrays: dict[str, mx.array], model: nn.Module) -> dict[str, mx.array]:
-    """Let the trunk model's sanitize convert the MTP decoder layers (as trunk layers k)."""
-    renamed = {}
-    for name, arr in arrays.items():
-        m = re.match(r"^mtp\.layers\.(\d+)\.(.+)$", name)
-        renamed[f"model.layers.{m[1]}.{m[2]}" if m else name] = arr
-    sanitized = model.sanitize(renamed)
-    return {re.sub(r"^model\.layers\.(\d+)\.", r"mtp.layers.\1.", k): v
-            for k, v in sanitized.items()}
+    """Let the trunk model's sanitize convert the MTP decoder layers (as trunk layers k): its
+    splits (an MLA kv_b_proj) and dequantization, mlx-lm's code run on the renamed tensors.
+    A sanitize may add its model's prefix (Kimi-K3's `language_model.`), taken off again, and
+    drop the head's own modules (Kimi-K3's drops every `mtp.*` name): a module outside the
+    layers that it returned nothing of is kept as given."""
+    renamed = {re.sub(r"^mtp\.layers\.(\d+)\.", r"model.layers.\1.", n): a
+               for n, a in arrays.items()}
+    sanitized = {re.sub(r"^(?:language_model\.)?model\.layers\.(\d+)\.", r"mtp.layers.\1.",
+                        k).removeprefix("language_model."): v
+                 for k, v in model.sanitize(renamed).items()}
+    returned = {k.rsplit(".", 1)[0] for k in sanitized}
+    dropped = {n: a for n, a in arrays.items()
+               if not n.startswith("mtp.layers.") and n.rsplit(".", 1)[0] not in returned}
+    return {**dropped, **sanitized}
 
 
 def _quantizable(name: str, arr: mx.array, options: SidecarOptions) -> bool:

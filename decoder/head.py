@@ -10,8 +10,10 @@ several trunk-class layers), read from the family table.
 
 from __future__ import annotations
 
+import copy
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -57,15 +59,17 @@ class Contract:
 
 
 class _Roles(nn.Module):
-    """The head-level modules around one decoder layer."""
+    """The head-level modules around one decoder layer (norms of the class the family's
+    table names, else RMSNorm)."""
 
-    def __init__(self, hidden: int, eps: float, names: set[str], vocab: int) -> None:
+    def __init__(self, hidden: int, eps: float, names: set[str], vocab: int,
+                 norm: Callable[..., nn.Module] = nn.RMSNorm) -> None:
         super().__init__()
-        self.pre_fc_norm_embedding = nn.RMSNorm(hidden, eps=eps)
-        self.pre_fc_norm_hidden = nn.RMSNorm(hidden, eps=eps)
+        self.pre_fc_norm_embedding = norm(hidden, eps=eps)
+        self.pre_fc_norm_hidden = norm(hidden, eps=eps)
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
         if "norm" in names or not names:  # ERNIE's head has none: its block feeds the LM head
-            self.norm = nn.RMSNorm(hidden, eps=eps)
+            self.norm = norm(hidden, eps=eps)
         if "shared_head" in names:
             self.shared_head = nn.Linear(hidden, vocab, bias=False)
         if "embed_tokens" in names:
@@ -146,12 +150,40 @@ class BlockFactory:
     family: Family
 
     def __call__(self, depth: int = 0) -> _Block:
-        module = sys.modules[type(self.trunk.text).__module__]
+        module = _trunk_module(self.trunk)
         args = self.trunk.args
         return _Block(module, args, self.family.mtp_block, getattr(args, self.family.eps_key))
 
     def cache(self, layer: nn.Module) -> KVCache:
         return KVCache()
+
+
+def _configured(factory: Any, values: dict[str, Any]) -> Any:
+    """The layer factory building under the trunk's config with the table's values set (on a
+    copy of mlx-lm's args, so the trunk's own layers keep theirs)."""
+    if not values:
+        return factory
+    args = copy.copy(factory.args)
+    for key, value in values.items():
+        setattr(args, key, value)
+    return replace(factory, args=args)
+
+
+def _trunk_module(trunk: Trunk) -> Any:
+    """The mlx-lm module the trunk's classes come from."""
+    return sys.modules[type(trunk.text).__module__]
+
+
+def _family(trunk: Trunk) -> Family:
+    """The trunk's family by the outer model's type, else the text model's (MiniMax-M3's text
+    config may name none)."""
+    family = family_for(getattr(trunk.model, "model_type", None))
+    return family if family.model_types else family_for(getattr(trunk.args, "model_type", None))
+
+
+def _hidden(out: Any) -> mx.array:
+    """A layer's hidden output: mlx-lm's Kimi-K3 layer returns (hidden, residual blocks)."""
+    return out[0] if isinstance(out, tuple) else out
 
 
 def _layers(trunk: Trunk, family: Family, layer_kind: str, names: list[str]
@@ -163,7 +195,8 @@ def _layers(trunk: Trunk, family: Family, layer_kind: str, names: list[str]
                        default=0)
     if family.mtp_pattern is None:
         build = (BlockFactory(trunk, family) if family.mtp_block
-                 else trunk.layer_factory(layer_kind, family.mtp_layer_args))
+                 else _configured(trunk.layer_factory(layer_kind, family.mtp_layer_args),
+                                  family.mtp_config))
         return (build, [build(k) for k in range(physical)], [[k] for k in range(physical)],
                 [True] * physical)
     arg, by_module, attending = family.mtp_pattern
@@ -223,12 +256,15 @@ class MTPHead(nn.Module):
         names = [_module_name(n) for n in weights]
         role_sets = 1 + max((int(m[1]) for n in names if (m := re.match(r"^roles\.(\d+)\.", n))),
                             default=0)
-        family = family_for(getattr(args, "model_type", None))
+        family = _family(trunk)
         self._build, self.layers, steps, attends = _layers(trunk, family, layer_kind, names)
         object.__setattr__(self, "_steps", steps)  # the physical layers of each draft block
         object.__setattr__(self, "_attends", attends)  # which of them take the mask and cache
+        norm = (getattr(_trunk_module(trunk), family.norm_class) if family.norm_class
+                else nn.RMSNorm)
         self.roles = [_Roles(args.hidden_size, getattr(args, family.eps_key),
-                             _role_names(names, k), args.vocab_size) for k in range(role_sets)]
+                             _role_names(names, k), args.vocab_size, norm)
+                      for k in range(role_sets)]
         specs = {_module_name(p): q.quant for p, q in quant.items() if q.quant is not None}
         weights = _dequantize_float_only(self, weights, specs)
         if specs:
@@ -307,7 +343,8 @@ class MTPHead(nn.Module):
         x = self.layer_input(hidden, tokens, block, offset == 0)  # per row in a batch
         mask = create_attention_mask(x, kv, return_array=True)
         for j in self._steps[block]:
-            x = self.layers[j](x, mask, layer_cache) if self._attends[j] else self.layers[j](x)
+            x = _hidden(self.layers[j](x, mask, layer_cache) if self._attends[j]
+                        else self.layers[j](x))
         if pick is not None:
             x = mx.take_along_axis(x, pick[:, None, None], axis=1)
         elif last_only:

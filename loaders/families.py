@@ -93,6 +93,14 @@ class Family:
     # DecoderLayer(config, is_moe, is_sliding_window)); its cache is the one mlx-lm makes for
     # the first trunk layer whose attributes agree with those it keeps (decoder/trunk.py).
     mtp_layer_args: dict[str, Any] = field(default_factory=dict)
+    # Config values the draft layer is built under, set on a copy of the trunk's mlx-lm args:
+    # vLLM builds some draft layers under a changed config (Kimi-K3's without the block-residual
+    # mixing, MiniMax-M3's forced to sparse attention and MoE by clearing the per-layer lists
+    # that would say otherwise, so mlx-lm's defaults say so).
+    mtp_config: dict[str, Any] = field(default_factory=dict)
+    # The head's own norms (fusion and final) as a class of the trunk's mlx-lm module, where
+    # they are not plain RMSNorms (MiniMax-M3's GemmaRMSNorm: (1 + w) gains, stored so).
+    norm_class: str = ""
     # The head's layer modules the checkpoint names apart from mlx-lm's class (a pattern over
     # the published path inside the layer -> mlx-lm's, groups allowed; the longest pattern
     # wins), and the config key of the head's RMSNorm epsilon.
@@ -309,14 +317,16 @@ FAMILIES: tuple[Family, ...] = (
     Family("kimi_k3", ("kimi_k3", "kimi_linear"),
            (r"^(?:language_model\.)?model\.layers\.(?P<block>\d+)\.(?P<rest>.+)$",),
            block_offset_key="num_hidden_layers", head_roles=_NEXTN_ROLES,
-           layer_parts=("input_layernorm", "post_attention_layernorm", "self_attn"),
-           mtp_layer_kind="after_trunk", next_hidden="pre_mtp_norm",
-           unsupported="its draft layer is mlx-lm's KimiK3DecoderLayer as layer N with the "
-                       "block-residual mixing off (vLLM drops attn_res_block_size for the "
-                       "draft), a changed config decoder/head.py does not build a layer "
-                       "under; mlx-lm's sanitize, which splits an MLA kv_b_proj, drops every "
-                       "mtp.* name; no Kimi-K3 fixture shows a head decoding exactly",
-           sources="vLLM kimi_k3 mtp.py; mlx-lm kimi_k3.py"),
+           mtp_layer_kind="after_trunk", next_hidden="pre_mtp_norm", zero_first_embedding=True,
+           # vLLM kimi_k3 mtp.py: layer N + i is a KimiDecoderLayer (MLA: N + i + 1 is no KDA
+           # layer) built with attn_res_block_size None; its MoE, block_sparse_moe in the
+           # checkpoint, is mlx-lm's mlp (the moves kimi_k3.py's sanitize does for trunk MoE
+           # layers); the sanitize splits the MLA kv_b_proj of the layer renamed to trunk layer k
+           mtp_config={"attn_res_block_size": None},
+           layer_names={r"block_sparse_moe\.(?:gate\.)?e_score_correction_bias":
+                        "mlp.e_score_correction_bias", r"block_sparse_moe": "mlp"},
+           sanitize_mtp_layer=True,
+           sources="vLLM kimi_k3 nvidia/mtp.py, common/mtp.py; mlx-lm kimi_k3.py"),
     Family("mimo_v2", ("mimo_v2_flash",),
            (r"^model\.mtp\.layers\.(?P<block>\d+)\.(?P<rest>.+)$",),
            head_roles=_NEXTN_FINAL, experts_key="n_routed_experts",
@@ -341,14 +351,19 @@ FAMILIES: tuple[Family, ...] = (
                         "mlp.gate.e_score_correction_bias": "mlp.gate.expert_bias"},
            sanitize_mtp_layer=True, zero_first_embedding=True,
            sources="vLLM bailing_moe_mtp.py (BailingMoeV25MTPModel); mlx-lm bailing_hybrid.py"),
-    Family("minimax_m3", ("minimax_m3_vl",),
+    Family("minimax_m3", ("minimax_m3_vl", "minimax_m3_vl_text"),
            (r"^(?:language_model\.)?model\.mtp\.layers\.(?P<block>\d+)\.(?P<rest>.+)$",),
-           head_roles=_NEXTN_FINAL, layer_parts=("transformer_layer",),
-           unsupported="its transformer_layer is mlx-lm's DecoderLayer forced to sparse "
-                       "attention and MoE (vLLM minimax_m3 mtp.py), a changed config "
-                       "decoder/head.py does not build a layer under, with Gemma-style (1+w) "
-                       "norms; no MiniMax-M3 fixture shows a head decoding exactly",
-           sources="vLLM minimax_m3 mtp.py; mlx-lm minimax_m3_vl.py"),
+           head_roles=_NEXTN_FINAL, experts_key="num_local_experts",
+           layer_parts=("input_layernorm", "post_attention_layernorm", "self_attn",
+                        "block_sparse_moe"),
+           mtp_layer_kind="after_trunk", next_hidden="pre_mtp_norm", zero_first_embedding=True,
+           # vLLM minimax_m3 mtp.py: transformer_layer is a MiniMaxM3DecoderLayer with
+           # force_sparse_attn and force_moe, its norms and the head's Gemma-style (1 + w)
+           mtp_config={"layer_types": None, "sparse_attention_freq": None,
+                       "mlp_layer_types": None, "moe_layer_freq": None},
+           norm_class="GemmaRMSNorm",
+           layer_names={r"transformer_layer\.(\w+)": r"\1"},
+           sources="vLLM minimax_m3 nvidia/mtp.py, nvidia/model.py; mlx-lm minimax_m3_vl.py"),
     Family("llama", ("llama", "mistral", "smollm3"), shape_rules=PLAIN_ATTENTION_RULES),
 )
 GENERIC = Family("generic", ())

@@ -47,13 +47,14 @@ from mtpkit.verify.doctor import report
 
 RUNNABLE = ("glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "deepseek_v32", "ernie4_5_moe",
             "bailing_moe", "mimo_v2_flash", "step3p5", "longcat_flash", "nemotron_h",
-            "bailing_hybrid")
+            "bailing_hybrid", "kimi_k3", "minimax_m3_vl")
 # Heads with a sliding-window block (a WindowKVCache in the head), and a prompt past the window.
 WINDOWED = ("mimo_v2_flash", "step3p5")
 WINDOW_PROMPT = [(7 * i + 3) % 97 + 2 for i in range(40)] * 4  # 160 tokens that lookup can copy
-INDEXED = ("glm_moe_dsa", "deepseek_v32")  # DSA attention: an indexer cache beside the KV cache
+# DSA attention (MiniMax-M3's block-sparse too): an indexer cache beside the KV cache
+INDEXED = ("glm_moe_dsa", "deepseek_v32", "minimax_m3_vl")
 MOE_HEADS = ("glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "deepseek_v32", "nemotron_h", "bailing_moe",
-             "bailing_hybrid")
+             "bailing_hybrid", "kimi_k3", "minimax_m3_vl")
 
 
 def baseline(family: str) -> set[str]:
@@ -183,8 +184,8 @@ def _unsupported_finding(path: Path) -> None:
 
 @pytest.fixture
 def unrunnable(monkeypatch: pytest.MonkeyPatch) -> str:
-    """Nemotron-H's table entry marked unsupported, as Kimi-K3's and MiniMax-M3's are (neither
-    has a fixture here): every family with one runs its head."""
+    """Nemotron-H's table entry marked unsupported (every family in the table runs its head,
+    so the refusal path is shown on one marked so by the test)."""
     fam = family_for("nemotron_h")
     marked = replace(fam, unsupported="marked unsupported by the test")
     monkeypatch.setattr(families_module, "FAMILIES",
@@ -442,8 +443,70 @@ def test_nemotron_step_is_the_pattern_vllm_builds(bundles):
                      f"Nemotron-H draft step, positions {a}..{b - 1}")
 
 
-# Families with no tiny checkpoint here (Kimi-K3's and MiniMax-M3's multimodal configs): their
-# published names, as docs/families.md cites them, against the table.
+def _vl_reference(family: str, rows: int) -> Any:
+    """Stock mlx-lm's model of the family with one text layer of the draft layer's kind, as
+    its config builds it (not through the table's mtp_config): Kimi-K3's an MLA MoE layer
+    without block-residual mixing, MiniMax-M3's sparse attention and MoE; `rows` tokens."""
+    from mlx_lm.utils import _get_classes
+
+    config = config_for(family)
+    text = {**config["text_config"], "num_hidden_layers": 1, "vocab_size": rows}
+    if family == "kimi_k3":
+        text |= {"attn_res_block_size": None, "first_k_dense_replace": 0,
+                 "linear_attn_config": {**text["linear_attn_config"], "kda_layers": [],
+                                        "full_attn_layers": [1]}}
+    else:
+        text |= {"moe_layer_freq": [1], "sparse_attention_config": {
+            **text["sparse_attention_config"], "sparse_attention_freq": [1]}}
+    model_cls, args_cls = _get_classes(config)
+    return model_cls(args_cls.from_dict({**config, "text_config": text}))
+
+
+@pytest.mark.parametrize("family", ["kimi_k3", "minimax_m3_vl"])
+def test_a_vl_head_step_is_the_layer_vllm_builds(bundles, family):
+    """vLLM's draft step of Kimi-K3 and MiniMax-M3: the embedding zeroed at position 0, fc
+    over [enorm(e), hnorm(h)] (MiniMax's norms Gemma-style, 1 + w), the draft layer, the final
+    norm into the LM head (Kimi: each depth's shared_head), the pre-norm sum chained. The
+    fusion is recomputed from the head's weights; stock mlx-lm's model built with one layer of
+    the draft layer's kind, its embedding rows the fused inputs and its final norm the head's,
+    gives the head's logits and chained hidden (a multi-row pass, then rows over the caches;
+    MiniMax's sparse path selects blocks of 4 past 8 keys)."""
+    runner = mtpkit.load(bundles(family), dtype="float32")
+    head = runner.head
+    assert head is not None and head.blocks == 1
+    roles, text = head.roles[0], config_for(family)["text_config"]
+    seq = WINDOW_PROMPT[:25]
+    hidden, _ = runner.trunk(mx.array([seq[:-1]]), runner.trunk.make_cache(), logits_for=0)
+    tokens = mx.array([seq[1:]])
+    gain = (lambda w: 1.0 + w) if family == "minimax_m3_vl" else (lambda w: w)
+    embed = roles.embed_tokens(tokens) if "embed_tokens" in roles else runner.trunk.embed(tokens)
+    embed = mx.where((mx.arange(tokens.shape[1]) == 0)[None, :, None], 0.0, embed)
+    parts = [mx.fast.rms_norm(embed, gain(roles.pre_fc_norm_embedding.weight),
+                              text["rms_norm_eps"]),
+             mx.fast.rms_norm(hidden, gain(roles.pre_fc_norm_hidden.weight),
+                              text["rms_norm_eps"])]
+    x = head.layer_input(hidden, tokens)
+    assert_close(x, roles.fc(mx.concatenate(parts, axis=-1)), f"{family} fused input")
+    rows = x.shape[1]
+    ref = _vl_reference(family, rows)
+    inner = "language_model.model."
+    ref.load_weights([*((f"{inner}layers.0.{k}", v)
+                        for k, v in tree_flatten(head.layers[0].parameters())),
+                      (f"{inner}embed_tokens.weight", x[0]), (f"{inner}norm.weight",
+                                                              roles.norm.weight),
+                      ("language_model.lm_head.weight", mx.zeros((rows, x.shape[-1])))],
+                     strict=True)
+    unembed = roles.shared_head if "shared_head" in roles else runner.trunk.logits
+    ids, ours, theirs = mx.arange(rows)[None], head.make_cache(), ref.make_cache()
+    for a, b in ((0, rows - 2), (rows - 2, rows - 1), (rows - 1, rows)):
+        logits, chained = head(hidden[:, a:b], tokens[:, a:b], ours, 0)
+        want = ref.language_model.model(ids[:, a:b], cache=theirs)
+        assert_close(logits, unembed(want), f"{family} draft logits, positions {a}..{b - 1}")
+        assert_close(roles.norm(chained), want, f"{family} chained hidden, {a}..{b - 1}")
+
+
+# Published name variants (without the `language_model.` prefix the fixtures use, a second
+# depth), as docs/families.md cites them, against the table.
 NAMED = {
     ("kimi_k3", "language_model.model.layers.4.eh_proj.weight"): "mtp.fc.weight",
     ("kimi_k3", "model.layers.5.shared_head.head.weight"): "mtp.heads.1.shared_head.weight",
@@ -454,7 +517,9 @@ NAMED = {
         "mtp.pre_fc_norm_embedding.weight",
     ("minimax_m3_vl", "model.mtp.layers.1.final_layernorm.weight"): "mtp.heads.1.norm.weight",
     ("minimax_m3_vl", "model.mtp.layers.0.transformer_layer.self_attn.q_proj.weight"):
-        "mtp.layers.0.transformer_layer.self_attn.q_proj.weight",
+        "mtp.layers.0.self_attn.q_proj.weight",
+    ("kimi_k3", "model.layers.4.block_sparse_moe.gate.e_score_correction_bias"):
+        "mtp.layers.0.mlp.e_score_correction_bias",
     ("nemotron_h", "language_model.mtp.layers.1.final_layernorm.weight"): "mtp.norm.weight",
 }
 
@@ -463,7 +528,7 @@ NAMED = {
 def test_published_names_of_families_without_a_fixture(key, canonical):
     model_type, name = key
     fam = family_for(model_type)
-    assert bool(fam.unsupported) == (model_type != "nemotron_h")  # no fixture: not run
+    assert not fam.unsupported
     assert canonical_mtp_name(name, fam, {"num_hidden_layers": 4}) == canonical
 
 
