@@ -23,6 +23,7 @@ from mtpkit.decoder.context import check_prompt, context_of
 from mtpkit.decoder.controller import Controller
 from mtpkit.decoder.costs import Progress, costs_for
 from mtpkit.decoder.curve import CostCurve
+from mtpkit.decoder.dflash import attach as attach_dflash
 from mtpkit.decoder.draft_model import FIXED_DEPTH, DraftModel, check_vocab
 from mtpkit.decoder.dtypes import choose as choose_dtype
 from mtpkit.decoder.head import Contract, MTPHead
@@ -537,8 +538,9 @@ def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None
     runner.quantize_kv(kv_bits, kv_group_size, quantized_kv_start)
     runner.template_code = next((f.code for f in view.findings if f.code.startswith("template.")
                                  and f.severity == "error"), "template.missing")
-    if group is None:  # a drafter shipped in the bundle (Gemma 4's assistant/); untried sharded
-        attach_assistant(runner, Path(view.root))
+    if group is None:  # a drafter shipped in the bundle (Gemma 4's assistant/, a DFlash
+        attach_assistant(runner, Path(view.root))  # drafter's dflash/); untried sharded
+        attach_dflash(runner, Path(view.root))
     if draft_model is not None:  # (a draft model given replaces it)
         runner.load_draft_model(draft_model, dequantize)
     return distributed.attach(runner, group, shard) if group is not None else runner

@@ -8,6 +8,7 @@ layer. The pre-norm hidden (for heads trained on it) is read by wrapping the fin
 from __future__ import annotations
 
 import inspect
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,30 @@ class _NormTap(nn.Module):
         return self.norm(x)
 
 
+class LayerTap(nn.Module):
+    """A trunk layer that hands its output to the sinks listening (a DFlash drafter reads the
+    outputs of several target layers: decoder/dflash.py), with the cache the layer was given,
+    so a sink keeps only its own sequence's passes. Everything else is the layer's own."""
+
+    def __init__(self, layer: nn.Module, index: int) -> None:
+        super().__init__()
+        self.tapped = layer
+        self.index = index
+        self.sinks: weakref.WeakSet[Any] = weakref.WeakSet()  # (not a parameter)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self or "tapped" not in self:
+            return super().__getattr__(name)
+        return getattr(self["tapped"], name)  # what mlx-lm reads of its layers (is_linear)
+
+    def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> Any:
+        out = self.tapped(x, *args, **kwargs)
+        cache = kwargs.get("cache", args[1] if len(args) > 1 else None)
+        for sink in list(self.sinks):
+            sink.captured(self.index, cache, out)
+        return out
+
+
 class Trunk:
     """Forward passes over an mlx-lm model that return (hidden for the head, logits)."""
 
@@ -67,6 +92,15 @@ class Trunk:
     def tied(self) -> bool:
         """No LM head of its own (mlx-lm's Kimi-K3 keeps `lm_head = None` when tied)."""
         return getattr(self.text, "lm_head", None) is None
+
+    def tap_layers(self, ids: list[int]) -> list[LayerTap]:
+        """Wrap the trunk layers `ids` (once) so their outputs reach listening sinks
+        (LayerTap); the model runs as before."""
+        layers = self.inner.layers
+        for i in ids:
+            if not isinstance(layers[i], LayerTap):
+                layers[i] = LayerTap(layers[i], i)
+        return [layers[i] for i in ids]
 
     def make_cache(self, bounded: bool = False) -> list[Any]:
         """mlx-lm's caches for this model; `bounded`: attention views of bounded shapes

@@ -1,0 +1,354 @@
+"""A DFlash drafter (decoder/dflash.py, loaders/dflash.py): exact greedy and sampled.
+
+Fixtures scale z-lab's published shapes down: Qwen3-8B-DFlash-b16 reads the outputs of target
+layers [1, 9, 17, 25, 33] of 36 (every 8th from the second) with a few full-attention layers;
+Qwen3.6-27B-DFlash reads [1, 16, 31, 46, 61] of 64 with 4 sliding layers then a full one. Here
+a 9-layer Qwen3 trunk (hidden 32, vocabulary 8) and random drafters of 2 layers reading layers
+[1, 4, 7], full attention or sliding + full, blocks of 6 (5 drafts).
+
+1. Greedy identity with stock mlx-lm's greedy decoding at depths 1, 3 and the block (5), with
+   drafts kept and rejected; the drafter's context after every kind of round equals the one a
+   fresh prefill of the committed text gives.
+2. Forced rejections: drafts scripted wrong at 30% of positions; every round keeps exactly
+   what its script implies.
+3. The sampled law in every round state (test_exactness's Markov target and stratified
+   chi-square) with the drafter's q, and the test failing a wrong rule; seeded identity.
+4. The bundle: `mtpkit.load` attaches dflash/, greedy equals stock there; refusals for a wrong
+   vocabulary, a layer id out of range, a hidden size and a config that is not DFlash's.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.generate import generate_step
+from mlx_lm.models import qwen3
+from scipy.stats import chi2
+from test_exactness import (
+    ALPHA,
+    LONG,
+    MARKOV_LOGITS,
+    MARKOV_PROMPT,
+    MV,
+    assert_every_outcome,
+    options,
+    replacement_from_p,
+    rounds_of,
+    stock_greedy,
+    stratified_test,
+    transition_law,
+)
+
+import mtpkit
+from fixtures.decoder_models import tiny_runner
+from mtpkit.decoder import acceptance
+from mtpkit.decoder.dflash import DFlashDrafter, DFlashPair, DFlashProposer
+from mtpkit.decoder.options import SamplingParams
+from mtpkit.decoder.runner import Runner
+from mtpkit.decoder.session import Session
+from mtpkit.decoder.trunk import Trunk
+from mtpkit.loaders.dflash import read_dflash, read_spec
+from mtpkit.loaders.findings import UserError
+
+VOCAB, HIDDEN, TARGET_LAYERS = 8, 32, 9
+READS = [1, 4, 7]
+BLOCK = 6
+
+
+def drafter_config(hidden: int = HIDDEN, vocab: int = VOCAB, reads: list[int] | None = None,
+                   sliding: bool = False, **extra: Any) -> dict[str, Any]:
+    """A DFlash config.json with the published keys (z-lab's DFlashDraftModel)."""
+    return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+            "hidden_size": hidden, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "head_dim": 16, "intermediate_size": 2 * hidden,
+            "vocab_size": vocab, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+            "max_position_embeddings": 4096, "block_size": BLOCK,
+            "num_target_layers": extra.pop("num_target_layers", TARGET_LAYERS),
+            "layer_types": ["sliding_attention", "full_attention"] if sliding
+            else ["full_attention"] * 2, "sliding_window": 4 if sliding else None,
+            "dflash_config": {"mask_token_id": vocab - 1,
+                              "target_layer_ids": reads if reads is not None else READS},
+            **extra}
+
+
+def qwen3_trunk(seed: int = 0, vocab: int = VOCAB, layers: int = TARGET_LAYERS) -> Trunk:
+    mx.random.seed(seed)
+    args = qwen3.ModelArgs(model_type="qwen3", hidden_size=HIDDEN, num_hidden_layers=layers,
+                           intermediate_size=2 * HIDDEN, num_attention_heads=2,
+                           rms_norm_eps=1e-6, vocab_size=vocab, num_key_value_heads=1,
+                           max_position_embeddings=4096, rope_theta=10000.0, head_dim=16,
+                           tie_word_embeddings=False)
+    model = qwen3.Model(args)
+    model.update(spread(model, {"model.embed_tokens.weight": 1.0, "lm_head.weight": 0.5}))
+    mx.eval(model.parameters())
+    return Trunk(model)
+
+
+def spread(module: Any, scales: dict[str, float], default: float = 0.3) -> dict:
+    """Float32 weights drawn N(0, scale) (norm gains 1): logits that spread over a few
+    tokens, so greedy text varies instead of repeating one token as mlx's default init does."""
+    from mlx.utils import tree_unflatten
+    return tree_unflatten([(name, mx.ones(v.shape) if v.ndim == 1 else
+                            mx.random.normal(v.shape) * scales.get(name, default))
+                           for name, v in tree_flatten(module.parameters())])
+
+
+def random_drafter(config: dict[str, Any], seed: int = 1, gain: float = 4.0) -> DFlashDrafter:
+    """A drafter of random weights whose final norm gain `gain` sharpens its logits (so its
+    positions' laws differ from each other and from the target's)."""
+    spec, bad = read_spec(config, "config.json")
+    assert spec is not None, bad
+    mx.random.seed(seed)
+    drafter = DFlashDrafter(spec)
+    drafter.update(spread(drafter, {}))
+    drafter.update({"norm": {"weight": mx.full((spec.hidden,), gain)}})
+    mx.eval(drafter.parameters())
+    return drafter
+
+
+def dflash_runner(sliding: bool = False, seed: int = 0) -> Runner:
+    trunk = qwen3_trunk(seed)
+    runner = Runner(trunk, None, None)
+    runner.drafter = DFlashPair.pair(random_drafter(drafter_config(sliding=sliding)), trunk)
+    return runner
+
+
+def stock(trunk: Trunk, prompt: list[int], n: int) -> list[int]:
+    """Stock mlx-lm's greedy tokens (generate_step's default sampler is the argmax)."""
+    steps = generate_step(mx.array(prompt), trunk.model, max_tokens=n)
+    return [int(t) for t, _ in steps]
+
+
+PROMPT = [3, 1, 4, 1, 5, 2, 6, 5, 3, 5]
+
+
+# -- 1. greedy identity; the drafter's context -----------------------------------------------
+
+@pytest.mark.parametrize("sliding", [False, True])
+def test_greedy_equals_stock_at_every_depth(sliding: bool) -> None:
+    runner = dflash_runner(sliding)
+    reference = stock(runner.trunk, PROMPT, 80)
+    for depth in (1, 3, BLOCK - 1):
+        tokens, outcomes = rounds_of(runner, PROMPT, 80, depth, draft="model")
+        assert tokens == reference, depth
+        kept = [k for d, k in outcomes if d]
+        assert 0 < sum(kept) < sum(d for d, _ in outcomes), (depth, outcomes)  # kept, rejected
+    # a depth past the block drafts a block's worth
+    tokens, outcomes = rounds_of(runner, PROMPT, 40, BLOCK - 1, draft="model")
+    result = runner.generate(PROMPT, 40, depth=BLOCK + 3, draft="model")
+    proposed = result.stats.proposed
+    assert result.tokens == tokens and proposed[BLOCK - 2] > 0 == sum(proposed[BLOCK - 1:])
+
+
+def fresh_context(pair: DFlashPair, text: list[int]) -> list[mx.array]:
+    """The drafter's context keys a fresh prefill of `text` gives, per drafter layer."""
+    cache = pair.trunk.make_cache()
+    outs: dict[int, mx.array] = {}
+    probe = type("Probe", (), {"captured": lambda self, i, c, o: outs.__setitem__(i, o)})()
+    for tap in pair.taps:
+        tap.sinks.add(probe)
+    pair.trunk(mx.array([text]), cache, logits_for=0)
+    stores = pair.drafter.make_stores()
+    pair.drafter.context(mx.concatenate([outs[i] for i in READS], axis=-1), stores)
+    return [s.state[0][..., :s.offset, :] for s in stores]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(0.8, top_k=3)])
+def test_the_context_after_every_round_is_a_fresh_prefills(params: SamplingParams) -> None:
+    """After prompt, rounds kept and rejected at every position, and plain steps, the
+    drafter's context keys hold exactly the committed positions, as a fresh prefill's."""
+    runner = dflash_runner()
+    session = Session(runner.trunk, None, params, BLOCK - 1, seed=5, draft="model",
+                      drafter=runner.drafter)
+    proposer = session.model
+    assert isinstance(proposer, DFlashProposer)
+    session.start(PROMPT)
+    seen = set()
+    for step in range(30):
+        if step % 7 == 6:
+            list(session.plain_steps(2))
+            continue
+        outcome = session.next_round(1 + step % (BLOCK - 1))
+        seen.add((outcome.depth, outcome.kept))
+        text = proposer.text[:-1]  # what the next proposal feeds the drafter first
+        proposer.propose(1)
+        for got, want in zip([s.state[0][..., :s.offset, :] for s in proposer.stores],
+                             fresh_context(runner.drafter, text), strict=True):
+            assert got.shape == want.shape
+            np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5)
+    assert {k for _, k in seen} >= {0, 1}, seen
+
+
+# -- 2. forced rejections --------------------------------------------------------------------
+
+class ScriptedPair(DFlashPair):
+    """Drafts script[p] for text position p: the position comes from the drafter's context
+    length, so a context that is one position off drafts the wrong tokens."""
+
+    script: dict[int, int] = {}
+
+    def block_logits(self, stores: list, features: mx.array | None, last: int,
+                     depth: int) -> mx.array:
+        super().block_logits(stores, features, last, depth)
+        start = stores[0].offset + 1
+        wanted = mx.array([self.script.get(start + i, 0) for i in range(depth)])
+        return (mx.arange(VOCAB)[None] == wanted[:, None]) * 20.0
+
+
+def test_forced_rejections_keep_what_the_script_implies() -> None:
+    runner = dflash_runner()
+    reference = stock(runner.trunk, PROMPT, 96)
+    seq = PROMPT + reference
+    wrong = np.random.default_rng(0).random(len(seq)) < 0.3
+    pair = ScriptedPair(runner.drafter.drafter, runner.trunk, runner.drafter.taps)
+    pair.script = {i: (t + 1) % VOCAB if wrong[i] else t for i, t in enumerate(seq)}
+    runner.drafter = pair
+    for depth in (2, 3, BLOCK - 1):
+        tokens, outcomes = rounds_of(runner, PROMPT, 96, depth, draft="model")
+        assert tokens == reference, depth
+        n, made, expected = len(PROMPT) + 1, 1, []
+        while made < 96:
+            drafted, kept = min(depth, 96 - made - 1), 0
+            while kept < drafted and pair.script[n + kept] == seq[n + kept]:
+                kept += 1
+            expected.append((drafted, kept))
+            n, made = n + kept + 1, made + kept + 1
+        assert outcomes == expected, depth
+
+
+# -- 3. the sampled law ----------------------------------------------------------------------
+
+def markov_with_dflash(params: SamplingParams) -> tuple[float, int]:
+    """test_exactness.markov_statistic with a DFlash drafter reading the Markov target's two
+    layers: runs at depths 2 and 3 and at the block."""
+    runner = tiny_runner(vocab=MV, markov=True, logit_scale=MARKOV_LOGITS)
+    runner.head = None
+    config = drafter_config(vocab=MV, reads=[0, 1], num_target_layers=2)
+    runner.drafter = DFlashPair.pair(random_drafter(config, seed=3, gain=3.0), runner.trunk)
+    law = transition_law(runner, params)
+    stat, df = 0.0, 0
+    for depth in (2, 3, BLOCK - 1):
+        tokens, outcomes = rounds_of(runner, MARKOV_PROMPT, LONG, depth, seed=depth,
+                                     draft="model", **options(params))
+        assert len(tokens) == LONG
+        assert_every_outcome(outcomes, (depth,))
+        s, d = stratified_test(law, tokens, outcomes)
+        stat, df = stat + s, df + d
+    return stat, df
+
+
+LAW_SETTINGS = [SamplingParams(1.0), SamplingParams(0.7, top_k=2)]
+
+
+@pytest.mark.parametrize("params", LAW_SETTINGS)
+def test_every_round_state_emits_the_target_law(params: SamplingParams) -> None:
+    stat, df = markov_with_dflash(params)
+    assert chi2.sf(stat, df) > ALPHA, (stat, df)
+
+
+def test_the_law_test_fails_a_wrong_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The replacement after a rejection drawn from p, not normalize(max(0, p - q))."""
+    monkeypatch.setattr(acceptance, "accept_sampled", replacement_from_p)
+    stat, df = markov_with_dflash(LAW_SETTINGS[0])
+    assert chi2.sf(stat, df) < 1e-10, (stat, df)
+
+
+def test_seeded_runs_repeat() -> None:
+    runner = dflash_runner()
+    sampled = {"temperature": 0.8, "top_p": 0.95, "top_k": 4, "draft": "model", "depth": 3}
+    first = runner.generate(PROMPT, 48, seed=11, **sampled)
+    assert runner.generate(PROMPT, 48, seed=11, **sampled).tokens == first.tokens
+    assert runner.generate(PROMPT, 48, seed=12, **sampled).tokens != first.tokens
+    assert sum(first.stats.accepted) > 0
+
+
+# -- 4. the bundle: attach, refusals ---------------------------------------------------------
+
+def write_drafter(folder: Path, config: dict[str, Any], seed: int = 1) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    spec, bad = read_spec(config, "config.json")
+    if spec is None:  # a config the reader refuses: weights of a valid one beside it
+        spec, _ = read_spec(drafter_config(hidden=64, vocab=512, reads=[0, 1],
+                                           num_target_layers=2), "config.json")
+    assert spec is not None
+    mx.random.seed(seed)
+    weights = dict(tree_flatten(DFlashDrafter(spec).parameters()))
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+
+
+LLAMA = {"hidden": 64, "vocab": 512, "reads": [0, 1], "num_target_layers": 2}
+
+
+def test_load_attaches_the_bundles_drafter(bundle_copy: Callable[..., Path]) -> None:
+    path = bundle_copy("llama")
+    reference, _ = stock_greedy(path, PROMPT, 48)
+    write_drafter(path / "dflash", drafter_config(**LLAMA))
+    runner = mtpkit.load(path, dtype="float32")
+    assert isinstance(runner.drafter, DFlashPair)
+    assert runner.draft_source(3, None).value == "model"
+    for depth in (1, BLOCK - 1):
+        result = runner.generate(PROMPT, 48, depth=depth)
+        assert result.tokens == reference, depth
+        assert result.stats.sources["model"]["rounds"] == result.stats.verify_calls > 0
+
+
+BAD = {
+    "tokenizer.vocab_mismatch": {**LLAMA, "vocab": 256},
+    "drafter.mismatch": {**LLAMA, "reads": [0, 2]},  # the target has 2 layers
+    "drafter.mismatch ": {**LLAMA, "hidden": 32},
+}
+
+
+@pytest.mark.parametrize("code", BAD)
+def test_a_drafter_that_does_not_fit_is_refused(bundle_copy: Callable[..., Path],
+                                                code: str) -> None:
+    path = bundle_copy("llama")
+    write_drafter(path / "dflash", drafter_config(**BAD[code]))
+    target = json.loads((path / "config.json").read_text())
+    report = read_dflash(path, target)
+    assert code.strip() in {f.code for f in report.findings}, report.findings
+    with pytest.raises(UserError) as err:
+        mtpkit.load(path, dtype="float32")
+    assert err.value.code == code.strip() and "\n" not in str(err.value)
+
+
+INVALID = {
+    "not DFlash": {"architectures": ["DFlash2DraftModel"]},
+    "no dflash_config": {"dflash_config": None},
+    "mask token outside": {"dflash_config": {"mask_token_id": 512, "target_layer_ids": [0]}},
+    "block of one": {"block_size": 1},
+}
+
+
+@pytest.mark.parametrize("name", INVALID)
+def test_an_invalid_drafter_config_is_refused(tmp_path: Path, name: str) -> None:
+    config = drafter_config(**LLAMA) | INVALID[name]
+    spec, bad = read_spec(config, "dflash/config.json")
+    assert spec is None and [f.code for f in bad] == ["drafter.invalid"], bad
+
+
+def test_damaged_weights_are_findings(bundle_copy: Callable[..., Path]) -> None:
+    path = bundle_copy("llama")
+    write_drafter(path / "dflash", drafter_config(**LLAMA))
+    weights = mx.load(str(path / "dflash" / "model.safetensors"))
+    weights.pop("fc.weight")
+    weights["norm.weight"] = mx.ones((7,))
+    mx.save_safetensors(str(path / "dflash" / "model.safetensors"), weights)
+    codes = {f.code for f in read_dflash(path, json.loads((path / "config.json").read_text()))
+             .findings}
+    assert {"weights.missing", "weights.shape_mismatch"} <= codes, codes
+    shutil.rmtree(path / "dflash")
+    (path / "mtpkit.json").write_text(json.dumps({"drafter": {"kind": "dflash",
+                                                              "path": "elsewhere"}}))
+    assert [f.code for f in read_dflash(path, {}, {"drafter": {"kind": "dflash",
+                                                               "path": "elsewhere"}})
+            .findings] == ["drafter.invalid"]
