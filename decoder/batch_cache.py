@@ -278,7 +278,7 @@ def single(batch: list[Any], holes: list[Holes], fresh: list[Any]) -> list[Any]:
             if id(h) not in real:
                 assert h.valid is not None
                 real[id(h)] = [p for p, v in enumerate(h.valid[0, :b._idx].tolist()) if v]
-            at = mx.array(real[id(h)])
+            at = mx.array(real[id(h)], dtype=mx.int32)  # (a block with none: int)
             f.state = (b.keys[:, :, at, :], b.values[:, :, at, :], len(real[id(h)]))
             out.append(f)
         else:
