@@ -566,3 +566,30 @@ def test_a_trunk_whose_lm_head_is_none_is_tied():
     post = mx.ones((1, 2, 4))
     assert trunk.tied
     assert_close(trunk.logits(post), post @ trunk.inner.embed_tokens.weight.T, "tied logits")
+
+
+# Heads inside a batch: a sliding-window head of several blocks (Step-3.5: sliding, full,
+# sliding depths, each block its own cache), rows joining as others leave, at different depths
+# and sources, the last row parted back to a lone session.
+def test_every_row_of_a_batch_of_step_head_drafts_decodes_as_alone(bundles):
+    """Each row's tokens and round counts in a batch equal its lone decoding: the head's
+    drafts for two rows (3 deep: every block chained, past the 32-token window; and 2 deep),
+    one plain row and one of context drafts; the fourth row joins when one leaves, and the
+    head's later blocks, which keep no positions, part with the last row (batch_cache.single:
+    a block of no real positions was an index array of floats)."""
+    from test_batch import _same, _streamed
+
+    loaded = mtpkit.load(bundles("step3p5"), dtype="float32")
+    runner = Runner(loaded.trunk, loaded.head, None)
+    assert runner.batchable
+    prompts = [WINDOW_PROMPT[:90], PROMPT, WINDOW_PROMPT[7:60], LONG_PROMPT]
+    each = [{"depth": 3, "draft": "head", "max_tokens": 40}, {"depth": 0, "max_tokens": 12},
+            {"depth": 2, "draft": "head", "max_tokens": 30},
+            {"depth": 1, "draft": "lookup", "max_tokens": 24}]
+    alone = [runner.generate(p, **e) for p, e in zip(prompts, each, strict=True)]
+    order, batched = _streamed(runner, prompts, each, max_batch=3)
+    for a, b in zip(alone, batched, strict=True):
+        _same(a, b)
+    assert order.index(3) > order.index(1), "the fourth joined after a row left"
+    assert all(r.stats.proposed[0] for r, e in zip(batched, each, strict=True)
+               if e.get("draft") == "head")
