@@ -150,8 +150,9 @@ def install(layers: list[nn.Module]) -> list[StateRecorder]:
     """Wrap every recurrent mixer among the trunk layers (nothing else changes)."""
     recorders = []
     for layer in layers:
-        for attr in RECURRENT_ATTRIBUTES:
-            if attr in layer and not isinstance(layer[attr], StateRecorder):
+        for attr, kind in RECURRENT_ATTRIBUTES.items():
+            if attr in layer and not isinstance(layer[attr], StateRecorder) and (
+                    kind is None or getattr(layer, kind[0], None) == kind[1]):
                 recorder = StateRecorder(layer[attr])
                 setattr(layer, attr, recorder)
                 recorders.append(recorder)

@@ -569,17 +569,21 @@ def test_a_trunk_whose_lm_head_is_none_is_tied():
 
 
 # Heads inside a batch: a sliding-window head of several blocks (Step-3.5: sliding, full,
-# sliding depths, each block its own cache), rows joining as others leave, at different depths
-# and sources, the last row parted back to a lone session.
-def test_every_row_of_a_batch_of_step_head_drafts_decodes_as_alone(bundles):
+# sliding depths, each block its own cache) and heads over recurrent trunks (Nemotron-H's Mamba
+# mixers, Kimi-K3's KDA layers), rows joining as others leave, at different depths and
+# sources, the last row parted back to a lone session.
+@pytest.mark.parametrize("family", ["step3p5", "nemotron_h", "kimi_k3"])
+def test_every_row_of_a_batch_of_head_drafts_decodes_as_alone(bundles, family):
     """Each row's tokens and round counts in a batch equal its lone decoding: the head's
-    drafts for two rows (3 deep: every block chained, past the 32-token window; and 2 deep),
-    one plain row and one of context drafts; the fourth row joins when one leaves, and the
-    head's later blocks, which keep no positions, part with the last row (batch_cache.single:
-    a block of no real positions was an index array of floats)."""
+    drafts for two rows (3 deep: every block chained, past Step-3.5's 32-token window; and 2
+    deep), one plain row and one of context drafts; the fourth row joins when one leaves, and
+    the head's later blocks, which keep no positions, part with the last row. Killed by a
+    recurrent mixer left unrecorded (families.RECURRENT_ATTRIBUTES: the batch kept each row's
+    rejected drafts in its state) and by a block of no real positions parted as a float index
+    (batch_cache.single)."""
     from test_batch import _same, _streamed
 
-    loaded = mtpkit.load(bundles("step3p5"), dtype="float32")
+    loaded = mtpkit.load(bundles(family), dtype="float32")
     runner = Runner(loaded.trunk, loaded.head, None)
     assert runner.batchable
     prompts = [WINDOW_PROMPT[:90], PROMPT, WINDOW_PROMPT[7:60], LONG_PROMPT]
@@ -593,3 +597,4 @@ def test_every_row_of_a_batch_of_step_head_drafts_decodes_as_alone(bundles):
     assert order.index(3) > order.index(1), "the fourth joined after a row left"
     assert all(r.stats.proposed[0] for r, e in zip(batched, each, strict=True)
                if e.get("draft") == "head")
+    assert sum(r.stats.corrections for r in batched) > 0, "rows rejected drafts"
