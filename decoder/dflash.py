@@ -25,7 +25,7 @@ import statistics
 import timeit
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, Self
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -139,7 +139,7 @@ class DFlashPair:
     _step: float | None = field(default=None, repr=False)
 
     @classmethod
-    def pair(cls, drafter: DFlashDrafter, trunk: Trunk) -> DFlashPair:
+    def pair(cls, drafter: DFlashDrafter, trunk: Trunk) -> Self:
         return cls(drafter, trunk, trunk.tap_layers(list(drafter.spec.target_layer_ids)))
 
     @property
