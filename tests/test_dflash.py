@@ -1,10 +1,10 @@
 """A DFlash drafter (decoder/dflash.py, loaders/dflash.py): exact greedy and sampled.
 
-Fixtures scale z-lab's published shapes down: Qwen3-8B-DFlash-b16 reads the outputs of target
-layers [1, 9, 17, 25, 33] of 36 (every 8th from the second) with a few full-attention layers;
-Qwen3.6-27B-DFlash reads [1, 16, 31, 46, 61] of 64 with 4 sliding layers then a full one. Here
-a 9-layer Qwen3 trunk (hidden 32, vocabulary 8) and random drafters of 2 layers reading layers
-[1, 4, 7], full attention or sliding + full, blocks of 6 (5 drafts).
+Fixtures scale a published config down: z-lab/Qwen3.6-27B-DFlash (docs/dflash.md) reads the
+outputs of target layers [1, 16, 31, 46, 61] of 64 (every 15th from the second) with 5 layers,
+4 sliding then a full one, blocks of 16. Here a 9-layer Qwen3 trunk (hidden 32, vocabulary 8)
+and random drafters of 2 layers reading layers [1, 4, 7], full attention or sliding + full,
+blocks of 6 (5 drafts).
 
 1. Greedy identity with stock mlx-lm's greedy decoding at depths 1, 3 and the block (5), with
    drafts kept and rejected; the drafter's context after every kind of round equals the one a
