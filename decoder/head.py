@@ -249,14 +249,16 @@ class MTPHead(nn.Module):
         args = trunk.args
         self.contract = contract
         self._trunk = trunk
-        weights = dict(weights)
+        family = _family(trunk)
+        unused = re.compile(rf"^mtp\.layers\.\d+\.(?:{'|'.join(family.unused_layer_parts)})[._]")
+        weights = {n: w for n, w in weights.items()
+                   if not (family.unused_layer_parts and unused.match(n))}
         self._draft_rows: mx.array | None = None
         if (vocab := weights.get(f"mtp.{DRAFT_VOCAB}")) is not None:
             weights[f"mtp.{DRAFT_VOCAB}"] = self.draft_vocab = vocab.astype(mx.int32)
         names = [_module_name(n) for n in weights]
         role_sets = 1 + max((int(m[1]) for n in names if (m := re.match(r"^roles\.(\d+)\.", n))),
                             default=0)
-        family = _family(trunk)
         self._build, self.layers, steps, attends = _layers(trunk, family, layer_kind, names)
         object.__setattr__(self, "_steps", steps)  # the physical layers of each draft block
         object.__setattr__(self, "_attends", attends)  # which of them take the mask and cache

@@ -101,6 +101,10 @@ class Family:
     # The head's own norms (fusion and final) as a class of the trunk's mlx-lm module, where
     # they are not plain RMSNorms (MiniMax-M3's GemmaRMSNorm: (1 + w) gains, stored so).
     norm_class: str = ""
+    # Modules of the published draft layer that the layer vLLM builds has no parameter for
+    # (Kimi-K3's block-residual weights, which vLLM's loader skips): kept in the sidecar, not
+    # loaded (names inside the layer, before mlx-lm's renames and after: `x.` or `x_`).
+    unused_layer_parts: tuple[str, ...] = ()
     # The head's layer modules the checkpoint names apart from mlx-lm's class (a pattern over
     # the published path inside the layer -> mlx-lm's, groups allowed; the longest pattern
     # wins), and the config key of the head's RMSNorm epsilon.
@@ -323,6 +327,7 @@ FAMILIES: tuple[Family, ...] = (
            # checkpoint, is mlx-lm's mlp (the moves kimi_k3.py's sanitize does for trunk MoE
            # layers); the sanitize splits the MLA kv_b_proj of the layer renamed to trunk layer k
            mtp_config={"attn_res_block_size": None},
+           unused_layer_parts=("self_attention_res", "mlp_res"),
            layer_names={r"block_sparse_moe\.(?:gate\.)?e_score_correction_bias":
                         "mlp.e_score_correction_bias", r"block_sparse_moe": "mlp"},
            sanitize_mtp_layer=True,
