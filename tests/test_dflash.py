@@ -161,13 +161,17 @@ def fresh_context(pair: DFlashPair, text: list[int]) -> list[mx.array]:
     return [s.state[0][..., :s.offset, :] for s in stores]
 
 
-@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(0.8, top_k=3)])
-def test_the_context_after_every_round_is_a_fresh_prefills(params: SamplingParams) -> None:
+@pytest.mark.parametrize(("params", "bounded"), [(SamplingParams(), False),
+                                                 (SamplingParams(0.8, top_k=3), False),
+                                                 (SamplingParams(), True)])
+def test_the_context_after_every_round_is_a_fresh_prefills(params: SamplingParams,
+                                                           bounded: bool) -> None:
     """After prompt, rounds kept and rejected at every position, and plain steps, the
-    drafter's context keys hold exactly the committed positions, as a fresh prefill's."""
+    drafter's context keys hold exactly the committed positions, as a fresh prefill's; with
+    bounded shapes too (a GPU's default: padded prefill chunks and verify passes)."""
     runner = dflash_runner()
     session = Session(runner.trunk, None, params, BLOCK - 1, seed=5, draft="model",
-                      drafter=runner.drafter)
+                      drafter=runner.drafter, bounded=bounded)
     proposer = session.model
     assert isinstance(proposer, DFlashProposer)
     session.start(PROMPT)
