@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mtpkit.loaders.assistant import _tokenizer_pair, target_text
+from mtpkit.loaders.assistant import _tokenizer_pair
 from mtpkit.loaders.config import read_json
 from mtpkit.loaders.findings import Finding, finding
 from mtpkit.loaders.paths import bundle_file, inside
@@ -178,7 +178,8 @@ def check_pair(spec: DFlashSpec, target: dict[str, Any], where: str) -> list[Fin
     """Does this drafter fit this target? drafter.mismatch for the hidden size and the target
     layers it reads; tokenizer.vocab_mismatch for the vocabulary (its drafts are the target's
     token ids, its logits the target's head's)."""
-    text = target_text(target)
+    text = target.get("text_config")  # a multimodal wrapper's (Qwen3.5, Gemma 4), else itself
+    text = text if isinstance(text, dict) else target
     hidden, layers, vocab = (_int(text, k) for k in ("hidden_size", "num_hidden_layers",
                                                       "vocab_size"))
     out = []

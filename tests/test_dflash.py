@@ -157,7 +157,8 @@ def fresh_context(pair: DFlashPair, text: list[int]) -> list[mx.array]:
         tap.sinks.add(probe)
     pair.trunk(mx.array([text]), cache, logits_for=0)
     stores = pair.drafter.make_stores()
-    pair.drafter.context(mx.concatenate([outs[i] for i in READS], axis=-1), stores)
+    reads = pair.spec.target_layer_ids
+    pair.drafter.context(mx.concatenate([outs[i] for i in reads], axis=-1), stores)
     return [s.state[0][..., :s.offset, :] for s in stores]
 
 
@@ -169,9 +170,15 @@ def test_the_context_after_every_round_is_a_fresh_prefills(params: SamplingParam
     """After prompt, rounds kept and rejected at every position, and plain steps, the
     drafter's context keys hold exactly the committed positions, as a fresh prefill's; with
     bounded shapes too (a GPU's default: padded prefill chunks and verify passes)."""
-    runner = dflash_runner()
+    seen = context_after_rounds(dflash_runner(), params, bounded=bounded)
+    assert {k for _, k in seen} >= {0, 1}, seen
+
+
+def context_after_rounds(runner: Runner, params: SamplingParams, **kw: Any) -> set:
+    """Rounds at every depth and plain steps, the drafter's context compared with a fresh
+    prefill's after each; the (depth, kept) pairs seen."""
     session = Session(runner.trunk, None, params, BLOCK - 1, seed=5, draft="model",
-                      drafter=runner.drafter, bounded=bounded)
+                      drafter=runner.drafter, **kw)
     proposer = session.model
     assert isinstance(proposer, DFlashProposer)
     session.start(PROMPT)
@@ -188,7 +195,26 @@ def test_the_context_after_every_round_is_a_fresh_prefills(params: SamplingParam
                              fresh_context(runner.drafter, text), strict=True):
             assert got.shape == want.shape
             np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5)
-    assert {k for _, k in seen} >= {0, 1}, seen
+    return seen
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("rollback", ["record", "replay"])
+def test_recurrent_targets_keep_the_context_exact(bundle_copy: Callable[..., Path],
+                                                  family: str, rollback: str) -> None:
+    """DFlash's own targets are hybrid (Qwen3.5 / 3.6): a tapped GatedDeltaNet layer has no
+    offset, its rows are placed by an attention cache's; recurrent rollback by recorded
+    states or by replay. Greedy output is stock mlx-lm's."""
+    path = bundle_copy(family)
+    layers = json.loads((path / "config.json").read_text())
+    layers = layers.get("text_config", layers)["num_hidden_layers"]
+    write_drafter(path / "dflash", drafter_config(hidden=64, vocab=512, reads=[0, layers - 1],
+                                                  num_target_layers=layers))
+    runner = mtpkit.load(path, dtype="float32", rollback=rollback)
+    assert isinstance(runner.drafter, DFlashPair)
+    context_after_rounds(runner, SamplingParams(1.0, top_k=20), rollback=rollback)
+    reference, _ = stock_greedy(path, PROMPT, 32)
+    assert runner.generate(PROMPT, 32, depth=3).tokens == reference
 
 
 def test_a_batch_row_decodes_exactly_and_drafts_again_alone() -> None:
