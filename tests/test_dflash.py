@@ -52,6 +52,7 @@ from fixtures.decoder_models import tiny_runner
 from mtpkit.decoder import acceptance
 from mtpkit.decoder.dflash import DFlashDrafter, DFlashPair, DFlashProposer
 from mtpkit.decoder.options import SamplingParams
+from mtpkit.decoder.prefix import PrefixCache
 from mtpkit.decoder.runner import Runner
 from mtpkit.decoder.session import Session
 from mtpkit.decoder.trunk import Trunk
@@ -227,6 +228,20 @@ def test_a_batch_row_decodes_exactly_and_drafts_again_alone() -> None:
     assert results[0].tokens == stock(runner.trunk, short, 8)
     assert results[1].tokens == stock(runner.trunk, long, 48)
     assert results[1].stats.sources["model"]["rounds"] > 0
+
+
+def test_a_prompt_from_the_prefix_cache_rebuilds_the_context() -> None:
+    """A restored prompt was never run by this session: the context is rebuilt from the text
+    at the first proposal, and the tokens and the drafts are a fresh run's."""
+    runner = dflash_runner()
+    prefix = PrefixCache(1 << 26)
+    first = runner.generate(PROMPT, 32, depth=3, draft="model", prefix=prefix)
+    again = runner.generate(PROMPT + first.tokens[:4], 28, depth=3, draft="model",
+                            prefix=prefix)
+    fresh = runner.generate(PROMPT + first.tokens[:4], 28, depth=3, draft="model")
+    assert again.cached_tokens >= len(PROMPT) and fresh.cached_tokens == 0
+    assert again.tokens == fresh.tokens == first.tokens[4:]
+    assert again.stats.accepted == fresh.stats.accepted and sum(again.stats.accepted) > 0
 
 
 # -- 2. forced rejections --------------------------------------------------------------------
