@@ -8,7 +8,8 @@ blocks of 6 (5 drafts).
 
 1. Greedy identity with stock mlx-lm's greedy decoding at depths 1, 3 and the block (5), with
    drafts kept and rejected; the drafter's context after every kind of round equals the one a
-   fresh prefill of the committed text gives.
+   fresh prefill of the committed text gives (bounded shapes, Qwen3.5 / Qwen3-Next targets
+   with both rollbacks too); a batch row and a prompt from the prefix cache rebuild it.
 2. Forced rejections: drafts scripted wrong at 30% of positions; every round keeps exactly
    what its script implies.
 3. The sampled law in every round state (test_exactness's Markov target and stratified
