@@ -423,3 +423,15 @@ def test_damaged_weights_are_findings(bundle_copy: Callable[..., Path]) -> None:
     assert [f.code for f in read_dflash(path, {}, {"drafter": {"kind": "dflash",
                                                                "path": "elsewhere"}})
             .findings] == ["drafter.invalid"]
+
+
+def test_a_quantized_drafter_is_refused(bundle_copy: Callable[..., Path]) -> None:
+    path = bundle_copy("llama")
+    write_drafter(path / "dflash", drafter_config(**LLAMA))
+    weights = mx.load(str(path / "dflash" / "model.safetensors"))
+    packed, scales, biases = mx.quantize(weights["fc.weight"], group_size=64, bits=4)
+    weights |= {"fc.weight": packed, "fc.scales": scales, "fc.biases": biases}
+    mx.save_safetensors(str(path / "dflash" / "model.safetensors"), weights)
+    with pytest.raises(UserError) as err:
+        mtpkit.load(path, dtype="float32")
+    assert err.value.code == "options.invalid" and "quantized" in str(err.value)
