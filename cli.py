@@ -607,7 +607,7 @@ def tune(bundle: str, as_json: bool, refresh: bool, dtype: str | None,
         most = batch_option(batch) if batch is not None else None
         runner = load(bundle, dtype=dtype, **_kv(kv_bits, kv_group_size, quantized_kv_start))
         if most is not None:
-            batch_option(most, runner.kv, runner.batchable)  # refused before measuring
+            batch_option(most, runner.kv, runner.unbatchable)  # refused before measuring
         doc = report(runner, bundle, refresh, progress_bar(), most,
                      batch_lines())
     click.echo(json.dumps(doc, indent=2) if as_json else render_text(doc))
@@ -795,7 +795,7 @@ def serve(bundle: str, host: str, port: int, api_keys: tuple[str, ...],
             if alone and click.get_current_context().get_parameter_source(
                     "max_batch") is click.core.ParameterSource.DEFAULT:
                 max_batch = 1  # a quantized KV cache, a sliding window: one at a time
-            batch_option(max_batch, runner.kv, runner.batchable)  # --max-batch N asked: refused
+            batch_option(max_batch, runner.kv, runner.unbatchable)  # --max-batch N asked: refused
             runner.max_prompt_tokens = max_prompt_tokens
             source = runner.draft_source(depth_opt, draft)
             if advice := numerics_note(runner):
@@ -821,7 +821,7 @@ def serve(bundle: str, host: str, port: int, api_keys: tuple[str, ...],
                 "one request at a time" + (" (--shard serves one at a time)"
                                            if shard is not None and max_batch > 1 else "")
                 + (" (--kv-bits: mlx-lm has no batched quantized cache)" if kv_bits else "")
-                + (" (this model's caches join no batch)" if not runner.batchable else ""))
+                + (f" (this model: {runner.unbatchable})" if not runner.batchable else ""))
     how = ""
     try:
         click.echo(f"serving {bundle} on http://{host}:{server.server_address[1]}/v1 "

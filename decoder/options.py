@@ -146,17 +146,17 @@ def kv_option(bits: object = None, group_size: object = 64,
     return KVQuant(bits, group_size, start)  # type: ignore[arg-type]
 
 
-def batch_option(value: object, kv: KVQuant | None = None, batchable: bool = True) -> int:
+def batch_option(value: object, kv: KVQuant | None = None, unbatchable: str = "") -> int:
     """How many sequences may decode together (serve --max-batch, Runner.stream_batch). A
     quantized KV cache decodes one at a time: mlx-lm has no batched QuantizedKVCache (its own
     server quietly turns batching off under --kv-bits); here a batch asked for is refused. So is
-    one of a model whose caches join no batch (`batchable`: decoder/caches.py)."""
+    one of a model whose rows cannot decode in one batch exactly (`unbatchable`: why, from
+    Runner.unbatchable)."""
     most = _integer("max_batch", value, 1, MAX_BATCH)
-    if not batchable and most > 1:
+    if unbatchable and most > 1:
         raise OptionError("options.invalid", "max_batch",
-                          "{name} above 1 cannot run with this model's caches: a batch holds "
-                          "mlx-lm's KVCache, recurrent caches, sliding windows that keep no "
-                          "prefix and CacheLists of those", "use max_batch 1 (one at a time)")
+                          "{name} above 1 cannot run with this model: " + unbatchable,
+                          "use max_batch 1 (one at a time)")
     if kv is not None and most > 1:
         raise OptionError("options.invalid", "max_batch",
                           "{name} above 1 cannot run with a quantized KV cache (--kv-bits): "

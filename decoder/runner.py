@@ -18,7 +18,7 @@ from mlx_lm.utils import dequantize_model, load_model
 from mtpkit.decoder import batch_costs, distributed, kernels, sharding
 from mtpkit.decoder.assistant import attach as attach_assistant
 from mtpkit.decoder.batch import Batch
-from mtpkit.decoder.caches import batchable, unquantizable
+from mtpkit.decoder.caches import batchable, is_recurrent, leaves, unquantizable
 from mtpkit.decoder.context import check_prompt, context_of
 from mtpkit.decoder.controller import Controller
 from mtpkit.decoder.costs import Progress, costs_for
@@ -48,6 +48,7 @@ from mtpkit.decoder.stats import Stats
 from mtpkit.decoder.trunk import Trunk
 from mtpkit.loaders.arrays import mtp_arrays
 from mtpkit.loaders.bundle import BundleView, open_bundle
+from mtpkit.loaders.families import family_for
 from mtpkit.loaders.findings import Finding, UserError, root_rank
 from mtpkit.loaders.model_check import blocking as load_errors
 from mtpkit.loaders.mtp import DELTA_ENCODINGS
@@ -217,7 +218,7 @@ class Runner:
         """What batches of up to `most` rows pay per round here (decoder/batch_costs.py):
         stored for this bundle where they cover `most` rows, else timed now and stored; they
         become this runner's batch prices. Returns them and whether they were timed now."""
-        most = batch_option(most, self.kv, self.batchable)
+        most = batch_option(most, self.kv, self.unbatchable)
         key = self.costs().key
         found, stock = batch_costs.read(key) if key and not refresh else ({}, {})
         complete = all(batch_costs.missing(found, size, batch_costs.deepest(self)) is None
@@ -238,8 +239,22 @@ class Runner:
 
     @property
     def batchable(self) -> bool:
-        """Whether its trunk's caches can decode as rows of one batch (caches.batchable)."""
-        return batchable(self.trunk.make_cache())
+        """Whether its rows can decode in one batch exactly (see `unbatchable`)."""
+        return not self.unbatchable
+
+    @property
+    def unbatchable(self) -> str:
+        """Why its rows cannot decode in one batch exactly ("" where they can): caches a batch
+        cannot hold (caches.batchable), a recurrent layer no recorder replays (a batch rolls
+        each row back to its own count by replay: decoder/recording.py), or the family
+        table's reason."""
+        cache = self.trunk.make_cache()
+        if not batchable(cache):
+            return ("a batch holds mlx-lm's KVCache, recurrent caches, sliding windows that keep "
+                    "no prefix and CacheLists of those")
+        if sum(map(is_recurrent, leaves(cache))) > len(self.trunk.recorders):
+            return "a recurrent layer here is not recorded, so a batch cannot roll a row back"
+        return family_for(getattr(self.trunk.args, "model_type", None)).unbatchable
 
     def draft_source(self, depth: Depth, draft: str | None) -> Source:
         """The draft source for a depth and draft argument on this bundle (checked as every
@@ -385,7 +400,8 @@ class Runner:
         (prompt index, Piece) as text is committed; each prompt's last piece carries its
         Result. `options` apply to every prompt, `each[i]` (max_tokens included) to prompt i
         only."""
-        scheduler = Scheduler(Batch(self.trunk, self.head), batch_option(max_batch, self.kv, self.batchable))
+        most = batch_option(max_batch, self.kv, self.unbatchable)
+        scheduler = Scheduler(Batch(self.trunk, self.head), most)
         asks = [options | {"max_tokens": max_tokens} | (dict(each[i]) if each else {})
                 for i in range(len(prompts))]
         requests = [self.prepare(p, **a) for p, a in zip(prompts, asks, strict=True)]

@@ -74,6 +74,9 @@ class Family:
     # A head whose config names no count (LongCat-Flash builds exactly one layer).
     default_mtp_layers: int = 0
     unsupported: str = ""
+    # Why this family's rows cannot decode in one batch exactly (options.invalid for a batch
+    # above 1; serve decodes one request at a time), where its caches alone would allow it.
+    unbatchable: str = ""
     sources: str = ""
     zero_centred_norms: bool = False
     concat_order: str = "embedding_first"
@@ -368,6 +371,8 @@ FAMILIES: tuple[Family, ...] = (
                        "mlp_layer_types": None, "moe_layer_freq": None},
            norm_class="GemmaRMSNorm",
            layer_names={r"transformer_layer\.(\w+)": r"\1"},
+           unbatchable="its sparse attention picks key blocks by cache slot, so a row's left "
+                       "padding in a batch changes which keys it keeps",
            sources="vLLM minimax_m3 nvidia/mtp.py, nvidia/model.py; mlx-lm minimax_m3_vl.py"),
     Family("llama", ("llama", "mistral", "smollm3"), shape_rules=PLAIN_ATTENTION_RULES),
 )

@@ -88,7 +88,7 @@ class Service:
         caches = runner.trunk.make_cache()
         self.prefix = PrefixCache(cache_bytes) if cache_bytes > 0 and exportable(caches) else None
         self.trimmable = trimmable(caches)
-        self.max_batch = (batch_option(max_batch, runner.kv, runner.batchable)
+        self.max_batch = (batch_option(max_batch, runner.kv, runner.unbatchable)
                           if "shard" not in runner.load_options else 1)
         prefix = self.prefix
         self.metrics = Metrics(lambda: self.queue.depth, lambda: self.queue.busy,

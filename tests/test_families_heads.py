@@ -598,3 +598,32 @@ def test_every_row_of_a_batch_of_head_drafts_decodes_as_alone(bundles, family):
     assert all(r.stats.proposed[0] for r, e in zip(batched, each, strict=True)
                if e.get("draft") == "head")
     assert sum(r.stats.corrections for r in batched) > 0, "rows rejected drafts"
+
+
+# Families whose rows would not decode as alone in a batch: Ling 2.5's linear attention is not
+# recorded (its mixer takes an offset the recorder does not pass), so a batch cannot roll a
+# row's state back; MiniMax-M3's sparse attention picks key blocks by cache slot, so a row's
+# left padding changes its keys (the family table's `unbatchable`).
+@pytest.mark.parametrize(("family", "why"), [("bailing_hybrid", "not recorded"),
+                                             ("minimax_m3_vl", "cache slot")])
+def test_a_batch_that_would_not_decode_as_alone_is_refused(bundles, family, why):
+    """Every batch entry refuses max_batch above 1 in one line with options.invalid and the
+    reason; one at a time, each prompt decodes as alone."""
+    from mtpkit.serve.service import Service
+
+    runner = mtpkit.load(bundles(family), dtype="float32")
+    assert not runner.batchable and why in runner.unbatchable
+    entries = {"generate_batch": lambda: runner.generate_batch([PROMPT, PROMPT], 8, max_batch=2),
+               "stream_batch": lambda: next(runner.stream_batch([PROMPT, PROMPT], 8,
+                                                                max_batch=4)),
+               "batch_costs": lambda: runner.batch_costs(2),
+               "serve": lambda: Service(runner, family, 3, 16, max_batch=2)}
+    for name, entry in entries.items():
+        with pytest.raises(UserError) as err:
+            entry()
+        assert err.value.code == "options.invalid" and why in str(err.value), name
+        assert "\n" not in str(err.value), name
+    prompts = [PROMPT, LONG_PROMPT]
+    alone = [runner.generate(p, 12, depth=2, draft="head") for p in prompts]
+    together = runner.generate_batch(prompts, 12, max_batch=1, depth=2, draft="head")
+    assert [r.tokens for r in together] == [r.tokens for r in alone]
