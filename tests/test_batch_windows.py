@@ -234,6 +234,11 @@ def _rows(runner: Runner, family: str) -> tuple[list[list[int]], list[dict[str, 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_row_decodes_as_alone_while_rows_join_and_leave(
         runners: Callable[[str], Runner], family: str) -> None:
+    """Rows that draft, and rows that do not, decode as alone while others join and leave.
+    Whether a random model's drafts are kept depends on the backend's arithmetic (on the
+    H200 the DSA fixtures kept none), so the rows keeping different counts are
+    test_rows_keep_their_own_counts_as_windows_wrap's (scripted drafts); here every drafting
+    row proposed and verified drafts."""
     runner = runners(family)
     assert runner.batchable, "a batch of this model was refused before"
     prompts, each = _rows(runner, family)
@@ -242,8 +247,8 @@ def test_every_row_decodes_as_alone_while_rows_join_and_leave(
     for a, b in zip(alone, batched, strict=True):
         _same(a, b)
     assert order.index(3) > order.index(1), "the fourth joined after a row left"
-    assert all(r.stats.verify_calls for r, e in zip(batched, each, strict=True) if e["depth"])
-    assert sum(r.stats.accepted[0] for r in batched if r.stats.accepted) > 0
+    assert all(r.stats.verify_calls and r.stats.proposed and r.stats.proposed[0]
+               for r, e in zip(batched, each, strict=True) if e["depth"])
 
 
 @pytest.mark.parametrize("family", ["gemma4", "mimo_v2_flash", "glm_moe_dsa"])
