@@ -31,6 +31,7 @@ from mtpkit.decoder.options import OptionError, SamplingParams, Source
 from mtpkit.decoder.sampling import Candidates, candidates, greedy
 from mtpkit.loaders.assistant import AssistantSpec, read_drafter, read_spec, target_kv
 from mtpkit.loaders.config import read_json
+from mtpkit.loaders.drafters import bundle_drafter, float_weights
 from mtpkit.loaders.findings import UserError
 
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -122,12 +123,7 @@ def load_assistant(folder: Path) -> Assistant:
     spec, bad = read_spec(raw if isinstance(raw, dict) else {}, str(folder / "config.json"))
     if spec is None:
         raise UserError(bad[0].code, bad[0].message, bad[0].hint)
-    weights: dict[str, mx.array] = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        weights |= mx.load(str(path))
-    if any(n.endswith(".scales") for n in weights):
-        raise UserError("options.invalid", f"{folder}: the assistant is quantized; its decoder "
-                        "reads float weights", "convert with the assistant as published (bf16)")
+    weights = float_weights(folder, "assistant")
     if spec.tied:
         weights.pop("lm_head.weight", None)
     if "masked_embedding.token_ordering" in weights:
@@ -343,12 +339,7 @@ def attach(runner: Any, root: Path | str | None = None) -> bool:
     "model", then the default); False where it has none. Refused: a pair doctor finds wrong, a
     quantized assistant or KV cache (options.invalid: it reads float weights and K/V)."""
     root = Path(root if root is not None else runner.root)
-    manifest = read_json(root / "mtpkit.json") if (root / "mtpkit.json").is_file() else None
-    target = read_json(root / "config.json")
-    report = read_drafter(root, target, manifest if isinstance(manifest, dict) else None)
-    bad = next((f for f in report.findings if f.severity == "error"), None)
-    if bad is not None:
-        raise UserError(bad.code, f"{root}: {bad.message}", bad.hint)
+    report, target = bundle_drafter(root, read_drafter)
     if report.path is None:
         return False
     if runner.kv is not None:

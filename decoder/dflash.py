@@ -37,9 +37,8 @@ from mtpkit.decoder.drafts import Draft
 from mtpkit.decoder.options import SamplingParams, Source
 from mtpkit.decoder.sampling import Candidates, candidates, greedy
 from mtpkit.decoder.trunk import LayerTap, Trunk
-from mtpkit.loaders.config import read_json
 from mtpkit.loaders.dflash import DFlashSpec, read_dflash
-from mtpkit.loaders.findings import UserError
+from mtpkit.loaders.drafters import bundle_drafter, float_weights
 
 
 class _BlockView:
@@ -115,12 +114,7 @@ class DFlashDrafter(nn.Module):
 def load_dflash(folder: Path, spec: DFlashSpec, dtype: mx.Dtype | None = None) -> DFlashDrafter:
     """The drafter from its folder: float weights as published, cast to the target's float
     dtype. A quantized drafter is refused with a hint (the decoder reads float weights)."""
-    weights: dict[str, mx.array] = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        weights |= mx.load(str(path))
-    if any(n.endswith(".scales") for n in weights):
-        raise UserError("options.invalid", f"{folder}: the DFlash drafter is quantized; its "
-                        "decoder reads float weights", "convert with the drafter as published")
+    weights = float_weights(folder, "DFlash drafter")
     model = DFlashDrafter(spec)
     model.load_weights(list(weights.items()), strict=True)
     if dtype is not None:
@@ -314,12 +308,7 @@ def attach(runner: Any, root: Path | str | None = None) -> bool:
     root = Path(root if root is not None else runner.root)
     if runner.drafter is not None:
         return False
-    manifest = read_json(root / "mtpkit.json") if (root / "mtpkit.json").is_file() else None
-    target = read_json(root / "config.json")
-    report = read_dflash(root, target, manifest if isinstance(manifest, dict) else None)
-    bad = next((f for f in report.findings if f.severity == "error"), None)
-    if bad is not None:
-        raise UserError(bad.code, f"{root}: {bad.message}", bad.hint)
+    report, target = bundle_drafter(root, read_dflash)
     if report.path is None or report.spec is None:
         return False
     trunk: Trunk = runner.trunk

@@ -16,15 +16,13 @@ the trunk stays at the root, so stock mlx-lm still loads it.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mtpkit.loaders.config import read_json
+from mtpkit.loaders.drafters import read_folder
 from mtpkit.loaders.findings import Finding, finding
-from mtpkit.loaders.paths import bundle_file, inside
-from mtpkit.loaders.safetensors_header import read_header
+from mtpkit.loaders.paths import inside
 
 ASSISTANT_TYPE = "gemma4_assistant"
 DRAFTER_DIR = "assistant"  # where convert puts it, and where doctor looks without a manifest
@@ -321,69 +319,14 @@ def read_assistant(folder: Path, target: dict[str, Any], target_root: Path) -> D
 
 def _read(root: Path, rel: str, target: dict[str, Any], target_root: Path) -> DrafterReport:
     report = DrafterReport(path=rel)
-    config = bundle_file(root, f"{rel}/config.json", report.findings)
-    if config is None:
+    read_folder(report, root, rel, target, target_root, "assistant", read_spec, check_tensors,
+                check_pair)
+    if report.spec is None:
         return report
-    try:
-        raw = read_json(config)
-    except (ValueError, OSError, UnicodeDecodeError) as exc:
-        report.findings.append(finding("drafter.invalid", f"unreadable: {exc}",
-                                       f"{rel}/config.json"))
-        return report
-    if not isinstance(raw, dict):
-        report.findings.append(finding("drafter.invalid", "not a JSON object",
-                                       f"{rel}/config.json"))
-        return report
-    spec, bad = read_spec(raw, f"{rel}/config.json")
-    report.findings += bad
-    if spec is None:
-        return report
-    report.spec = spec
-    report.files = sorted(f"{rel}/{p.name}" for p in (root / rel).glob("*.safetensors"))
-    if not report.files:
-        report.findings.append(finding("weights.missing", "the assistant folder holds no "
-                                       ".safetensors file", rel))
-    for name in report.files:
-        path = bundle_file(root, name, report.findings)
-        if path is None:
-            continue
-        header = read_header(path, name)
-        report.findings += header.findings
-        report.tensors |= header.tensors
-    if report.tensors:
-        report.findings += check_tensors(spec, report.tensors, f"{rel}:")
-    report.findings += check_pair(spec, target, f"{rel}/config.json")
-    report.findings += _tokenizer_pair(root, rel, target_root)
+    spec = report.spec
     kv = target_kv(target)
     report.reads = {k: kv.layer[k] for k in spec.kinds() if kv and k in kv.layer}
     return report
 
 
-def _vocab_of(path: Path) -> dict[str, int] | None:
-    try:
-        data = read_json(path, 64 << 20)
-        model = data.get("model", {}) if isinstance(data, dict) else {}
-        vocab = dict(model.get("vocab") or {}) if isinstance(model.get("vocab"), dict) else {}
-        for tok in data.get("added_tokens") or []:
-            vocab[str(tok.get("content"))] = int(tok.get("id"))
-        return vocab
-    except (ValueError, OSError, UnicodeDecodeError, TypeError, AttributeError,
-            json.JSONDecodeError):
-        return None
 
-
-def _tokenizer_pair(root: Path, rel: str, target_root: Path) -> list[Finding]:
-    """An assistant that ships its own tokenizer.json must map tokens to the same ids as the
-    target's: its drafts are token ids the target verifies."""
-    if not (root / rel / "tokenizer.json").is_file() or not (
-            target_root / "tokenizer.json").is_file():
-        return []
-    ignored: list[Finding] = []
-    a = _vocab_of(p) if (p := bundle_file(root, f"{rel}/tokenizer.json", ignored)) else None
-    b = _vocab_of(p) if (p := bundle_file(target_root, "tokenizer.json", ignored)) else None
-    if a is None or b is None or a == b:
-        return ignored
-    differ = sorted(set(a.items()) ^ set(b.items()))
-    return [*ignored, finding("tokenizer.vocab_mismatch", f"the assistant's tokenizer maps "
-                              f"{len(differ)} token(s) differently from the target's, first "
-                              f"{differ[0][0]!r}", f"{rel}/tokenizer.json")]

@@ -21,11 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mtpkit.loaders.assistant import _tokenizer_pair
-from mtpkit.loaders.config import read_json
+from mtpkit.loaders.drafters import read_folder
 from mtpkit.loaders.findings import Finding, finding
-from mtpkit.loaders.paths import bundle_file, inside
-from mtpkit.loaders.safetensors_header import read_header
+from mtpkit.loaders.paths import inside
 
 KIND = "dflash"
 DFLASH_DIR = "dflash"
@@ -242,32 +240,6 @@ def read_dflash(root: Path, target: dict[str, Any],
     report = DFlashReport(path=rel, findings=found)
     if rel is None:
         return report
-    config = bundle_file(root, f"{rel}/config.json", report.findings)
-    try:
-        raw = read_json(config) if config is not None else None
-    except (ValueError, OSError, UnicodeDecodeError) as exc:
-        raw = f"unreadable: {exc}"
-    if not isinstance(raw, dict):
-        report.findings.append(finding("drafter.invalid", str(raw or "not a JSON object"),
-                                       f"{rel}/config.json"))
-        return report
-    spec, bad = read_spec(raw, f"{rel}/config.json")
-    report.findings += bad
-    if spec is None:
-        return report
-    report.spec = spec
-    report.files = sorted(f"{rel}/{p.name}" for p in (root / rel).glob("*.safetensors"))
-    if not report.files:
-        report.findings.append(finding("weights.missing", "the DFlash folder holds no "
-                                       ".safetensors file", rel))
-    for name in report.files:
-        path = bundle_file(root, name, report.findings)
-        if path is not None:
-            header = read_header(path, name)
-            report.findings += header.findings
-            report.tensors |= header.tensors
-    if report.tensors:
-        report.findings += check_tensors(spec, report.tensors, f"{rel}:")
-    report.findings += check_pair(spec, target, f"{rel}/config.json")
-    report.findings += _tokenizer_pair(root, rel, root)
+    read_folder(report, root, rel, target, root, "DFlash drafter", read_spec, check_tensors,
+                check_pair)
     return report
