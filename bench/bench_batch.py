@@ -151,29 +151,25 @@ def theirs(model, prompts: list[list[int]], tokens: int) -> tuple[dict, list[lis
     return _report(start, first, last, [len(t) for t in out]), out
 
 
-def ideal(paid: dict, rows: int, plain_step: float | None = None) -> dict[str, Any]:
-    """What the measured round costs of `rows` rows promise at the oracle's acceptance: the
-    median paid per depth (0: a plain round; "piped K": pipelined rounds, K=0 plain) and the best
-    depth's tokens per second over plain steps' (each row commits 1 + a_1 + ... + a_K a
-    round), beside the measured ratio. `plain_step`: the plain arm's own step time (seconds),
-    where the policy never timed plain at this size (it borrows a nearer size's price)."""
-    from mtpkit.decoder.batch_policy import piped
-    from mtpkit.decoder.policy import MIN_OBSERVED
-
-    # as the policy prices them: one or two rounds of a shape (the first may have compiled a
-    # kernel on a GPU, 15-44 s) are no price
-    cost = {k: statistics.median(seen) for (b, k), seen in paid.items()
-            if b == rows and len(seen) >= MIN_OBSERVED}
-    plain = cost.get(piped(0), cost.get(0, plain_step))  # a pipelined plain step's if timed
+def ideal(table: Any, rows: int, plain_step: float | None = None) -> dict[str, Any]:
+    """What the round costs `rows` rows paid here promise at the oracle's acceptance: the median
+    paid per depth (decoder/policy.py's CostTable, shapes (rows, depth + 1, pipelined); 0: a
+    plain step; "piped K": pipelined) and the best depth's tokens per second over plain steps'
+    (each row commits 1 + a_1 + ... + a_K a round), beside the measured ratio. `plain_step`:
+    the plain arm's own step time (seconds), where the batch never stepped plainly here."""
+    # two timings at least: a shape's first pass may have compiled a kernel on a GPU (15-44 s)
+    cost = {(width - 1, piped): statistics.median(seen)
+            for (b, width, piped), seen in table.times.items() if b == rows and len(seen) >= 2}
+    plain = cost.get((0, True), cost.get((0, False), plain_step))
     # each depth at its pipelined price where timed (as the batch runs it), else synchronous
-    price = {k: cost.get(piped(k), cost.get(k)) for k in range(1, 9)
-             if piped(k) in cost or k in cost}
+    price = {k: cost.get((k, True), cost.get((k, False))) for k in range(1, 9)
+             if (k, True) in cost or (k, False) in cost}
     if plain is None or not price:
         return {}
     gain = {k: (1 + sum(RATES[:k])) / c * plain for k, c in price.items()}
     best = max(gain, key=gain.__getitem__)
-    return {"round_ms": {(f"piped {-1 - k}" if k < 0 else k): round(1000 * c, 2)
-                         for k, c in sorted(cost.items())},
+    return {"round_ms": {(f"piped {k}" if piped else k): round(1000 * c, 2)
+                         for (k, piped), c in sorted(cost.items())},
             "ideal_over_plain": round(gain[best], 3), "ideal_depth": best}
 
 
@@ -221,7 +217,7 @@ def oracle_bench(args: argparse.Namespace) -> dict:
             arms["single_auto"] = []
         same = True
         for _ in range(args.runs):  # arms interleaved run by run
-            before = ideal(runner.batch_paid, n).get("round_ms")  # what auto starts from
+            before = ideal(runner.table(), n).get("round_ms")  # what auto starts from
             row, mtp_tokens = ours(runner, prompts, args.tokens, "auto")
             arms["mtp_auto"].append(row | {"prices_before_ms": before})
             row, plain_tokens = ours(plain_runner, prompts, args.tokens, 0)
@@ -242,7 +238,7 @@ def oracle_bench(args: argparse.Namespace) -> dict:
         if n == 1:
             entry["batch_over_single"] = med["mtp_auto"] / med["single_auto"]
         steady = statistics.median(r["per_stream_tps"]["p50"] for r in arms["plain"])
-        entry |= ideal(runner.batch_paid, n, 1 / steady)
+        entry |= ideal(runner.table(), n, 1 / steady)
         out["streams"][str(n)] = entry
         print(n, "streams", {k: round(v, 1) for k, v in med.items()},
               f"mtp/mlx_lm {entry['mtp_over_mlx_lm']:.2f}x mtp/plain {entry['mtp_over_plain']:.2f}x"

@@ -73,7 +73,7 @@ def run(runner, prompts, tokens, depth, label, shapes=False):
     from mtpkit.decoder.scheduler import Scheduler
 
     for _warm in (True, False):
-        sch = Scheduler(Batch(runner.trunk, runner.head), len(prompts), runner.batch_paid)
+        sch = Scheduler(Batch(runner.trunk, runner.head), len(prompts), runner.table())
         requests = [runner.prepare(p, tokens, depth=depth) for p in prompts]
         for request in requests:
             sch.add(request)

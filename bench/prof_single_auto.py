@@ -2,8 +2,9 @@
 
 The four serve loads (held_code, held_memo, edit, code; fresh nonces) decoded alone, in turn,
 PASSES times in one process (as `serve --max-batch 1` decodes them), 192 tokens each: the seconds
-and tok/s of each, the depths it chose (0: plain steps) and the runner's cost scales after it
-(decoder/policy.py's PaidCosts). The CPU batching ratio's one-at-a-time arm is this path; on the
+and tok/s of each, the depths it chose (0: plain steps) and the runner's cost corrections after
+it (decoder/policy.py's CostTable, per timed shape). The CPU batching ratio's one-at-a-time arm
+is this path; on the
 grafted SmolLM2 in float32 it decoded plain for 133-191 of ~190 rounds in most passes, 47-57 s a
 pass (docs/benchmarks-history.md, 2026-11-27, 4d6146c).
 
@@ -41,11 +42,10 @@ def main() -> None:
             result = runner.generate(prompt, args.tokens, depth="auto")
             took = time.perf_counter() - start
             total += took
-            scales = {str(k): round(v, 2) for k, v in runner.paid.summary().items()}
-            probes = [round(p, 2) for p in runner.paid.probes]  # extra plain steps' worth
+            scales = {k: round(v, 2) for k, v in runner.table().summary().items()}
             print(f"pass {n} {name}: {took:.1f} s, {len(result.tokens) / took:.1f} tok/s, "
-                  f"depths {dict(sorted(result.stats.depths.items()))}, scales {scales}, "
-                  f"probes {probes} (next stretch >= {runner.paid.probe_stretch()})", flush=True)
+                  f"depths {dict(sorted(result.stats.depths.items()))}, corrections {scales}",
+                  flush=True)
         print(f"pass {n}: {total:.1f} s", flush=True)
 
 

@@ -69,7 +69,7 @@ class DraftModel:
     def step_cost(self) -> float:
         """Seconds of one draft step (one token after a short text), timed once: the depth
         policy's prior for a draft model's rounds (what rounds pay then corrects it,
-        decoder/policy.py's PaidCosts)."""
+        decoder/policy.py's CostTable)."""
         if self._step is None:
             cache = self.make_cache()
             mx.eval(self.logits(mx.zeros((1, STEP_TEXT), mx.int32), cache))
