@@ -25,6 +25,7 @@ import mlx.core as mx
 from mtpkit.decoder.batch import Ask, Batch
 from mtpkit.decoder.batch_prefill import pays as prefill_pays
 from mtpkit.decoder.batch_prefill import prefill_together
+from mtpkit.decoder.caches import extent
 from mtpkit.decoder.controller import Controller
 from mtpkit.decoder.options import Source
 from mtpkit.decoder.policy import CostTable, DepthPolicy, Offer, decide
@@ -406,8 +407,9 @@ class Scheduler:
 
     def _depth(self, auto: list[Request]) -> int:
         """The depth of the next round for the auto rows (0: plain): the policy's plan over
-        every row (mates at a fixed depth priced as a row that commits one token), or the
-        `decider`'s."""
+        every row (mates at a fixed depth priced as a row that commits one token) at the keys
+        the batch's pass attends over (its buffer: the longest row's, padding and holes
+        included), or the `decider`'s."""
         if self.decider is not None:
             return self.decider(auto)
         assert self.paid is not None and auto
@@ -415,7 +417,8 @@ class Scheduler:
         assert first is not None
         offers = [_offer(r) for r in auto] + [Offer()] * (len(self.active) - len(auto))
         stretch = not any(r.policy is None and r.session.depth > 0 for r in self.active)
-        return decide(offers, self.paid, first.max_depth, 0, self._pipelines(),
+        context = extent(self.batch.cache) if self.batch.cache is not None else 0
+        return decide(offers, self.paid, first.max_depth, context, self._pipelines(),
                       (len(self.active), 1, stretch), first.model_step).depth
 
     def _asks(self) -> list[Ask]:

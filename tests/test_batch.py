@@ -379,6 +379,26 @@ def test_a_cached_prompt_is_restored_not_prefilled_with_others(
     assert [r.tokens for r in requests] == [a.tokens for a in alone]
 
 
+def test_a_batchs_rounds_are_priced_at_the_keys_its_pass_attends_over() -> None:
+    """A batch's round is priced by the curve at its context, as a lone sequence's is: with
+    rounds as cheap as a step at the curve's first context (512) and 20 steps' worth from 1,024
+    keys, rows whose head drafts right 80% of the time speculate over short prompts and decode
+    plainly past 1,024 tokens. (Priced at the first context, the long batch speculated too.)"""
+    from mtpkit.decoder.curve import CostCurve, Point
+
+    base = tiny_runner(vocab=6)
+    short = [[1, 2, 3, 4], [5, 4, 3]]
+    long = [[1, 2, 3, 4, 5] * 260, [5, 4, 3, 0] * 330]
+    for prompts, speculates in ((short, True), (long, False)):
+        runner, plain = _oracle_batch(base, prompts, [1, 2], 24)
+        runner._costs = CostCurve([0.01] * 16, 0.01, 0.0,
+                                  longer=[Point(1024, [0.2] * 16, 0.01)])
+        rows = runner.generate_batch(prompts, 24, max_batch=2, depth="auto")
+        assert [r.tokens for r in rows] == plain
+        rounds = sum(n for r in rows for d, n in r.stats.depths.items() if d > 0)
+        assert (rounds > 0) == speculates, [r.stats.depths for r in rows]
+
+
 @pytest.mark.parametrize("depth", [0, 2, "auto"])
 def test_a_lone_request_decodes_solo_then_joins_the_batch(depth: Any) -> None:
     """Alone, a request decodes on the single-sequence path (plain stretches pipelined, the

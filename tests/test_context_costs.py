@@ -261,13 +261,14 @@ def test_tune_shows_the_cost_by_context(runner: Runner) -> None:
 
 def test_rounds_are_compared_with_their_context_s_price() -> None:
     """The rounds of a 3,000-token prompt are predicted at 3,000 tokens: their paid ratio is
-    about 1, not the ratio to a round at the curve's first context (1,000x here)."""
+    near 1 (a tiny model's round on a loaded CPU may take a few times the 15 ms priced), not
+    the ratio to a round at the curve's first context (10,000x here)."""
     runner = tiny_runner()
     runner._costs = CostCurve([1e-6] * 16, 1e-6, 1e-7, context=256, estimate=True,
-                              longer=[Point(2048, [1e-3] * 16, 1e-3)])
+                              longer=[Point(2048, [1e-2] * 16, 1e-2)])
     runner.generate([(7 * i) % 6 for i in range(3000)], 40, depth="auto")
     assert runner.paid is not None and runner.paid.ratios
-    assert all(max(r) < 100 for r in runner.paid.ratios.values()), runner.paid.ratios
+    assert all(max(r) < 1000 for r in runner.paid.ratios.values()), runner.paid.ratios
 
 
 def test_the_longer_contexts_first_piece_compiling_does_not_price_them_out(
