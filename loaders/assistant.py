@@ -20,9 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mtpkit.loaders.drafters import read_folder
+from mtpkit.loaders.drafters import drafter_folder, read_folder
 from mtpkit.loaders.findings import Finding, finding
-from mtpkit.loaders.paths import inside
 
 ASSISTANT_TYPE = "gemma4_assistant"
 DRAFTER_DIR = "assistant"  # where convert puts it, and where doctor looks without a manifest
@@ -283,23 +282,10 @@ class DrafterReport:
                 "weights": "as_given"}
 
 
-def drafter_dir(root: Path, manifest: dict[str, Any] | None) -> tuple[str | None, list[Finding]]:
-    """The drafter's folder: the manifest's `drafter.path`, else `assistant/` when it holds a
-    config.json; a manifest naming a folder that is not there is drafter.invalid."""
-    named = ((manifest or {}).get("drafter") or {}).get("path")
-    if isinstance(named, str):
-        where = inside(root, named)
-        if where is None or not (where / "config.json").is_file():
-            return None, [finding("drafter.invalid", f"mtpkit.json names the drafter folder "
-                                  f"{named!r}, which holds no config.json", named)]
-        return named, []
-    return (DRAFTER_DIR, []) if (root / DRAFTER_DIR / "config.json").is_file() else (None, [])
-
-
 def read_drafter(root: Path, target: dict[str, Any],
                  manifest: dict[str, Any] | None = None) -> DrafterReport:
     """Find the bundle's drafter, read its config and headers, and check it and the pair."""
-    rel, found = drafter_dir(root, manifest)
+    rel, found = drafter_folder(root, manifest, (ASSISTANT_TYPE, None), DRAFTER_DIR, "drafter")
     if rel is None:
         return DrafterReport(findings=found)
     report = _read(root, rel, target, root)

@@ -21,9 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mtpkit.loaders.drafters import read_folder
+from mtpkit.loaders.drafters import drafter_folder, read_folder
 from mtpkit.loaders.findings import Finding, finding
-from mtpkit.loaders.paths import inside
 
 KIND = "dflash"
 DFLASH_DIR = "dflash"
@@ -218,25 +217,11 @@ class DFlashReport:
                 "mask_token_id": self.spec.mask_token_id, "weights": "as_given"}
 
 
-def dflash_dir(root: Path, manifest: dict[str, Any] | None) -> tuple[str | None, list[Finding]]:
-    """The drafter's folder: the manifest's `drafter.path` where its kind is "dflash", else
-    `dflash/` when it holds a config.json; a named folder that is not there is drafter.invalid."""
-    section = (manifest or {}).get("drafter") or {}
-    named = section.get("path") if section.get("kind") == KIND else None
-    if isinstance(named, str):
-        where = inside(root, named)
-        if where is None or not (where / "config.json").is_file():
-            return None, [finding("drafter.invalid", f"mtpkit.json names the DFlash drafter "
-                                  f"folder {named!r}, which holds no config.json", named)]
-        return named, []
-    return (DFLASH_DIR, []) if (root / DFLASH_DIR / "config.json").is_file() else (None, [])
-
-
 def read_dflash(root: Path, target: dict[str, Any],
                 manifest: dict[str, Any] | None = None) -> DFlashReport:
     """Find the bundle's DFlash drafter, read its config and headers (bounded: bundle_file and
     the header reader refuse what escapes the bundle or is not a regular file), check both."""
-    rel, found = dflash_dir(root, manifest)
+    rel, found = drafter_folder(root, manifest, (KIND,), DFLASH_DIR, "DFlash drafter")
     report = DFlashReport(path=rel, findings=found)
     if rel is None:
         return report

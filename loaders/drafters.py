@@ -13,8 +13,24 @@ import mlx.core as mx
 
 from mtpkit.loaders.config import read_json
 from mtpkit.loaders.findings import Finding, UserError, finding
-from mtpkit.loaders.paths import bundle_file
+from mtpkit.loaders.paths import bundle_file, inside
 from mtpkit.loaders.safetensors_header import read_header
+
+
+def drafter_folder(root: Path, manifest: dict[str, Any] | None, kinds: tuple[str | None, ...],
+                   default: str, what: str) -> tuple[str | None, list[Finding]]:
+    """A drafter's folder: the manifest's `drafter.path` where its `kind` is one of `kinds`
+    (None: a manifest that names no kind), else `default` when it holds a config.json; a named
+    folder that is not there is drafter.invalid."""
+    section = (manifest or {}).get("drafter") or {}
+    named = section.get("path") if section.get("kind") in kinds else None
+    if isinstance(named, str):
+        where = inside(root, named)
+        if where is None or not (where / "config.json").is_file():
+            return None, [finding("drafter.invalid", f"mtpkit.json names the {what} folder "
+                                  f"{named!r}, which holds no config.json", named)]
+        return named, []
+    return (default, []) if (root / default / "config.json").is_file() else (None, [])
 
 
 def _config(root: Path, rel: str, findings: list[Finding]) -> dict[str, Any] | None:
