@@ -83,8 +83,10 @@ def test_greedy_equals_stock_mlx_lm(bundles: dict[str, Path], variant: str) -> N
         result = runner.generate(PROMPT, 48, depth=depth)
         assert result.tokens == reference, depth
         stats = result.stats
-        assert set(stats.sources) == {"model"}, depth
-        if depth != "auto":  # auto may choose plain steps
+        if depth == "auto":  # auto may choose plain steps throughout where rounds are dear here
+            assert set(stats.sources) <= {"model"}, stats.sources
+        else:
+            assert set(stats.sources) == {"model"}, depth
             assert stats.corrections > 0 and sum(stats.accepted) > 0, (depth, stats.accepted)
 
 

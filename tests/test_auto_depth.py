@@ -280,5 +280,9 @@ def test_verify_run_local_bundle_with_depth_auto(built: Callable[..., Path], cac
     speed = doc["speed"]
     assert speed["depth"] == "auto" and speed["sweep"] == {}
     mtp = speed["loads"]["code"]["mtp"]
-    assert mtp["depths"] and mtp["predicted_speedup"] is not None
+    assert sum(mtp["depths"].values()) > 0, mtp
+    # a prediction exactly when rounds ran (where this machine prices rounds dear against plain
+    # steps, auto may run plain throughout: then there is nothing to predict)
+    speculated = any(d != "0" for d in mtp["depths"])
+    assert (mtp["predicted_speedup"] is not None) == speculated, mtp
     assert next(c for c in doc["checks"] if c["name"] == "exactness")["status"] == "pass"
