@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 
 ROUNDS = 5  # times per shape: a median of the four after one that may have compiled (a GPU)
 DEEPEST = 3  # depths timed up front; deeper ones the prior prices and decoding corrects
-MARGIN = 0.95  # the stock pass takes a shape only where its rounds cost under 0.95x traced ones
 MAX_TOKENS = 100_000  # the requests never end by length: the timing policy ends the run
 
 Paid = dict[tuple[int, int], deque]
@@ -184,10 +183,10 @@ def width(shape: int) -> int:
     return shape_of(0, shape)[1]
 
 
-def choose(traced: Paid, stock: Paid, margin: float = MARGIN) -> Stock:
+def choose(traced: Paid, stock: Paid, margin: float = 0.95) -> Stock:
     """Per (rows, width) timed both ways: whether the stock passes' shapes of that width
     (plain steps and rounds share width 1) cost under `margin` x the traced ones in sum of
-    medians (near a tie tracing stays)."""
+    medians (near a tie tracing stays: by default the stock pass must be 5% cheaper)."""
     sums: dict[tuple[int, int], list[float]] = {}
     for (rows, shape), times in traced.items():
         other = stock.get((rows, shape))

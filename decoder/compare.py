@@ -13,8 +13,6 @@ from typing import Any
 
 from mtpkit.decoder.runner import Prompt, Result, Runner
 
-WARMUP_TOKENS = 8
-
 
 @dataclass
 class Comparison:
@@ -37,6 +35,13 @@ class Comparison:
                 "tokens_identical": self.identical}
 
 
+def _warm_up(runner: Runner, prompt: Prompt, depth: int, tokens: int = 8, **sampling: Any) -> None:
+    """Decode `tokens` of `prompt` at `depth` and drop them, so that a timed run that follows
+    pays no first-call costs (compiling its shapes); `tokens`: a few steps or rounds suffice,
+    more only take longer."""
+    runner.generate(prompt, tokens, depth=depth, **sampling)
+
+
 Told = Callable[[int, int], None]  # (tokens decoded, of at most) of the reference run
 Staged = Callable[[str, float | None], None]  # (what starts, the seconds it should take or None)
 
@@ -53,7 +58,7 @@ def baseline(runner: Runner, prompt: Prompt, max_tokens: int, depth: int,
         if stage is not None:
             stage(f"warm-up {i + 1} of 2 ({'plain' if d == 0 else f'depth {d}'})", took)
         start = time.perf_counter()
-        runner.generate(prompt, WARMUP_TOKENS, depth=d, **sampling)
+        _warm_up(runner, prompt, d, **sampling)
         took = time.perf_counter() - start if took is None else took
     if stage is not None:
         stage("the reference's prefill", took)
@@ -81,7 +86,7 @@ def sweep(runner: Runner, prompt: Prompt, max_tokens: int, depths: list[int],
     greedy = sampling.get("temperature", 0.0) == 0.0
     out = {}
     for depth in depths:
-        runner.generate(prompt, WARMUP_TOKENS, depth=depth, **sampling)
+        _warm_up(runner, prompt, depth, **sampling)
         out[depth] = Comparison(plain, runner.generate(prompt, max_tokens, depth=depth,
                                                        **sampling), greedy)
     return out

@@ -54,6 +54,7 @@ class Plan:
     repeats: int = 7  # most timed passes per row (their median counts)
     steady: float = 0.05  # a row stops early once MIN_REPEATS timings spread less than this
     # (max - min) / median
+    plain_warmup: int = 4  # plain steps that warm up the plain path first (its shapes, not a timing)
     plain_steps: int = 32  # plain steps timed at the first context (half where the budget is short)
     plain_batch: int = 8  # steps per timing where plain_steps would take over a second, and at a
     # longer context (one run): the median of the runs; each run's first step has nothing to
@@ -69,7 +70,6 @@ class Plan:
 PLAN = Plan()
 SPARSE_ROWS = (1, 2, 3, 4, 6, 8, 12, MAX_ROWS)  # timed when all do not fit the budget (the widest
 # always: interpolate needs it)
-PLAIN_WARMUP = 4  # steps that warm up the plain path (its shapes, not a timing)
 BUDGET_S = 20.0  # seconds a measurement aims to take ($MTPKIT_COST_BUDGET overrides)
 LADDER = (4096, 16384, 65536)  # contexts measured, as far as the model and budget allow
 LONGEST = LADDER[-1]  # the longest context measured (an agent's long prompt): beyond, extrapolated
@@ -282,7 +282,7 @@ def _plan(c1: float, c16: float, left_s: float, repeats: int, head: bool, warm: 
 def _rest(c1: float, passes: int, head: bool, steps: int = PLAN.plain_steps) -> float:
     """Estimated seconds of the plain and draft timings (a plain step costs about c(1), a head
     step a fraction of it)."""
-    return ((PLAIN_WARMUP + max(1, passes // 2) * steps) * c1
+    return ((PLAN.plain_warmup + max(1, passes // 2) * steps) * c1
             + ((passes + 2) * c1 / 4 if head else 0.0))
 
 
@@ -530,7 +530,8 @@ def _steps(bench: _Bench, passes: int, steps: int, c1: float, limit: float, late
     """(a plain step, a head draft step: 0 without a head) at the first context, in runs of
     steps (a bar moves every second); `later`: the seconds planned after them."""
     clock = bench.clock
-    clock.time("plain", PLAIN_WARMUP, lambda: bench.plain(PLAIN_WARMUP), PLAIN_WARMUP * c1,
+    warmup = PLAN.plain_warmup
+    clock.time("plain", warmup, lambda: bench.plain(warmup), warmup * c1,
                "plain warm-up")  # its shapes, not a timing
     step = bench.plain_step(max(1, passes // 2) * steps,
                             steps if steps * c1 <= 1.0 else PLAN.plain_batch, c1, limit)

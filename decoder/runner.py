@@ -487,16 +487,8 @@ def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None
     separate draft model's bundle (Runner.load_draft_model), its tokenizer checked against
     this one's before any weights load.
     """
-    dtype_option(dtype)
-    if kv_option(kv_bits, kv_group_size, quantized_kv_start) is not None and shard is not None:
-        raise OptionError("options.invalid", "kv_bits", "{name} cannot run with a sharded trunk",
-                          "drop kv_bits or shard (each rank would switch its caches alone)")
-    if dequantize is False and dtype not in (None, "auto"):
-        raise UserError("usage", "keeping the quantized weights and casting them to "
-                        f"{dtype} contradict each other", "drop --keep-quantized or --dtype")
-    if draft_model is not None and shard is not None:
-        raise OptionError("options.invalid", "draft_model", "{name} cannot run with a sharded "
-                          "trunk", "drop draft_model or shard")
+    _check_load_options(dequantize, dtype, shard, kv_bits, kv_group_size, quantized_kv_start,
+                        draft_model)
     view = open_bundle(path)
     unsupported = _refuse(view, path)
     if draft_model is not None:
@@ -507,15 +499,52 @@ def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None
     contract = _contract(view, {"hidden_feed": hidden_feed, "next_hidden": next_hidden,
                                 "concat_order": concat_order})
     group = sharding.join(shard) if shard is not None else None
+    trunk, head, options, dtype_note = _build(view, contract, unsupported, dequantize, dtype,
+                                              group, shard)
+    runner = Runner(trunk, head, tokenizer, safe_template(view), view.tokenizer.special_tokens(),
+                    rollback, Path(view.root), options, context_of(view.config.text))
+    runner.dtype_note = dtype_note
+    runner.vocab = view.tokenizer.vocab
+    runner.unsupported = unsupported.message if unsupported is not None else None
+    runner.quantize_kv(kv_bits, kv_group_size, quantized_kv_start)
+    runner.template_code = next((f.code for f in view.findings if f.code.startswith("template.")
+                                 and f.severity == "error"), "template.missing")
+    _attach_drafters(runner, Path(view.root), group, draft_model, dequantize)
+    return distributed.attach(runner, group, shard) if group is not None else runner
+
+
+def _check_load_options(dequantize: bool | str, dtype: str | None, shard: str | None,
+                        kv_bits: int | None, kv_group_size: int, quantized_kv_start: int,
+                        draft_model: str | Path | None) -> None:
+    """`load`'s options, alone and against each other, before the bundle is even opened: a bad
+    option costs no weights loaded and reads no file (checked in this order: dtype, kv_bits
+    against shard, keep-quantized against dtype, draft_model against shard)."""
+    dtype_option(dtype)
+    if kv_option(kv_bits, kv_group_size, quantized_kv_start) is not None and shard is not None:
+        raise OptionError("options.invalid", "kv_bits", "{name} cannot run with a sharded trunk",
+                          "drop kv_bits or shard (each rank would switch its caches alone)")
+    if dequantize is False and dtype not in (None, "auto"):
+        raise UserError("usage", "keeping the quantized weights and casting them to "
+                        f"{dtype} contradict each other", "drop --keep-quantized or --dtype")
+    if draft_model is not None and shard is not None:
+        raise OptionError("options.invalid", "draft_model", "{name} cannot run with a sharded "
+                          "trunk", "drop draft_model or shard")
+
+
+def _build(view: BundleView, contract: Contract, unsupported: Finding | None,
+           dequantize: bool | str, dtype: str | None, group: mx.distributed.Group | None,
+           shard: str | None) -> tuple[Trunk, MTPHead | None, dict[str, Any], str]:
+    """The trunk and head as this machine runs them: (trunk, head, the load options the cost
+    cache is keyed by, why this dtype). One dtype choice for both, so the head computes in the
+    trunk's numerics; this rank's part of the trunk where sharded, the head on rank 0 only (it
+    drives the others) and only where it is supported; the backend's faster linears; traced
+    verify passes where the host bounds them; every weight evaluated (and the ranks in step)."""
     model, _ = load_model(view.root, lazy=True, trust_remote_code=False)  # never bundle code
     chosen = choose_dtype(dtype, [a for _, a in tree_flatten(model.parameters())],
                           dequantize is False)
     dtype = chosen.dtype
     flat = _wants_dequantize(dequantize) or dtype is not None
-    if flat:
-        dequantize_for_cpu(model)
-    if dtype is not None:
-        cast_floats(model, getattr(mx, dtype))
+    _set_numerics(model, flat, dtype)
     if group is not None and shard == "tensor":
         sharding.shard_tensor(model, group)
     trunk = Trunk(model, contract.hidden_feed)
@@ -523,20 +552,10 @@ def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None
     if view.mtp.tensors and unsupported is None and (group is None or group.rank() == 0):
         head = MTPHead(trunk, _head_arrays(view), contract, view.family.mtp_layer_kind,
                        view.mtp_quantization)
-        if flat:
-            dequantize_for_cpu(head)
-        if dtype is not None:
-            cast_floats(head, getattr(mx, dtype))
+        _set_numerics(head, flat, dtype)
     if group is not None and shard == "pipeline":
         sharding.shard_pipeline(trunk, group)
-    if mx.default_device().type == mx.DeviceType.cpu:
-        use_few_rows_linears(trunk.inner)  # the layers; an untied lm_head is slower weight-first
-        if head is not None:
-            use_few_rows_linears(head)
-    elif kernels.cuda_available():
-        use_kernel_linears(trunk.text)
-        if head is not None:
-            use_kernel_linears(head)
+    _fast_linears(trunk, head)
     traced = group is None and bounded_by_default()
     if traced:  # where the host's graph building bounds a verify pass (a GPU)
         trunk.use_traced()
@@ -546,20 +565,41 @@ def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None
     if group is not None:
         options |= {"shard": shard, "ranks": group.size()}
         sharding.barrier(group)
-    runner = Runner(trunk, head, tokenizer, safe_template(view), view.tokenizer.special_tokens(),
-                    rollback, Path(view.root), options, context_of(view.config.text))
-    runner.dtype_note = chosen.reason
-    runner.vocab = view.tokenizer.vocab
-    runner.unsupported = unsupported.message if unsupported is not None else None
-    runner.quantize_kv(kv_bits, kv_group_size, quantized_kv_start)
-    runner.template_code = next((f.code for f in view.findings if f.code.startswith("template.")
-                                 and f.severity == "error"), "template.missing")
-    if group is None:  # a drafter shipped in the bundle (Gemma 4's assistant/, a DFlash
-        attach_assistant(runner, Path(view.root))  # drafter's dflash/); untried sharded
-        attach_dflash(runner, Path(view.root))
-    if draft_model is not None:  # (a draft model given replaces it)
+    return trunk, head, options, chosen.reason
+
+
+def _set_numerics(module: nn.Module, flat: bool, dtype: str | None) -> None:
+    """The trunk's or the head's weights in the numerics `load` chose (the same for both):
+    quantized ones dequantized where `flat`, floats cast to `dtype` (None: kept)."""
+    if flat:
+        dequantize_for_cpu(module)
+    if dtype is not None:
+        cast_floats(module, getattr(mx, dtype))
+
+
+def _fast_linears(trunk: Trunk, head: MTPHead | None) -> None:
+    """The backend's faster linears for verify passes (decoder/rows.py): few-row linears on a
+    CPU (weight-first), the CUDA kernel's twins where the kernel is available; else MLX's own."""
+    if mx.default_device().type == mx.DeviceType.cpu:
+        use_few_rows_linears(trunk.inner)  # the layers; an untied lm_head is slower weight-first
+        if head is not None:
+            use_few_rows_linears(head)
+    elif kernels.cuda_available():
+        use_kernel_linears(trunk.text)
+        if head is not None:
+            use_kernel_linears(head)
+
+
+def _attach_drafters(runner: Runner, root: Path, group: mx.distributed.Group | None,
+                     draft_model: str | Path | None, dequantize: bool | str) -> None:
+    """The runner's drafters beyond its head: one shipped in the bundle (Gemma 4's assistant/, a
+    DFlash drafter's dflash/; untried on a sharded trunk, so not attached there), then a draft
+    model given to `load`, which replaces it as the default drafter."""
+    if group is None:
+        attach_assistant(runner, root)
+        attach_dflash(runner, root)
+    if draft_model is not None:
         runner.load_draft_model(draft_model, dequantize)
-    return distributed.attach(runner, group, shard) if group is not None else runner
 
 
 def open_draft(path: str | Path, vocab: dict[str, int] | None) -> BundleView:

@@ -145,7 +145,7 @@ def test_a_noisy_measurement_says_so_and_records_what_judges_it(
 
     def timer(kind: str, size: int, run: Callable[[], object]) -> float:
         run()
-        if kind == "plain" and size > costs.PLAIN_WARMUP:
+        if kind == "plain" and size > costs.PLAN.plain_warmup:
             seen["plain"] += 1
             return size * 0.01 * (3 if seen["plain"] % 2 else 1)
         return 0.01 + 0.001 * size if kind in ("verify", "warm-up") else 0.001

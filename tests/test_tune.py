@@ -4,6 +4,7 @@ other load options)."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
@@ -238,8 +239,9 @@ def test_an_interrupted_batch_timing_keeps_what_it_timed(built: Callable[..., Pa
 def test_choose_takes_the_stock_pass_only_where_it_is_clearly_faster(
         built: Callable[..., Path]) -> None:
     """Per (rows, width), plain steps and plain rounds together: the stock pass wins only
-    under MARGIN x the traced time; a traced trunk then passes that shape untraced, and an
-    untimed size borrows the nearest timed size's choice (the larger on a tie)."""
+    under choose's default margin x the traced time; a traced trunk then passes that shape
+    untraced, and an untimed size borrows the nearest timed size's choice (the larger on a
+    tie)."""
     from collections import deque
 
     from mtpkit.decoder import batch_costs
@@ -252,7 +254,7 @@ def test_choose_takes_the_stock_pass_only_where_it_is_clearly_faster(
 
     assert [batch_costs.width(s) for s in (PIPED, 0, 1, 3, piped(1), piped(3))] == \
         [1, 1, 2, 4, 2, 4]
-    ms = batch_costs.MARGIN
+    ms = inspect.signature(batch_costs.choose).parameters["margin"].default
 
     def times(t: float) -> deque:
         return deque([t, t, 9.0 * t])  # a compile-slowed round: the median ignores it
