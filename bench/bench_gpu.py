@@ -75,7 +75,25 @@ def qwen35_9b(bits: int | None, small: bool = False):
     return oracle_ready(Model, ModelArgs(model_type="qwen3_5", text_config=text), bits)
 
 
-RESIDUAL_WRITERS = ("self_attn.o_proj", "linear_attn.out_proj", "mlp.down_proj")
+# What writes into the residual stream, in every family bench_families.py builds: attention
+# outputs (o_proj, Bailing's attention.dense), recurrent mixers' out_proj, MLPs' and experts'
+# down_proj (Nemotron-H's non-gated experts: fc2).
+RESIDUAL_WRITERS = ("o_proj", "out_proj", "down_proj", "attention.dense", "fc2")
+
+
+def quantizable(model):
+    """Which modules oracle_ready quantizes (a class_predicate): those whose input width is a
+    multiple of 64 and that mlx-lm's own quant_predicate (where the model has one) asks for no
+    other quantization; what it keeps out, or asks at 8 bits as MoE routers, stays bf16: one
+    quantized layout, one set of CUDA kernels compiled."""
+    own = getattr(model, "quant_predicate", None)
+
+    def predicate(path: str, module) -> bool:
+        weight = getattr(module, "weight", None)
+        fits = hasattr(module, "to_quantized") and weight is not None and weight.shape[-1] % 64 == 0
+        return fits and (own is None or own(path, module) is True)
+
+    return predicate
 
 
 def oracle_ready(cls, args, bits: int | None):
@@ -83,30 +101,40 @@ def oracle_ready(cls, args, bits: int | None):
     logits over 100K+ tokens tie within bf16 ulps): layers write little into the residual
     stream, and the output row of token j is the embedding of the token whose successor j is,
     so the argmax is that successor by a wide margin (a walk through a random permutation: no
-    repetition loops). bf16, or quantized g64 with `bits`."""
+    repetition loops). bf16, or quantized g64 with `bits` (the modules `quantizable` picks).
+    Any mlx-lm family with an lm_head of its own: the inner model and embedding where
+    decoder/trunk.py finds them (bench_families.py)."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten
+
+    from mtpkit.decoder.trunk import INNER
+    from mtpkit.loaders.families import family_for
 
     mx.random.seed(0)
     model = cls(args)
     model.set_dtype(mx.bfloat16)
     text = getattr(model, "language_model", model)
-    for layer in text.model.layers:
+    inner_name = next(n for n in INNER if hasattr(text, n))
+    inner = getattr(text, inner_name)
+    embed_name = family_for(getattr(text.args, "model_type", None)).embed_module
+    embedding = getattr(inner, embed_name)
+    for layer in inner.layers:
         for name, module in tree_flatten(layer.leaf_modules(), is_leaf=nn.Module.is_module):
             if name.endswith(RESIDUAL_WRITERS):
                 module.weight = module.weight * 0.01
-    vocab = text.model.embed_tokens.weight.shape[0]
+    vocab = embedding.weight.shape[0]
     successor = mx.random.permutation(vocab)
     SUCCESSOR[id(model)] = successor
-    text.lm_head.weight = text.model.embed_tokens.weight[mx.argsort(successor)]
-    for layer in [*text.model.layers, model]:  # materialize layer by layer: bounded peak
-        if bits is not None and layer is not model:
-            nn.quantize(layer, group_size=64, bits=bits)
-        mx.eval(layer.parameters())
+    text.lm_head.weight = embedding.weight[mx.argsort(successor)]
+    for layer in [*inner.layers, model]:  # materialize layer by layer, module by module:
+        if bits is not None and layer is not model:  # bounded peak (an MoE layer's experts)
+            nn.quantize(layer, group_size=64, bits=bits, class_predicate=quantizable(model))
+        for _, module in tree_flatten(layer.leaf_modules(), is_leaf=nn.Module.is_module):
+            mx.eval(module.parameters())
     if bits is not None:
-        nn.quantize(text, group_size=64, bits=bits,
-                    class_predicate=lambda p, m: p in ("lm_head", "model.embed_tokens"))
+        nn.quantize(text, group_size=64, bits=bits, class_predicate=lambda p, m: p in (
+            "lm_head", f"{inner_name}.{embed_name}"))
     mx.eval(model.parameters())
     return model
 
