@@ -3,9 +3,10 @@
 A traced verify pass (decoder/traced.py) writes its rows into every layer's key and value
 buffer with `mx.slice_update` at an array offset, so the trace does not bake the position in.
 This times 32 layers x (keys, values) of (1, 8, L, 128) bfloat16 written 4 rows at a time, the
-buffers held by nothing else, four ways: `mx.slice_update` at an array offset eagerly and inside
-`mx.compile`, the same with the offset a constant of the trace, and the static slice assignment
-one-row decoding uses (`buffer[..., a:b, :] = rows`). Where a way donates the buffer it costs
+buffers held by nothing else, six ways: `mx.slice_update` at an array offset eagerly and inside
+`mx.compile`, the same with the offset a constant of the trace, a scatter of the rows at their
+positions (`mx.put_along_axis`) eagerly and traced, and the static slice assignment one-row
+decoding uses (`buffer[..., a:b, :] = rows`). Where a way donates the buffer it costs
 the rows; where it copies, the whole buffer.
 
     python bench/prof_kv_update.py --contexts 16384,65536
@@ -34,10 +35,19 @@ def arms(at: int) -> dict[str, Callable[[list[mx.array], mx.array], list[mx.arra
             b[..., at:at + ROWS, :] = new
         return buffers
 
+    def scatter(start: mx.array, new: mx.array, *buffers: mx.array) -> list[mx.array]:
+        rows = (start + mx.arange(new.shape[2], dtype=mx.int32))[None, None, :, None]
+        rows = mx.broadcast_to(rows, new.shape)
+        return [mx.put_along_axis(b, rows, new, axis=2) for b in buffers]
+
     traced, traced_constant = mx.compile(dynamic), mx.compile(constant)
-    return {"eager, array offset": lambda b, new: dynamic(mx.array(at, mx.int32), new, *b),
-            "traced, array offset": lambda b, new: traced(mx.array(at, mx.int32), new, *b),
+    traced_scatter = mx.compile(scatter)
+    start = mx.array(at, mx.int32)
+    return {"eager, array offset": lambda b, new: dynamic(start, new, *b),
+            "traced, array offset": lambda b, new: traced(start, new, *b),
             "traced, constant offset": lambda b, new: traced_constant(new, *b),
+            "eager, scatter": lambda b, new: scatter(start, new, *b),
+            "traced, scatter": lambda b, new: traced_scatter(start, new, *b),
             "static assignment": assign}
 
 
