@@ -5,26 +5,33 @@ decoder runs: for each, a trunk of random weights built through mlx-lm's own mod
 a config at the published checkpoint's per-layer dimensions (hidden size, heads, KV heads or MLA
 ranks, expert widths, vocabulary) but only --layers layers that keep the family's layer pattern
 (a hybrid's linear / full mix, dense and MoE layers), 4-bit g64 as bench_gpu's q4 trunk
-(bench_gpu.oracle_ready: its greedy continuation a walk rounding cannot flip), and the family's
-MTP head at the same dimensions (decoder/head.py's MTPHead, random weights, its layers 4-bit).
-The configs are tests/fixtures/configs.py's family configs with the dimensions replaced; --small
-keeps the fixtures' own (tiny: a CPU smoke run). --experts caps the routed experts (to fit one
-GPU's memory: said in the output; a round's rows then share more experts than the real model's).
+(bench_gpu.oracle_ready: its greedy continuation a walk rounding cannot flip; MoE routers,
+which mlx-lm quantizes at 8 bits, stay bf16), and the family's MTP head at the same dimensions
+(decoder/head.py's MTPHead, random weights, its layers 4-bit), with the linears `mtpkit.load`
+gives the backend. The configs are tests/fixtures/configs.py's family configs with the
+dimensions replaced (SPECS says which checkpoint, and what of it is assumed rather than read
+from its config); --small keeps the fixtures' own (tiny: a CPU smoke run). A family whose
+estimated build peak passes --max-gb has its routed experts halved until it fits (--experts
+caps them all), said in its row: a round's rows then share more experts than the real model's.
 
 Per family:
 1. c(T), T = 1..4, the plain step and the head's draft step (decoder/costs.py's measure at a
-   512-token context, medians after warm-up), traced (a GPU's default) and untraced.
-2. Oracle decoding (bench_gpu's Oracle: right with per-position acceptance 73/48/32%, free):
-   depth 0, 3 and auto for --tokens tokens after a --prompt-token prompt, --runs runs with
-   the arms interleaved, traced: tok/s medians and spread; the measured depth-3 / plain ratio
-   beside the ideal one from c(T): E[tokens per round] / (c(4) / plain step) (and with the
-   real head's three draft steps added to c(4)).
+   --context-token cache, medians after warm-up, in about --budget seconds), as `mtpkit.load`
+   runs this backend (traced on a GPU) and, with --arms both, the other way too.
+2. Oracle decoding (bench_gpu's Oracle: right with per-position acceptance 73/48/32%, free;
+   `auto` priced by the real head's curve): depth 0, 3 and auto for --tokens tokens after a
+   --prompt-token prompt, --runs runs with the arms interleaved: tok/s medians and spread; the
+   measured depth-3 / plain ratio beside the ideal one from c(T): E[tokens per round] /
+   (c(4) / plain step) (and with the real head's three draft steps added to c(4)).
 
-Families the table holds that no trunk can be built for here (no mlx-lm class, a drafter that
-is no MTP head, a trunk too large for one GPU) are listed as skipped with the reason.
+Names the table or issue 51 holds that are not run (no mlx-lm class of their own, a drafter
+that is no MTP head, a build too large for --max-gb, past --time-limit) are listed as skipped
+with the reason. Progress on stderr, a line per family with an ETA; one JSON (common.save) after
+every family, so a run cut short keeps what it measured.
 
     python bench/bench_families.py [--families a,b] [--layers 4] [--experts N] [--tokens 128]
-                                   [--runs 3] [--small] [--estimate] [--out FILE.json]
+        [--runs 3] [--max-gb 80] [--time-limit S] [--arms both|default] [--small] [--estimate]
+        [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ import gc
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +110,6 @@ class Spec:
     pattern: Any = None  # n -> config values that lay out n layers
     assumed: str = ""
     layers_key: str = "num_hidden_layers"
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 SPECS: dict[str, Spec] = {
@@ -236,11 +242,12 @@ _EXPERT_KEYS = ("num_experts", "n_routed_experts", "moe_num_experts", "num_local
 _TOPK_KEYS = ("num_experts_per_tok", "moe_k", "moe_top_k", "moe_topk", "num_experts_per_token")
 
 
-def config(name: str, layers: int, experts: int | None, small: bool) -> tuple[dict, dict]:
+def config(name: str, layers: int, experts: int | None, small: bool, vocab: int | None = None
+           ) -> tuple[dict, dict]:
     """(the family's config.json, what it changed of the published one): the fixture config
     with the published dimensions (small: the fixture's own), `layers` trunk layers laid out as
     the family lays them, routed experts capped at `experts`, an lm_head of its own (the
-    oracle's walk needs one)."""
+    oracle's walk needs one); `vocab` caps the vocabulary (a CPU check of the real widths)."""
     spec = SPECS[name]
     out = config_for(spec.fixture)
     text = out.get("text_config", out)
@@ -257,8 +264,12 @@ def config(name: str, layers: int, experts: int | None, small: bool) -> tuple[di
             for k in _TOPK_KEYS:
                 if isinstance(text.get(k), int):
                     text[k] = min(text[k], experts)
-            if experts % max(1, text.get("n_group") or 1):
+            groups = max(1, text.get("n_group") or 1)
+            if experts % groups or experts // groups < 2:  # (group scores sum a group's top 2)
                 text["n_group"] = text["topk_group"] = 1
+    if vocab is not None and text["vocab_size"] > vocab:
+        notes["vocab_capped"] = f"vocabulary {text['vocab_size']} -> {vocab}"
+        text["vocab_size"] = vocab
     for cfg in (out, text):
         if cfg.get("tie_word_embeddings"):
             notes["untied"] = "tie_word_embeddings false (the oracle's walk needs an lm_head)"
@@ -289,7 +300,7 @@ def head_names(trunk, family) -> list[str]:
     return [f"layers.{j}.{module_of[c]}.weight" for j, c in enumerate(pattern)]
 
 
-def build_head(trunk, family, text_cfg: dict, bits: int):
+def build_head(trunk, family, bits: int):
     """The family's MTP head at the trunk's dimensions (decoder/head.py, one draft block of the
     trunk's own class as the family builds it), random bf16 weights, its layers quantized g64
     as convert quantizes a sidecar's layers (fc and norms float)."""
@@ -419,13 +430,13 @@ def bench_family(name: str, args, cap: int | None, log) -> dict[str, Any]:
     from mtpkit.decoder.shapes import bounded_by_default
     from mtpkit.decoder.trunk import Trunk
 
-    cfg, notes = config(name, args.layers, cap, args.small)
+    cfg, notes = config(name, args.layers, cap, args.small, args.vocab)
     text_cfg = cfg.get("text_config", cfg)
     family = family_for(cfg["model_type"])
     began = time.perf_counter()
     model = build_trunk(cfg, 4)
     trunk = Trunk(model, family.hidden_feed)
-    head = build_head(trunk, family, text_cfg, 4)
+    head = build_head(trunk, family, 4)
     fast_linears(trunk, head)
     built = time.perf_counter() - began
     log(f"built in {built:.1f} s, {mx.get_active_memory() / GB:.1f} GB active")
@@ -442,7 +453,7 @@ def bench_family(name: str, args, cap: int | None, log) -> dict[str, Any]:
     log(f"reference decoded ({time.perf_counter() - began:.0f} s in)")
     at = {"budget_s": args.budget, "longer": [], "context": args.context}
     curves = {arm[default]: measure(real, **at)}
-    if not args.small:  # the other arm (on a CPU the traced one compiles per width: slow)
+    if args.arms == "both":  # the other arm too (on a CPU the traced one compiles per width)
         trunk.use_traced(not default)
         curves[arm[not default]] = measure(real, **at)
         trunk.use_traced(default)
@@ -453,6 +464,11 @@ def bench_family(name: str, args, cap: int | None, log) -> dict[str, Any]:
     arms = decode_arms(mtp, prompt, args.tokens, args.runs, plain.tokens)
     expected = 1 + sum(RATES[:3])
     c4, step = first.verify[T_MAX - 1], first.plain
+    ratio = arms["3"]["tps"]["median"] / arms["0"]["tps"]["median"]
+    log(f"c(1..4) {[round(1000 * c, 2) for c in first.verify[:T_MAX]]} ms, plain "
+        f"{1000 * step:.2f} ms; d0 {arms['0']['tps']['median']:.1f} tok/s, d3/d0 {ratio:.2f} "
+        f"(ideal {expected / (c4 / step):.2f}), auto {arms['auto']['tps']['median']:.1f} tok/s "
+        f"({time.perf_counter() - began:.0f} s)")
     return {"checkpoint": SPECS[name].checkpoint, "family": family.name,
             "model_type": cfg["model_type"], "layers": text_cfg.get(SPECS[name].layers_key),
             "assumed": SPECS[name].assumed, "notes": notes,
@@ -460,7 +476,7 @@ def bench_family(name: str, args, cap: int | None, log) -> dict[str, Any]:
             "build_s": built, "greedy_walk_kept": follows / max(1, len(walk) - 1),
             "arm": arm[default], "curves": {k: curve_row(v) for k, v in curves.items()},
             "head_draft_ms": 1000 * first.draft, "oracle": arms,
-            "d3_over_plain": arms["3"]["tps"]["median"] / arms["0"]["tps"]["median"],
+            "d3_over_plain": ratio,
             "d3_over_plain_ideal": expected / (c4 / step),
             "d3_over_plain_ideal_real_head": expected / ((c4 + 3 * first.draft) / step),
             "peak_gb": mx.get_peak_memory() / GB, "seconds": time.perf_counter() - began}
@@ -517,12 +533,12 @@ def fitted(name: str, args) -> tuple[int | None, dict[str, float]]:
     it the family's experts halved until the build's estimated peak fits --max-gb."""
     cap = args.experts
     while True:
-        cfg, _ = config(name, args.layers, cap, args.small)
+        cfg, _ = config(name, args.layers, cap, args.small, args.vocab)
         est = estimate(cfg, 4)
         text = cfg.get("text_config", cfg)
         experts = max((text[k] for k in _EXPERT_KEYS if isinstance(text.get(k), int)), default=0)
         if est["build_peak_gb"] <= args.max_gb or experts <= 8:
-            return cap, est
+            return cap, {**est, "experts": experts}
         cap = experts // 2
 
 
@@ -536,6 +552,7 @@ def main() -> None:
                          "halved until it fits (said in the output)")
     ap.add_argument("--time-limit", type=float,
                     help="seconds: start no family past this (the rest listed as not run)")
+    ap.add_argument("--vocab", type=int, help="cap the vocabulary (a CPU check of real widths)")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens")
@@ -543,6 +560,9 @@ def main() -> None:
                     help="the cache length c(T) is measured at (decoder/curve.py's CONTEXT)")
     ap.add_argument("--budget", type=float, default=2.0,
                     help="seconds per c(T) measurement (decoder/costs.py's budget)")
+    ap.add_argument("--arms", choices=["both", "default"], default="both",
+                    help="c(T) traced and untraced, or only as `mtpkit.load` runs this backend "
+                         "(traced on a GPU); --small: default")
     ap.add_argument("--small", action="store_true",
                     help="the fixtures' tiny dimensions (a CPU smoke run)")
     ap.add_argument("--estimate", action="store_true",
@@ -552,7 +572,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.small:
         args.prompt, args.budget = min(args.prompt, 32), min(args.budget, 0.5)
-        args.context = min(args.context, 64)
+        args.context, args.arms = min(args.context, 64), "default"
         args.tag = args.tag + "-small"
 
     import mlx.core as mx
@@ -571,7 +591,7 @@ def main() -> None:
     print(f"{'family':15} {'checkpoint':32} {'experts':>9} {'trunk GB':>8} {'head GB':>8} "
           f"{'peak GB':>8}", file=sys.stderr)
     for n, e in estimates.items():
-        print(f"{n:15} {SPECS[n].checkpoint:32} {caps[n] or 'all':>9} {e['trunk_gb']:8.1f} "
+        print(f"{n:15} {SPECS[n].checkpoint:32} {e['experts'] or '-':>9} {e['trunk_gb']:8.1f} "
               f"{e['head_gb']:8.1f} {e['build_peak_gb']:8.1f}", file=sys.stderr)
     if args.estimate:
         return
