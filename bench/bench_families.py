@@ -588,10 +588,11 @@ def main() -> None:
     caps, estimates = {}, {}
     for n in names:
         caps[n], estimates[n] = fitted(n, args)
-    print(f"{'family':15} {'checkpoint':32} {'experts':>9} {'trunk GB':>8} {'head GB':>8} "
+    print(f"{'family':15} {'checkpoint':32} {'experts':>14} {'trunk GB':>8} {'head GB':>8} "
           f"{'peak GB':>8}", file=sys.stderr)
     for n, e in estimates.items():
-        print(f"{n:15} {SPECS[n].checkpoint:32} {e['experts'] or '-':>9} {e['trunk_gb']:8.1f} "
+        experts = f"{e['experts'] or '-'}{' (capped)' if caps[n] is not None else ''}"
+        print(f"{n:15} {SPECS[n].checkpoint:32} {experts:>14} {e['trunk_gb']:8.1f} "
               f"{e['head_gb']:8.1f} {e['build_peak_gb']:8.1f}", file=sys.stderr)
     if args.estimate:
         return
