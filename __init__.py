@@ -3,7 +3,7 @@
 import os
 from typing import Any
 
-from mtpkit.decoder.blas import use_optimized
+from mtpkit.decoder.model.blas import use_optimized
 
 use_optimized()  # before anything imports MLX: its Linux wheel's own BLAS is the reference one
 # float32 means float32: MLX's GPU backends otherwise multiply several float32 rows in TF32, and

@@ -169,12 +169,12 @@ SHARD_HELP = ("Under mlx.launch: split the trunk over the ranks, tensor (each ra
 
 def _leads(command: Callable[..., None]) -> Callable[..., None]:
     """A command that may run sharded: its followers exit with its exit code, a lost rank is
-    one line (decoder/distributed.py)."""
+    one line (decoder/sharded/distributed.py)."""
     @functools.wraps(command)
     def run(*args: object, **kwargs: object) -> None:
         if kwargs.get("shard") is None:
             return command(*args, **kwargs)
-        from mtpkit.decoder.distributed import leading
+        from mtpkit.decoder.sharded.distributed import leading
 
         with leading():
             command(*args, **kwargs)
@@ -480,11 +480,11 @@ def generate(bundle: str | None, prompt: str | None, model: str | None, prompt_o
     """Generate from BUNDLE with the reference MTP decoder (exact: greedy output equals plain).
     PROMPT '-' reads stdin, @FILE a file; mlx-lm's --model, --prompt, --temp, --system-prompt
     mean what they mean there."""
-    from mtpkit.decoder.blas import note
     from mtpkit.decoder.compare import Comparison, baseline
-    from mtpkit.decoder.distributed import lead
-    from mtpkit.decoder.interrupt import first_ctrl_c
+    from mtpkit.decoder.model.blas import note
+    from mtpkit.decoder.rounds.interrupt import first_ctrl_c
     from mtpkit.decoder.runner import load, numerics_note
+    from mtpkit.decoder.sharded.distributed import lead
     from mtpkit.verify.run import depths_text
     from mtpkit.verify.tune import ReferenceBar, progress_bar
 
@@ -644,7 +644,7 @@ def graft(ctx: click.Context, bundle: str, out: Path, corpus: tuple[Path, ...],
           mtp_policy: str, mtp_bits: int,
           mtp_group_size: str, force: bool) -> None:
     """Train an MTP head for BUNDLE on its frozen trunk (self-distillation) and write OUT."""
-    from mtpkit.decoder.blas import describe
+    from mtpkit.decoder.model.blas import describe
     from mtpkit.train.graft import GraftOptions, blas_warning
     from mtpkit.train.graft import graft as run_graft
     from mtpkit.train.scoring import Plan
@@ -775,9 +775,9 @@ def serve(bundle: str, host: str, port: int, api_keys: tuple[str, ...],
     """Serve BUNDLE over an OpenAI-compatible API with the reference MTP decoder."""
     import os
 
-    from mtpkit.decoder.distributed import lead
     from mtpkit.decoder.options import batch_option
     from mtpkit.decoder.runner import load, numerics_note
+    from mtpkit.decoder.sharded.distributed import lead
     from mtpkit.serve.server import Server, api_keys_from, check_bind, check_port
     from mtpkit.serve.service import Service
     from mtpkit.verify.tune import batch_lines, batch_summary, progress_bar, summary
@@ -891,7 +891,7 @@ def verify_run(bundle: str | None, endpoint: str | None, api_key: str | None, as
                draft_model: str | None, kv_bits: int | None, kv_group_size: int,
                quantized_kv_start: int) -> None:
     """Check BUNDLE (or --endpoint) end to end and measure its speed the honest way."""
-    from mtpkit.decoder.interrupt import first_ctrl_c
+    from mtpkit.decoder.rounds.interrupt import first_ctrl_c
     from mtpkit.verify.endpoint import EndpointError, open_endpoint, serving_checks
     from mtpkit.verify.loads import LOADS
     from mtpkit.verify.local import cpu_backend, open_local
@@ -931,7 +931,7 @@ def verify_run(bundle: str | None, endpoint: str | None, api_key: str | None, as
                 facts = Facts("endpoint", endpoint)
             else:
                 assert bundle is not None
-                from mtpkit.decoder.distributed import lead
+                from mtpkit.decoder.sharded.distributed import lead
 
                 target, facts, view = open_local(
                     bundle, dtype, shard, {**_kv(kv_bits, kv_group_size, quantized_kv_start),

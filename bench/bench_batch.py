@@ -153,7 +153,7 @@ def theirs(model, prompts: list[list[int]], tokens: int) -> tuple[dict, list[lis
 
 def ideal(table: Any, rows: int, plain_step: float | None = None) -> dict[str, Any]:
     """What the round costs `rows` rows paid here promise at the oracle's acceptance: the median
-    paid per depth (decoder/policy.py's CostTable, shapes (rows, depth + 1, pipelined); 0: a
+    paid per depth (decoder/tuning/policy.py's CostTable, shapes (rows, depth + 1, pipelined); 0: a
     plain step; "piped K": pipelined) and the best depth's tokens per second over plain steps'
     (each row commits 1 + a_1 + ... + a_K a round), beside the measured ratio. `plain_step`:
     the plain arm's own step time (seconds), where the batch never stepped plainly here."""
@@ -177,12 +177,12 @@ def oracle_bench(args: argparse.Namespace) -> dict:
     import mlx.core as mx
     from bench_gpu import SUCCESSOR, llama8b
 
-    from mtpkit.decoder.costs import measure
-    from mtpkit.decoder.kernels import cuda_available
-    from mtpkit.decoder.rows import use_few_rows_linears, use_kernel_linears
+    from mtpkit.decoder.cache.shapes import bounded_by_default
+    from mtpkit.decoder.model.kernels import cuda_available
+    from mtpkit.decoder.model.rows import use_few_rows_linears, use_kernel_linears
+    from mtpkit.decoder.model.trunk import Trunk
     from mtpkit.decoder.runner import Runner
-    from mtpkit.decoder.shapes import bounded_by_default
-    from mtpkit.decoder.trunk import Trunk
+    from mtpkit.decoder.tuning.costs import measure
 
     model = llama8b(4, small=args.small)
     trunk = Trunk(model)

@@ -140,10 +140,10 @@ class Setup:
 
 
 def oracle_setup(trunk: str, small: bool, traced: bool) -> Setup:
-    from mtpkit.decoder.costs import measure
-    from mtpkit.decoder.rows import use_kernel_linears
+    from mtpkit.decoder.model.rows import use_kernel_linears
+    from mtpkit.decoder.model.trunk import Trunk
     from mtpkit.decoder.runner import Runner
-    from mtpkit.decoder.trunk import Trunk
+    from mtpkit.decoder.tuning.costs import measure
 
     model = (llama8b if trunk == "llama8b" else qwen35_9b)(4, small)
     base = Runner(Trunk(model), None, None)
@@ -277,14 +277,14 @@ def priced(runner: Any, context: int) -> dict[str, Any] | None:
 
 def curve_at(runner: Any, ids: list[int], passes: int) -> dict[str, Any]:
     """c(T) for T in ROWS and a pipelined plain step, at a cache holding `ids` (synchronous
-    passes rolled back after each, as decoder/costs.py times them; medians after two warm-up
+    passes rolled back after each, as decoder/tuning/costs.py times them; medians after two warm-up
     passes); with the prefill's time and peak memory (the first prefill at this context)."""
     import mlx.core as mx
 
-    from mtpkit.decoder.caches import snapshot
+    from mtpkit.decoder.cache.caches import snapshot
+    from mtpkit.decoder.cache.state import rewind
+    from mtpkit.decoder.rounds.session import Session
     from mtpkit.decoder.sampling import SamplingParams, greedy
-    from mtpkit.decoder.session import Session
-    from mtpkit.decoder.state import rewind
 
     mx.clear_cache()
     mx.reset_peak_memory()
@@ -371,7 +371,7 @@ def sweep(setup: Setup, contexts: list[int], arms: list[Arm], args: argparse.Nam
                 f"{row['curve']['prefill']['seconds']:.2f} s |",
                 eta.tick(context, 0, time.perf_counter() - begin))
         if args.prefix:  # one untimed prefill; our float arms start from its state
-            from mtpkit.decoder.prefix import PrefixCache
+            from mtpkit.decoder.cache.prefix import PrefixCache
 
             setup.prefix = PrefixCache(1 << 40)
             begin = time.perf_counter()

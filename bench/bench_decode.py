@@ -103,7 +103,7 @@ def main() -> None:
     from mlx_lm import stream_generate
 
     import mtpkit
-    from mtpkit.decoder.blas import loaded_blas
+    from mtpkit.decoder.model.blas import loaded_blas
     from mtpkit.verify.loads import real_loads
 
     bundle = args.bundle or smollm2_bundle(args.workdir)

@@ -59,8 +59,8 @@ def prompt(run: int, length: int = 96) -> list[int]:
 
 def worker(bundle: str, shard: str | None, runs: int, tokens: int, out: str) -> None:
     """One arm, on every rank: rank 0 times; the others follow."""
-    from mtpkit.decoder import distributed
     from mtpkit.decoder.runner import load
+    from mtpkit.decoder.sharded import distributed
 
     runner = load(bundle, dtype="float32", shard=shard)
     if distributed.is_follower(runner):

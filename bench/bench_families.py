@@ -7,7 +7,7 @@ ranks, expert widths, vocabulary) but only --layers layers that keep the family'
 (a hybrid's linear / full mix, dense and MoE layers), 4-bit g64 as bench_gpu's q4 trunk
 (bench_gpu.oracle_ready: its greedy continuation a walk rounding cannot flip; MoE routers,
 which mlx-lm quantizes at 8 bits, stay bf16), and the family's MTP head at the same dimensions
-(decoder/head.py's MTPHead, random weights, its layers 4-bit), with the linears `mtpkit.load`
+(decoder/model/head.py's MTPHead, random weights, its layers 4-bit), with the linears `mtpkit.load`
 gives the backend. The configs are tests/fixtures/configs.py's family configs with the
 dimensions replaced (SPECS says which checkpoint, and what of it is assumed rather than read
 from its config); --small keeps the fixtures' own (tiny: a CPU smoke run). A family whose
@@ -15,7 +15,7 @@ estimated build peak passes --max-gb has its routed experts halved until it fits
 caps them all), said in its row: a round's rows then share more experts than the real model's.
 
 Per family:
-1. c(T), T = 1..4, the plain step and the head's draft step (decoder/costs.py's measure at a
+1. c(T), T = 1..4, the plain step and the head's draft step (decoder/tuning/costs.py's measure at a
    --context-token cache, medians after warm-up, in about --budget seconds), as `mtpkit.load`
    runs this backend (traced on a GPU) and, with --arms both, the other way too.
 2. Oracle decoding (bench_gpu's Oracle: right with per-position acceptance 73/48/32%, free;
@@ -232,7 +232,7 @@ NOT_RUN = {
     "deepseek_v41": "ships DSpark stages under mtp.*, no MTP head (vLLM); not in the family table",
     "hunyuan": "mlx-lm's hunyuan is the older HunYuan MoE without MTP; HY-V3/V4 (with MTP) have "
                "no mlx-lm 0.32.2 class and no table row",
-    "gemma4": "drafts with a separate assistant checkpoint (decoder/assistant.py), not an MTP head",
+    "gemma4": "drafts with a separate assistant checkpoint (decoder/drafters/assistant.py), not an MTP head",
     "llama": "the table's llama row has no MTP head",
 }
 # The families issue 51 added to the table: run first (a --time-limit cuts the older ones).
@@ -301,14 +301,14 @@ def head_names(trunk, family) -> list[str]:
 
 
 def build_head(trunk, family, bits: int):
-    """The family's MTP head at the trunk's dimensions (decoder/head.py, one draft block of the
+    """The family's MTP head at the trunk's dimensions (decoder/model/head.py, one draft block of the
     trunk's own class as the family builds it), random bf16 weights, its layers quantized g64
     as convert quantizes a sidecar's layers (fc and norms float)."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten
 
-    from mtpkit.decoder.head import Contract, MTPHead, _layers
+    from mtpkit.decoder.model.head import Contract, MTPHead, _layers
 
     kind = family.mtp_layer_kind
     _, layers, _, _ = _layers(trunk, family, kind, head_names(trunk, family))
@@ -336,8 +336,8 @@ def fast_linears(trunk, head) -> None:
     few-row linears on a CPU."""
     import mlx.core as mx
 
-    from mtpkit.decoder import kernels
-    from mtpkit.decoder.rows import use_few_rows_linears, use_kernel_linears
+    from mtpkit.decoder.model import kernels
+    from mtpkit.decoder.model.rows import use_few_rows_linears, use_kernel_linears
 
     if mx.default_device().type == mx.DeviceType.cpu:
         use_few_rows_linears(trunk.inner)
@@ -425,10 +425,10 @@ def bench_family(name: str, args, cap: int | None, log) -> dict[str, Any]:
     """Build one family's trunk and head, measure c(T) both ways and decode with the oracle."""
     import mlx.core as mx
 
-    from mtpkit.decoder.costs import measure
+    from mtpkit.decoder.cache.shapes import bounded_by_default
+    from mtpkit.decoder.model.trunk import Trunk
     from mtpkit.decoder.runner import Runner
-    from mtpkit.decoder.shapes import bounded_by_default
-    from mtpkit.decoder.trunk import Trunk
+    from mtpkit.decoder.tuning.costs import measure
 
     cfg, notes = config(name, args.layers, cap, args.small, args.vocab)
     text_cfg = cfg.get("text_config", cfg)
@@ -557,9 +557,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens")
     ap.add_argument("--context", type=int, default=512,
-                    help="the cache length c(T) is measured at (decoder/curve.py's CONTEXT)")
+                    help="the cache length c(T) is measured at (decoder/tuning/curve.py's CONTEXT)")
     ap.add_argument("--budget", type=float, default=2.0,
-                    help="seconds per c(T) measurement (decoder/costs.py's budget)")
+                    help="seconds per c(T) measurement (decoder/tuning/costs.py's budget)")
     ap.add_argument("--arms", choices=["both", "default"], default="both",
                     help="c(T) traced and untraced, or only as `mtpkit.load` runs this backend "
                          "(traced on a GPU); --small: default")

@@ -8,7 +8,7 @@ head accepts (bench_decode.py measures a real grafted head).
 
 1. c(T), T = 1..16, for each trunk "before" (MLX's ops, mlx-lm's own KV cache), "after"
    (verify kernel, bounded attention shapes) and "traced" (also traced once per shape,
-   decoder/traced.py: a GPU's default): decoder/costs.py's measure, medians after warm-up.
+   decoder/model/traced.py: a GPU's default): decoder/tuning/costs.py's measure, medians after warm-up.
 2. A T=2 verify at a new cache length every pass (what decoding does), before and after: the
    compile per round shows as the median pass time.
 3. Oracle decoding on the 4-bit trunk, traced and untraced: plain vs depths 1-3 vs --depth
@@ -103,12 +103,12 @@ def oracle_ready(cls, args, bits: int | None):
     so the argmax is that successor by a wide margin (a walk through a random permutation: no
     repetition loops). bf16, or quantized g64 with `bits` (the modules `quantizable` picks).
     Any mlx-lm family with an lm_head of its own: the inner model and embedding where
-    decoder/trunk.py finds them (bench_families.py)."""
+    decoder/model/trunk.py finds them (bench_families.py)."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten
 
-    from mtpkit.decoder.trunk import INNER
+    from mtpkit.decoder.model.trunk import INNER
     from mtpkit.loaders.families import family_for
 
     mx.random.seed(0)
@@ -179,8 +179,8 @@ def curves(runner, label: str) -> dict:
     """c(T) before (MLX's ops, mlx-lm's caches: call with the runner's stock linears), with the
     verify kernel and bounded shapes ("after"), and with the pass traced too ("traced", what a
     GPU runs by default)."""
-    from mtpkit.decoder.costs import measure
-    from mtpkit.decoder.rows import use_kernel_linears
+    from mtpkit.decoder.model.rows import use_kernel_linears
+    from mtpkit.decoder.tuning.costs import measure
 
     text = runner.trunk.text
     runner.trunk.use_traced(False)
@@ -211,8 +211,8 @@ def curves(runner, label: str) -> dict:
 
 def prefill_ms(runner, bounded: bool, n: int = 2048) -> float:
     """Median ms to prefill a fresh n-token prompt (a new cache each time)."""
+    from mtpkit.decoder.rounds.session import Session
     from mtpkit.decoder.sampling import SamplingParams
-    from mtpkit.decoder.session import Session
 
     vocab = runner.trunk.args.vocab_size
     times = []
@@ -229,8 +229,8 @@ def moving_verify(runner, bounded: bool, passes: int = 24) -> dict:
     decoding goes), after a 300-token prompt."""
     import mlx.core as mx
 
+    from mtpkit.decoder.rounds.session import Session
     from mtpkit.decoder.sampling import SamplingParams, greedy
-    from mtpkit.decoder.session import Session
 
     session = Session(runner.trunk, None, SamplingParams(), 0, bounded=bounded)
     vocab = runner.trunk.args.vocab_size
@@ -270,9 +270,9 @@ def breakdown(runner, label: str, arms: list[str], rows=(1, 2, 3, 4, 8), passes:
     cache) and ours (kernel, bounded)."""
     import mlx.core as mx
 
-    from mtpkit.decoder.rows import use_kernel_linears
+    from mtpkit.decoder.model.rows import use_kernel_linears
+    from mtpkit.decoder.rounds.session import Session
     from mtpkit.decoder.sampling import SamplingParams, greedy
-    from mtpkit.decoder.session import Session
 
     vocab = runner.trunk.args.vocab_size
     ids = [(7 * i + 3) % vocab for i in range(512)]
@@ -322,8 +322,8 @@ def breakdown(runner, label: str, arms: list[str], rows=(1, 2, 3, 4, 8), passes:
 
 def with_oracle(runner, tokens: int):
     """(a runner drafting with the Oracle, its prompt, the plain result, its cost curve)."""
-    from mtpkit.decoder.costs import measure
     from mtpkit.decoder.runner import Runner
+    from mtpkit.decoder.tuning.costs import measure
 
     vocab = runner.trunk.args.vocab_size
     prompt = [(13 * i + 7) % vocab for i in range(128)]
@@ -484,21 +484,21 @@ def main() -> None:
     ap.add_argument("--oracle-arms", default="traced,untraced",
                     help="the oracle parts' arms: traced and/or untraced verify passes")
     ap.add_argument("--traced", choices=["0", "1"], default="1",
-                    help="verify passes traced once per shape (decoder/traced.py)")
+                    help="verify passes traced once per shape (decoder/model/traced.py)")
     args = ap.parse_args()
 
     import mlx.core as mx
 
     import mtpkit
-    from mtpkit.decoder.rows import use_kernel_linears
+    from mtpkit.decoder.model.rows import use_kernel_linears
+    from mtpkit.decoder.model.trunk import Trunk
     from mtpkit.decoder.runner import Runner
-    from mtpkit.decoder.trunk import Trunk
 
     if args.arm:  # one configuration, in its own process (MLX reads its env vars once)
         runner = Runner(Trunk(llama8b(4, args.small)), None, None)
         use_kernel_linears(runner.trunk.text)
         runner.trunk.use_traced(args.traced == "1")
-        from mtpkit.decoder.costs import measure
+        from mtpkit.decoder.tuning.costs import measure
 
         bounded = args.bounded == "1"
         curve = measure(runner, bounded=bounded, repeats=15)

@@ -1,8 +1,8 @@
-"""The verify kernel (decoder/kernels.py) against MLX's own op, layer by layer, on a GPU.
+"""The verify kernel (decoder/model/kernels.py) against MLX's own op, layer by layer, on a GPU.
 
 For each Llama-3-8B layer shape (4-bit and 8-bit, groups of 64, bf16 activations): milliseconds
 per product for 2..16 rows with MLX's quantized matmul and with the kernel, timed as the runtime
-choice times them (decoder/kernel_choice.py: several products per eval, medians), the row counts
+choice times them (decoder/tuning/kernel_choice.py: several products per eval, medians), the row counts
 that choice keeps for the kernel, and the largest relative difference between the two outputs.
 
     python bench/bench_kernels.py
@@ -25,7 +25,8 @@ SHAPES = {"q_o": (4096, 4096), "k_v": (1024, 4096), "gate_up": (14336, 4096),
 def main() -> None:
     import mlx.core as mx
 
-    from mtpkit.decoder import kernel_choice, kernels
+    from mtpkit.decoder.model import kernels
+    from mtpkit.decoder.tuning import kernel_choice
 
     out = {}
     for bits in (4, 8):

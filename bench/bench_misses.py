@@ -1,4 +1,4 @@
-"""What a grafted head's depth-1 drafts miss on the held-out loads (decoder/misses.py): rounds a
+"""What a grafted head's depth-1 drafts miss on the held-out loads (decoder/drafters/misses.py): rounds a
 3-token lookup in the context would have drafted right, targets outside the draft vocabulary,
 the rest. Greedy, the same seeded nonces as bench_decode.py --nonce-seed.
 
@@ -31,7 +31,7 @@ def main() -> None:
     args = ap.parse_args()
 
     import mtpkit
-    from mtpkit.decoder.misses import classify
+    from mtpkit.decoder.drafters.misses import classify
     from mtpkit.verify.loads import real_loads
 
     runner = mtpkit.load(args.bundle, dtype="float32")

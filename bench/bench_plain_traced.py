@@ -16,10 +16,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mlx.core as mx  # noqa: E402
 from bench_gpu import RATES, Oracle, llama8b  # noqa: E402
 
-from mtpkit.decoder.costs import measure  # noqa: E402
-from mtpkit.decoder.rows import use_kernel_linears  # noqa: E402
+from mtpkit.decoder.model.rows import use_kernel_linears  # noqa: E402
+from mtpkit.decoder.model.trunk import Trunk  # noqa: E402
 from mtpkit.decoder.runner import Runner  # noqa: E402
-from mtpkit.decoder.trunk import Trunk  # noqa: E402
+from mtpkit.decoder.tuning.costs import measure  # noqa: E402
 
 runner = Runner(Trunk(llama8b(4)), None, None)
 use_kernel_linears(runner.trunk.text)

@@ -46,7 +46,7 @@ def main() -> None:
     import mlx_lm
     from mlx_lm.sample_utils import make_sampler
 
-    from mtpkit.decoder import acceptance
+    from mtpkit.decoder.rounds import acceptance
     from mtpkit.decoder.sampling import (
         Candidates,
         SamplingParams,

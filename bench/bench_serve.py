@@ -48,9 +48,9 @@ REPLY_TOKENS = 24  # turn 1's reply: with the follow-up and the template's glue,
 
 
 def document(bundle: Path) -> str:
-    """~PREFIX_TOKENS tokens of real source (decoder/session.py), whole lines."""
+    """~PREFIX_TOKENS tokens of real source (decoder/rounds/session.py), whole lines."""
     tokenizer = load_tokenizer(bundle)
-    lines, text = (ROOT / "decoder" / "session.py").read_text().splitlines(keepends=True), ""
+    lines, text = (ROOT / "decoder" / "rounds" / "session.py").read_text().splitlines(keepends=True), ""
     for line in lines:
         if len(tokenizer.encode(text + line)) > PREFIX_TOKENS:
             break

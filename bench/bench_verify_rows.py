@@ -1,4 +1,4 @@
-"""What multiplying verify rows weight-first (decoder/rows.py) is worth, paired in one process.
+"""What multiplying verify rows weight-first (decoder/model/rows.py) is worth, paired in one process.
 
 The same prompts (no nonce, so both arms decode the same text and accept the same drafts), stock
 nn.Linear and FewRowsLinear alternating run by run; plain and depth-1 tok/s, and what a depth-1
@@ -36,8 +36,8 @@ def main() -> None:
     from mlx.utils import tree_unflatten
 
     import mtpkit
-    from mtpkit.decoder.blas import loaded_blas
-    from mtpkit.decoder.rows import FewRowsLinear, use_few_rows_linears
+    from mtpkit.decoder.model.blas import loaded_blas
+    from mtpkit.decoder.model.rows import FewRowsLinear, use_few_rows_linears
     from mtpkit.verify.loads import real_loads
 
     runner = mtpkit.load(args.bundle, dtype="float32")

@@ -3,7 +3,7 @@
 One 4096 x 4096 bf16 weight, quantized (group 64, 4 or 8 bits), multiplied with 1-40, 64, 65,
 ..., 2048 rows in a fresh process: the first product at each count, the second, and the kernel
 files MLX's cache folder ($MLX_PTX_CACHE_DIR, else <temp>/mlx/<version>/ptx) gained. A count
-whose first product took seconds compiled a variant (decoder/jit_warmup.py compiles them at
+whose first product took seconds compiled a variant (decoder/tuning/jit_warmup.py compiles them at
 load). Run it on a machine whose cache is empty to see the compile times:
 
     python bench/probe_jit.py [--bits 4,8]

@@ -31,8 +31,8 @@ def session_steps(setup, ids: list[int], tokens: int, drop: int, speculative: bo
     """Decode tok/s of a started session's pipelined plain steps."""
     import mlx.core as mx
 
+    from mtpkit.decoder.rounds.session import Session
     from mtpkit.decoder.sampling import SamplingParams
-    from mtpkit.decoder.session import Session
 
     runner = setup.runner
     mx.clear_cache()

@@ -29,7 +29,7 @@ DEPTH = [0]  # the depth of the pipelined stretch running (its steps' kind says 
 
 def _log_depths() -> None:
     """Label each pipelined stretch's steps with its depth (Batch.spec_rounds)."""
-    from mtpkit.decoder.batch import Batch
+    from mtpkit.decoder.rounds.batch import Batch
 
     stock = Batch.spec_rounds
 
@@ -49,7 +49,7 @@ def _log_passes() -> None:
     slow steps ran; evaluating each pass at once serializes pipelined rounds)."""
     import mlx.core as mx
 
-    from mtpkit.decoder.batch import Batch
+    from mtpkit.decoder.rounds.batch import Batch
 
     stock = Batch._pass
 
@@ -69,8 +69,8 @@ def _log_passes() -> None:
 def run(runner, prompts, tokens, depth, label, shapes=False):
     """Decode `prompts` together twice (the first warms up) and print where the second's time
     went; returns its requests' statistics."""
-    from mtpkit.decoder.batch import Batch
-    from mtpkit.decoder.scheduler import Scheduler
+    from mtpkit.decoder.rounds.batch import Batch
+    from mtpkit.decoder.rounds.scheduler import Scheduler
 
     for _warm in (True, False):
         sch = Scheduler(Batch(runner.trunk, runner.head), len(prompts), runner.table())
@@ -164,12 +164,12 @@ def main() -> None:
     import mlx.core as mx
     from bench_gpu import SUCCESSOR, llama8b
 
-    from mtpkit.decoder.costs import measure
-    from mtpkit.decoder.kernels import cuda_available
-    from mtpkit.decoder.rows import use_kernel_linears
+    from mtpkit.decoder.cache.shapes import bounded_by_default
+    from mtpkit.decoder.model.kernels import cuda_available
+    from mtpkit.decoder.model.rows import use_kernel_linears
+    from mtpkit.decoder.model.trunk import Trunk
     from mtpkit.decoder.runner import Runner
-    from mtpkit.decoder.shapes import bounded_by_default
-    from mtpkit.decoder.trunk import Trunk
+    from mtpkit.decoder.tuning.costs import measure
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--bundle", help="a real bundle on the serve loads (else the oracle)")

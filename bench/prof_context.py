@@ -2,7 +2,7 @@
 
 At a context of L tokens (a real prefill), the 8B 4-bit oracle trunk of bench_gpu.py, passes of
 T = 1, 2, 4 rows, synchronous, medians after warm-up, in three arms: "stock" (mlx-lm's KVCache,
-MLX's ops), "ours" (verify kernel, bounded attention shapes: decoder/shapes.py) and "traced"
+MLX's ops), "ours" (verify kernel, bounded attention shapes: decoder/cache/shapes.py) and "traced"
 (ours, traced once per shape: a GPU's default). Then attention alone, one layer's shapes, by mask
 kind (none, "causal", a bool array over exactly L keys, a bool array over the padded view), and
 the peak memory and time of each arm's prefill against mlx-lm's own (prefill_step_size 2048).
@@ -70,7 +70,7 @@ def _queries(contexts: list[int], small: bool, rows: tuple[int, ...]):
     wide; scaled down: a CPU smoke run): a STEP-aligned key buffer past L, T query rows."""
     import mlx.core as mx
 
-    from mtpkit.decoder.shapes import padded
+    from mtpkit.decoder.cache.shapes import padded
 
     heads, kv = (2, 1) if small else (32, 8)
     for length in contexts:
@@ -93,7 +93,7 @@ def sdpa_alone(contexts: list[int], small: bool, n: int) -> dict:
     keys, a bool array over the padded view (what bounded passes send)."""
     import mlx.core as mx
 
-    from mtpkit.decoder.shapes import padded
+    from mtpkit.decoder.cache.shapes import padded
 
     out: dict = {}
     for length, t, keys, values, q in _queries(contexts, small, (1, 2, 4)):
@@ -121,7 +121,7 @@ def sdpa_memory(contexts: list[int], small: bool, rows: int = 2048) -> dict:
     at the end of L keys), by mask kind: what a chunk of a long prompt costs in attention."""
     import mlx.core as mx
 
-    from mtpkit.decoder.shapes import padded
+    from mtpkit.decoder.cache.shapes import padded
 
     heads, kv, dim = (2, 1, 128) if small else (32, 8, 128)
     out: dict = {}
@@ -155,7 +155,7 @@ def row_split(contexts: list[int], small: bool, n: int) -> dict:
     decode kernel each) against one T-row call with a bool mask (what bounded passes send)."""
     import mlx.core as mx
 
-    from mtpkit.decoder.shapes import padded
+    from mtpkit.decoder.cache.shapes import padded
 
     out: dict = {}
     for length, t, keys, values, q in _queries(contexts, small, (2, 3, 4)):
@@ -188,11 +188,11 @@ def main() -> None:
 
     import mlx.core as mx
 
-    from mtpkit.decoder.rows import use_kernel_linears
+    from mtpkit.decoder.model.rows import use_kernel_linears
+    from mtpkit.decoder.model.trunk import Trunk
+    from mtpkit.decoder.rounds.session import Session
     from mtpkit.decoder.runner import Runner
     from mtpkit.decoder.sampling import SamplingParams
-    from mtpkit.decoder.session import Session
-    from mtpkit.decoder.trunk import Trunk
 
     contexts = [int(c) for c in args.contexts.split(",")]
     out: dict = {"contexts": contexts, "device": str(mx.default_device())}

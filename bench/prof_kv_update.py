@@ -1,6 +1,6 @@
 """Does writing a pass's rows into the KV buffers copy them? (diagnostic, issue 49)
 
-A traced verify pass (decoder/traced.py) writes its rows into every layer's key and value
+A traced verify pass (decoder/model/traced.py) writes its rows into every layer's key and value
 buffer with `mx.slice_update` at an array offset, so the trace does not bake the position in.
 This times 32 layers x (keys, values) of (1, 8, L, 128) bfloat16 written 4 rows at a time, the
 buffers held by nothing else, six ways: `mx.slice_update` at an array offset eagerly and inside

@@ -12,7 +12,7 @@ import bench_batch as bb  # noqa: E402
 
 
 def timed_ours(runner, prompts, tokens, label):
-    from mtpkit.decoder.batch import Batch
+    from mtpkit.decoder.rounds.batch import Batch
 
     host = [0.0]
     real_pass, real_settle = Batch._pass, Batch._settle
@@ -43,10 +43,10 @@ def timed_ours(runner, prompts, tokens, label):
 def main() -> None:
     from bench_gpu import llama8b
 
-    from mtpkit.decoder.kernels import cuda_available
-    from mtpkit.decoder.rows import use_kernel_linears
+    from mtpkit.decoder.model.kernels import cuda_available
+    from mtpkit.decoder.model.rows import use_kernel_linears
+    from mtpkit.decoder.model.trunk import Trunk
     from mtpkit.decoder.runner import Runner
-    from mtpkit.decoder.trunk import Trunk
 
     model = llama8b(4, small="--small" in sys.argv)
     trunk = Trunk(model)

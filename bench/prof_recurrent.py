@@ -25,7 +25,7 @@ def trunk_of(scale: int, layers: int):
     from bench_gpu import oracle_ready
     from mlx_lm.models.qwen3_5 import Model, ModelArgs
 
-    from mtpkit.decoder.trunk import Trunk
+    from mtpkit.decoder.model.trunk import Trunk
 
     text = {"model_type": "qwen3_5_text", "hidden_size": 4096 // scale,
             "num_hidden_layers": layers, "intermediate_size": 12288 // scale,
@@ -40,8 +40,8 @@ def trunk_of(scale: int, layers: int):
 def main() -> None:
     import mlx.core as mx
 
-    from mtpkit.decoder.caches import snapshot
-    from mtpkit.decoder.state import commit_recorded, rewind
+    from mtpkit.decoder.cache.caches import snapshot
+    from mtpkit.decoder.cache.state import commit_recorded, rewind
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scale", type=int, default=4, help="divide the 9B's widths by this")

@@ -15,10 +15,10 @@ import bench_batch as bb  # noqa: E402
 def main() -> None:
     from bench_gpu import llama8b
 
-    from mtpkit.decoder.kernels import cuda_available
-    from mtpkit.decoder.rows import use_kernel_linears
+    from mtpkit.decoder.model.kernels import cuda_available
+    from mtpkit.decoder.model.rows import use_kernel_linears
+    from mtpkit.decoder.model.trunk import Trunk
     from mtpkit.decoder.runner import Runner
-    from mtpkit.decoder.trunk import Trunk
 
     model = llama8b(4, small="--small" in sys.argv)
     trunk = Trunk(model)

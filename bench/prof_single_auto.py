@@ -3,7 +3,7 @@
 The four serve loads (held_code, held_memo, edit, code; fresh nonces) decoded alone, in turn,
 PASSES times in one process (as `serve --max-batch 1` decodes them), 192 tokens each: the seconds
 and tok/s of each, the depths it chose (0: plain steps) and the runner's cost corrections after
-it (decoder/policy.py's CostTable, per timed shape). The CPU batching ratio's one-at-a-time arm
+it (decoder/tuning/policy.py's CostTable, per timed shape). The CPU batching ratio's one-at-a-time arm
 is this path; on the
 grafted SmolLM2 in float32 it decoded plain for 133-191 of ~190 rounds in most passes, 47-57 s a
 pass (docs/benchmarks-history.md, 2026-11-27, 4d6146c).

@@ -57,7 +57,7 @@ def theirs(model, prompts: list[list[int]]):
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-    from mtpkit.decoder.session import STREAM
+    from mtpkit.decoder.rounds.session import STREAM
 
     singles = []
     for p in prompts:
@@ -81,9 +81,9 @@ def ours(trunk, prompts: list[list[int]], bounded: bool | None, width: int = 1):
     accepted), built as the batch's rounds are."""
     import mlx.core as mx
 
-    from mtpkit.decoder.batch import Batch
+    from mtpkit.decoder.rounds.batch import Batch
+    from mtpkit.decoder.rounds.session import STREAM, Session
     from mtpkit.decoder.sampling import SamplingParams
-    from mtpkit.decoder.session import STREAM, Session
 
     batch = Batch(trunk, None, bounded)
     for p in prompts:
@@ -106,9 +106,9 @@ def main() -> None:
     import mlx.core as mx
     from bench_gpu import llama8b
 
-    from mtpkit.decoder.kernels import cuda_available
-    from mtpkit.decoder.rows import use_kernel_linears
-    from mtpkit.decoder.trunk import Trunk
+    from mtpkit.decoder.model.kernels import cuda_available
+    from mtpkit.decoder.model.rows import use_kernel_linears
+    from mtpkit.decoder.model.trunk import Trunk
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="4,8")

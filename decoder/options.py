@@ -13,8 +13,8 @@ from enum import StrEnum
 
 from mtpkit.loaders.findings import UserError
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")  # load's dtype (decoder/dtypes.py); None too
-MAX_BATCH = 64  # the most sequences one batch decodes together (decoder/scheduler.py)
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # load's dtype (decoder/tuning/dtypes.py); None too
+MAX_BATCH = 64  # the most sequences one batch decodes together (decoder/rounds/scheduler.py)
 MAX_DEPTH = 16  # the deepest forced depth (and what the cost curve measures: curve.MAX_ROWS)
 SEED_BOUND = 1 << 63
 KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize packs (mlx-lm's QuantizedKVCache takes any)
@@ -41,9 +41,9 @@ class Source(StrEnum):
     """Where drafts come from, spelled as on the command line, in requests and in reports."""
 
     HEAD = "head"  # the bundle's MTP head
-    LOOKUP = "lookup"  # the context: what followed an earlier match (decoder/lookup.py)
+    LOOKUP = "lookup"  # the context: what followed an earlier match (decoder/drafters/lookup.py)
     BOTH = "both"  # whichever pays, round by round (the head where the bundle has one)
-    MODEL = "model"  # a separate draft model with the same tokenizer (decoder/draft_model.py)
+    MODEL = "model"  # a separate draft model with the same tokenizer (decoder/drafters/draft_model.py)
     CHAIN = "chain"  # a round's, never an option: head drafts continued from the context
 
 
@@ -114,7 +114,7 @@ def dtype_option(value: object) -> str | None:
 @dataclass(frozen=True)
 class KVQuant:
     """mlx-lm's KV cache quantization: once a trunk cache holds `start` positions it becomes a
-    `QuantizedKVCache` of `bits` bits in groups of `group_size` (decoder/caches.py)."""
+    `QuantizedKVCache` of `bits` bits in groups of `group_size` (decoder/cache/caches.py)."""
 
     bits: int
     group_size: int = 64

@@ -15,18 +15,17 @@ from mlx_lm.models.switch_layers import SwitchLinear
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import dequantize_model, load_model
 
-from mtpkit.decoder import batch_costs, distributed, kernels, sharding
-from mtpkit.decoder.assistant import attach as attach_assistant
-from mtpkit.decoder.batch import Batch
-from mtpkit.decoder.caches import batchable, is_recurrent, leaves, unquantizable
+from mtpkit.decoder.cache.caches import batchable, is_recurrent, leaves, unquantizable
+from mtpkit.decoder.cache.prefix import PrefixCache
+from mtpkit.decoder.cache.shapes import bounded_by_default
 from mtpkit.decoder.context import check_prompt, context_of
-from mtpkit.decoder.controller import Controller
-from mtpkit.decoder.costs import Progress, costs_for
-from mtpkit.decoder.curve import CostCurve
-from mtpkit.decoder.dflash import attach as attach_dflash
-from mtpkit.decoder.draft_model import FIXED_DEPTH, DraftModel, check_vocab
-from mtpkit.decoder.dtypes import choose as choose_dtype
-from mtpkit.decoder.head import Contract, MTPHead
+from mtpkit.decoder.drafters.assistant import attach as attach_assistant
+from mtpkit.decoder.drafters.dflash import attach as attach_dflash
+from mtpkit.decoder.drafters.draft_model import FIXED_DEPTH, DraftModel, check_vocab
+from mtpkit.decoder.model import kernels
+from mtpkit.decoder.model.head import Contract, MTPHead
+from mtpkit.decoder.model.rows import use_few_rows_linears, use_kernel_linears
+from mtpkit.decoder.model.trunk import Trunk
 from mtpkit.decoder.options import (
     KV_START,
     DecodeOptions,
@@ -38,14 +37,17 @@ from mtpkit.decoder.options import (
     dtype_option,
     kv_option,
 )
-from mtpkit.decoder.policy import CostTable, DepthPolicy
-from mtpkit.decoder.prefix import PrefixCache
-from mtpkit.decoder.rows import use_few_rows_linears, use_kernel_linears
-from mtpkit.decoder.scheduler import Event, Request, Scheduler
-from mtpkit.decoder.session import Session, Stopped, generate_ids
-from mtpkit.decoder.shapes import bounded_by_default
+from mtpkit.decoder.rounds.batch import Batch
+from mtpkit.decoder.rounds.controller import Controller
+from mtpkit.decoder.rounds.scheduler import Event, Request, Scheduler
+from mtpkit.decoder.rounds.session import Session, Stopped, generate_ids
+from mtpkit.decoder.sharded import distributed, sharding
 from mtpkit.decoder.stats import Stats
-from mtpkit.decoder.trunk import Trunk
+from mtpkit.decoder.tuning import batch_costs
+from mtpkit.decoder.tuning.costs import Progress, costs_for
+from mtpkit.decoder.tuning.curve import CostCurve
+from mtpkit.decoder.tuning.dtypes import choose as choose_dtype
+from mtpkit.decoder.tuning.policy import CostTable, DepthPolicy
 from mtpkit.loaders.arrays import mtp_arrays
 from mtpkit.loaders.bundle import BundleView, open_bundle
 from mtpkit.loaders.families import family_for
@@ -155,7 +157,7 @@ class Runner:
         self.template_code = "template.missing"  # why there is none: the bundle's finding
         self.rollback = rollback
         self.root, self.load_options = root, load_options or {}
-        self.dtype_note = ""  # what dtype="auto" chose and why (decoder/dtypes.py)
+        self.dtype_note = ""  # what dtype="auto" chose and why (decoder/tuning/dtypes.py)
         self.unsupported: str | None = None  # why the bundle's head is not run (mtp.unsupported)
         self._costs: CostCurve | None = None
         self.paid: CostTable | None = None  # what passes cost here, by shape (policy.py)
@@ -184,13 +186,13 @@ class Runner:
                 raise OptionError("options.invalid", *fault)
         self.trunk.kv = kv
         self.load_options.pop("kv", None)
-        if kv is not None:  # its own cost curve (decoder/costs.py keys it by load_options)
+        if kv is not None:  # its own cost curve (decoder/tuning/costs.py keys it by load_options)
             self.load_options["kv"] = kv.to_dict()
         self._costs = None
 
     def costs(self, refresh: bool = False, progress: Progress | None = None) -> CostCurve:
         """This machine's cost curve for this runner (measured once, cached per bundle).
-        progress: told how a measurement goes (decoder/costs.py's Tick); nothing is printed."""
+        progress: told how a measurement goes (decoder/tuning/costs.py's Tick); nothing is printed."""
         if self._costs is None or refresh:
             self._costs = costs_for(self, refresh, progress)
             self.paid = None
@@ -202,7 +204,7 @@ class Runner:
 
     def table(self) -> CostTable:
         """The cost table every auto generation and batch of this runner prices passes by
-        (decoder/policy.py): its curve the prior, what passes paid here the correction."""
+        (decoder/tuning/policy.py): its curve the prior, what passes paid here the correction."""
         curve = self.costs()
         if self.paid is None or self.paid.curve is not curve:
             self.paid = CostTable(curve)
@@ -215,7 +217,7 @@ class Runner:
 
     def batch_costs(self, most: int, refresh: bool = False,
                     told: batch_costs.Told | None = None) -> tuple[batch_costs.Paid, bool]:
-        """What batches of up to `most` rows pay per round here (decoder/batch_costs.py):
+        """What batches of up to `most` rows pay per round here (decoder/tuning/batch_costs.py):
         stored for this bundle where they cover `most` rows, else timed now and stored; they
         become this runner's batch prices. Returns them and whether they were timed now."""
         most = batch_option(most, self.kv, self.unbatchable)
@@ -246,7 +248,7 @@ class Runner:
     def unbatchable(self) -> str:
         """Why its rows cannot decode in one batch exactly ("" where they can): caches a batch
         cannot hold (caches.batchable), a recurrent layer no recorder replays (a batch rolls
-        each row back to its own count by replay: decoder/recording.py), or the family
+        each row back to its own count by replay: decoder/cache/recording.py), or the family
         table's reason."""
         cache = self.trunk.make_cache()
         if not batchable(cache):
@@ -266,7 +268,7 @@ class Runner:
         """A separate draft model (mlx-lm's --draft-model) checked against this runner and
         loaded: refused as `load` refuses a bundle, draft.vocab_mismatch where its tokenizer
         is not this one's, options.invalid where its caches cannot roll back
-        (decoder/draft_model.py). From then on it is the default drafter (draft "model")."""
+        (decoder/drafters/draft_model.py). From then on it is the default drafter (draft "model")."""
         view = open_draft(path, self.vocab)
         model, _ = load_model(view.root, lazy=True, trust_remote_code=False)  # never bundle code
         if _wants_dequantize(dequantize):
@@ -282,7 +284,7 @@ class Runner:
         """(deepest depth, policy or None) for a depth argument: a number forces that depth;
         "auto" lets measured costs and online acceptance choose, up to MAX_AUTO_DEPTH (a draft
         model's rounds priced by its own step, timed once: DraftModel.step_cost). A draft
-        model drafts FIXED_DEPTH under None (decoder/draft_model.py)."""
+        model drafts FIXED_DEPTH under None (decoder/drafters/draft_model.py)."""
         if draft == Source.MODEL and depth is None:
             return FIXED_DEPTH, None
         if draft == Source.MODEL and depth == "auto" and self.drafter is not None:
@@ -336,7 +338,7 @@ class Runner:
         (chosen per round from this machine's measured costs), a number (forced; 0 is plain
         decoding) or None (the head's layer count). draft: "head", "lookup" (context drafts,
         any bundle) or "both"; default: see draft_source. prefix: a prefix cache the prompt
-        starts from and is kept in (decoder/prefix.py), with the states at `checkpoints` (prompt
+        starts from and is kept in (decoder/cache/prefix.py), with the states at `checkpoints` (prompt
         lengths) where recurrent states cannot be trimmed back. stop: asked after each piece
         and between prefill chunks; true ends the generation there (a stop sequence seen, a
         client gone), result and all (cut in the prefill: no tokens). A prompt over the
@@ -395,7 +397,7 @@ class Runner:
     def stream_batch(self, prompts: Sequence[Prompt], max_tokens: int = 256,
                      max_batch: int = 8, each: Sequence[dict[str, Any]] | None = None,
                      **options: Any) -> Iterator[tuple[int, Piece]]:
-        """Decode `prompts` together (decoder/scheduler.py: up to `max_batch` at once, the rest
+        """Decode `prompts` together (decoder/rounds/scheduler.py: up to `max_batch` at once, the rest
         joining as others finish), each exactly as `stream` would decode it alone. Yields
         (prompt index, Piece) as text is committed; each prompt's last piece carries its
         Result. `options` apply to every prompt, `each[i]` (max_tokens included) to prompt i
@@ -472,17 +474,17 @@ def load(path: str | Path, dequantize: bool | str = "auto", *, dtype: str | None
 
     dequantize="auto" runs quantized weights as bf16 (and MoE experts as float32) on MLX's CPU
     backend, where that is much faster. dtype="auto" keeps the bundle's float dtype except where
-    float32 is clearly faster and fits (MLX's CPU backend; decoder/dtypes.py says why, and
+    float32 is clearly faster and fits (MLX's CPU backend; decoder/tuning/dtypes.py says why, and
     `Runner.dtype_note` what it chose); None keeps it always; "float32" widens every
     float weight: verify passes
     over K+1 positions then round like one-token steps to ~1e-6, so greedy identity with plain
     decoding holds even where bf16 rounding would flip a near-tie. The contract knobs override
     the family/manifest values. On CPU, the trunk's and head's float linears multiply verify
-    passes weight-first (decoder/rows.py). rollback: how recurrent (GatedDeltaNet) state
+    passes weight-first (decoder/model/rows.py). rollback: how recurrent (GatedDeltaNet) state
     returns to the last kept token: "record" (states recorded per position during verify) or
     "replay". shard: "tensor" or "pipeline" in a process started by mlx.launch: this rank's
-    part of the trunk (decoder/sharding.py), the head on rank 0 only, which drives the other
-    ranks (decoder/distributed.py). kv_bits, kv_group_size, quantized_kv_start: mlx-lm's
+    part of the trunk (decoder/sharded/sharding.py), the head on rank 0 only, which drives the other
+    ranks (decoder/sharded/distributed.py). kv_bits, kv_group_size, quantized_kv_start: mlx-lm's
     quantized KV cache (Runner.quantize_kv), checked before the weights load. draft_model: a
     separate draft model's bundle (Runner.load_draft_model), its tokenizer checked against
     this one's before any weights load.
@@ -578,7 +580,7 @@ def _set_numerics(module: nn.Module, flat: bool, dtype: str | None) -> None:
 
 
 def _fast_linears(trunk: Trunk, head: MTPHead | None) -> None:
-    """The backend's faster linears for verify passes (decoder/rows.py): few-row linears on a
+    """The backend's faster linears for verify passes (decoder/model/rows.py): few-row linears on a
     CPU (weight-first), the CUDA kernel's twins where the kernel is available; else MLX's own."""
     if mx.default_device().type == mx.DeviceType.cpu:
         use_few_rows_linears(trunk.inner)  # the layers; an untied lm_head is slower weight-first

@@ -40,7 +40,7 @@ class Stats:
     predicted_s: float = 0.0
     plain_s: float = 0.0
     # --depth auto on a measured curve: paid / predicted cost per source and "plain"
-    # (decoder/policy.py's correction)
+    # (decoder/tuning/policy.py's correction)
     cost_scale: dict[str, float] = field(default_factory=dict)
     # per verified round: (perf_counter at its verdict, tokens committed before it, depth, kept),
     # so acceptance and tok/s can be drawn over the rounds of a generation

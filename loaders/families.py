@@ -34,7 +34,7 @@ class ShapeRule:
 class Sublayer:
     """One pre-norm residual step of an MTP block that no single layer class of the trunk
     computes: x + module(norm(x)), the module a class of the trunk's own mlx-lm module built
-    from the config (decoder/head.py). name: where its weights sit in the block ("self_attn.0":
+    from the config (decoder/model/head.py). name: where its weights sit in the block ("self_attn.0":
     the first of a list, as the trunk layer names its attentions); attends: called with the
     mask and the block's cache."""
 
@@ -94,7 +94,7 @@ class Family:
     mtp_layer_kind: str = "full_attention"
     # Keyword arguments of the draft layer's mlx-lm constructor beyond the config (MiMo-V2's
     # DecoderLayer(config, is_moe, is_sliding_window)); its cache is the one mlx-lm makes for
-    # the first trunk layer whose attributes agree with those it keeps (decoder/trunk.py).
+    # the first trunk layer whose attributes agree with those it keeps (decoder/model/trunk.py).
     mtp_layer_args: dict[str, Any] = field(default_factory=dict)
     # Config values the draft layer is built under, set on a copy of the trunk's mlx-lm args:
     # vLLM builds some draft layers under a changed config (Kimi-K3's without the block-residual
@@ -462,21 +462,21 @@ def stacked_modules(path: str) -> tuple[str, ...]:
 # Attributes under which mlx-lm's decoder layers hold a recurrent (non-trimmable) mixer, with
 # the layer attribute and value that say the mixer there is the recurrent one (None: always):
 # Qwen's linear_attn; Kimi-K3's KDA under self_attn (is_linear); Nemotron-H's Mamba under mixer
-# (block_type "M"). decoder/recording.py records them so a batch commits each row's kept
+# (block_type "M"). decoder/cache/recording.py records them so a batch commits each row's kept
 # positions (a mixer it does not record keeps a batch's rejected drafts in its state).
 RECURRENT_ATTRIBUTES: dict[str, tuple[str, Any] | None] = {
     "linear_attn": None, "self_attn": ("is_linear", True), "mixer": ("block_type", "M")}
 # Attributes by which mlx-lm's decoder layers say their kind (recurrent, sliding-window, MLA
 # among linear layers), which decides the cache mlx-lm's model makes for them: an MTP layer's
-# cache is the one made for the trunk layers that agree with it on these (decoder/trunk.py).
+# cache is the one made for the trunk layers that agree with it on these (decoder/model/trunk.py).
 LAYER_KIND_ATTRIBUTES = ("is_linear", "is_sliding", "is_sliding_window", "is_global")
 # mlx-lm model types whose attention applies its mask with mx.where, so a traced pass must give
-# them a bool mask (the rest add it): decoder/traced.py.
+# them a bool mask (the rest add it): decoder/model/traced.py.
 SELECTING_MASK = frozenset({"bailing_hybrid", "bailing_moe_v3", "deepseek_v3", "deepseek_v32",
                             "gemma2", "glm4_moe_lite", "kimi_k3", "kimi_linear", "longcat_flash",
                             "mistral4"})
 # mlx-lm model types whose shard() repeats KV heads when the ranks outnumber them (Qwen3.5):
-# decoder/sharding.py.
+# decoder/sharded/sharding.py.
 KV_REPEATING = frozenset({"qwen3_5", "qwen3_5_moe"})
 
 

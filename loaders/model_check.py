@@ -219,11 +219,11 @@ def check_model(view: BundleView) -> list[Finding]:
 
 def _check_head(model: nn.Module, family: Family, mtp: MTPLayout,
                 quant: dict[str, ModuleQuant]) -> list[Finding]:
-    """The sidecar against the head decoder/head.py builds on this trunk: its constructor runs
+    """The sidecar against the head decoder/model/head.py builds on this trunk: its constructor runs
     as at load, with its load step recording instead of loading, so its parameters stay the
     ones it expects."""
-    from mtpkit.decoder.head import Contract, MTPHead, canonical_name
-    from mtpkit.decoder.trunk import Trunk
+    from mtpkit.decoder.model.head import Contract, MTPHead, canonical_name
+    from mtpkit.decoder.model.trunk import Trunk
 
     stand_ins = _stand_ins(mtp.tensors)
     if stand_ins is None:

@@ -36,14 +36,14 @@ pip_install "mtpkit${extras} and its dependencies (mlx, mlx-lm, transformers, ..
   -e ".${extras}"
 # MLX's Linux CPU wheel bundles the reference BLAS (float32 matmuls ~4x slower, verify passes as
 # dear as the tokens they check); mtpkit loads an installed OpenBLAS/MKL/BLIS by itself.
-has_blas() { .venv/bin/python -c "import sys, mtpkit.decoder.blas as b; sys.exit(not b.candidates(b.search_dirs()))"; }
+has_blas() { .venv/bin/python -c "import sys, mtpkit.decoder.model.blas as b; sys.exit(not b.candidates(b.search_dirs()))"; }
 if [ "$(uname -s)" = Linux ] && ! has_blas; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     bash scripts/apt-install.sh "an optimized BLAS for MLX" libopenblas0-pthread || true
   fi
   has_blas || echo "setup: no optimized BLAS found, so MLX keeps its wheel's reference BLAS" \
     "(mtpkit graft trains ~50x fewer steps): $(.venv/bin/python -c \
-    'import mtpkit.decoder.blas as b; print(b.INSTALL_HINT)')" >&2
+    'import mtpkit.decoder.model.blas as b; print(b.INSTALL_HINT)')" >&2
 fi
 if [ "${1:-}" = "test" ]; then
   # The browser tests (tests/test_page_browser.py) drive Debian's chromium through Playwright;

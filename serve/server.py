@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from mtpkit.decoder.interrupt import first_ctrl_c
+from mtpkit.decoder.rounds.interrupt import first_ctrl_c
 from mtpkit.loaders.findings import UserError
 from mtpkit.serve import anthropic, openai, page
 from mtpkit.serve.metrics import CONTENT_TYPE

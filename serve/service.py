@@ -11,13 +11,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
-from mtpkit.decoder.batch import Batch
-from mtpkit.decoder.caches import exportable, trimmable
+from mtpkit.decoder.cache.caches import exportable, trimmable
+from mtpkit.decoder.cache.prefix import FOLLOW_UP, PrefixCache, turn_end
 from mtpkit.decoder.options import DecodeOptions, OptionError, batch_option
-from mtpkit.decoder.prefix import FOLLOW_UP, PrefixCache, turn_end
+from mtpkit.decoder.rounds.batch import Batch
+from mtpkit.decoder.rounds.scheduler import Event, Scheduler
+from mtpkit.decoder.rounds.scheduler import Request as Batched
 from mtpkit.decoder.runner import NO_TEMPLATE, Depth, Piece, Result, Runner
-from mtpkit.decoder.scheduler import Event, Scheduler
-from mtpkit.decoder.scheduler import Request as Batched
 from mtpkit.loaders.findings import UserError
 from mtpkit.loaders.templates import RENDER_ERRORS, describe_failure
 from mtpkit.serve.channels import OPEN, ChannelSplitter, Delta, StopScanner
@@ -76,7 +76,7 @@ def usage(result: Result, draft: str | None = None, cached: bool = False) -> dic
 
 class Service:
     """depth: the default of requests that name none: "auto" (chosen per round from this
-    machine's measured costs, decoder/policy.py) or a number (0: plain decoding). draft: the
+    machine's measured costs, decoder/tuning/policy.py) or a number (0: plain decoding). draft: the
     default draft source, "head", "lookup", "both" or "model" (None: as Runner.draft_source decides).
     cache_bytes: the prefix cache's bound (0: no cache); max_queue: requests that may wait."""
 
@@ -135,7 +135,7 @@ class Service:
         return list(self.runner.tokenizer.encode(text, add_special_tokens=False))
 
     def _turn_end(self, req: Request, ids: list[int]) -> list[int]:
-        """The prefix cache's checkpoint for this chat turn (decoder/prefix.py's turn_end),
+        """The prefix cache's checkpoint for this chat turn (decoder/cache/prefix.py's turn_end),
         where recurrent states cannot be trimmed back to it."""
         if self.prefix is None or not req.chat or self.trimmable:
             return []

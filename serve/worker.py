@@ -2,7 +2,7 @@
 every generation a server runs happens on one thread, the one that called serve_forever.
 
 With max_batch above 1, up to that many submitted requests decode together in one batch
-(decoder/scheduler.py): each joins between rounds as a place frees up, in arrival order, and
+(decoder/rounds/scheduler.py): each joins between rounds as a place frees up, in arrival order, and
 leaves when done. Otherwise one at a time. MLX state is not shared across threads; arrival
 order, because threads woken from a lock come in any order (and a full line is refused at
 once, so the client hears 503 with Retry-After instead of waiting without a word). On one
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, cast
 from mtpkit.serve.protocol import RequestError
 
 if TYPE_CHECKING:
-    from mtpkit.decoder.scheduler import Event, Request, Scheduler
+    from mtpkit.decoder.rounds.scheduler import Event, Request, Scheduler
     from mtpkit.serve.channels import Delta
 
     Shape = Callable[[Event], list[Delta]]  # a batched request's events as its deltas
@@ -299,7 +299,7 @@ class Worker:
                 self.cond.wait(POLL_S)
 
     def _run_batched(self) -> None:
-        """Decode the submitted generations together until stop() (decoder/scheduler.py): each
+        """Decode the submitted generations together until stop() (decoder/rounds/scheduler.py): each
         round every running one commits its tokens, whose deltas go to its channel."""
         assert self.batcher is not None
         live: dict[int, tuple[Ticket, Shape]] = {}

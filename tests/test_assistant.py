@@ -306,8 +306,8 @@ def test_forward_matches_transformers(pairs, variant):
     import torch
     from mlx_lm.utils import load_model
 
-    from mtpkit.decoder.assistant import AssistantDrafter, load_assistant
-    from mtpkit.decoder.trunk import Trunk
+    from mtpkit.decoder.drafters.assistant import AssistantDrafter, load_assistant
+    from mtpkit.decoder.model.trunk import Trunk
 
     target, assistant = pairs[variant]
     model, _ = load_model(target)
@@ -346,7 +346,7 @@ def test_forward_matches_transformers(pairs, variant):
 
 
 def _shared(drafter, caches):
-    from mtpkit.decoder.assistant import shared_kv
+    from mtpkit.decoder.drafters.assistant import shared_kv
 
     return shared_kv(caches, drafter.reads, drafter.assistant.spec.sliding_window)[0]
 
@@ -364,10 +364,10 @@ def test_proposer_sampled_drafts_carry_their_law(pairs):
     import torch
     from mlx_lm.utils import load_model
 
-    from mtpkit.decoder.assistant import AssistantDrafter, AssistantProposer, load_assistant
+    from mtpkit.decoder.drafters.assistant import AssistantDrafter, AssistantProposer, load_assistant
+    from mtpkit.decoder.model.trunk import Trunk
     from mtpkit.decoder.options import SamplingParams, Source
     from mtpkit.decoder.sampling import Candidates, candidates
-    from mtpkit.decoder.trunk import Trunk
 
     variant = "e2b"
     target, assistant = pairs[variant]

@@ -1,4 +1,4 @@
-"""Gemma 4's assistant decoding (decoder/assistant.py as a session's `model` proposer).
+"""Gemma 4's assistant decoding (decoder/drafters/assistant.py as a session's `model` proposer).
 
 1. Greedy identity with stock mlx-lm's greedy decoding of the target, at depths 1 and 3 and
    under auto, past the sliding window, with drafts both kept and rejected.
@@ -7,7 +7,7 @@
 3. The sampled law: the first tokens of generations drafted by the assistant, against the
    target's enumerated joint law; a wrong replacement rule fails it.
 4. Batches: a Gemma 4 target's rows in a batch (its sliding windows as mlx-lm's batched
-   window, decoder/batch_cache.py), each drafted by the assistant over its own row of the
+   window, decoder/cache/batch_cache.py), each drafted by the assistant over its own row of the
    batch's caches: every row's tokens and acceptance counts equal its lone decoding, greedy
    and seeded at temperature 0.6, with rows joining as others leave; one at a time too. A
    batch above 1 was refused on every Python entry; each now takes one.
@@ -32,12 +32,12 @@ from test_exactness import ALPHA, replacement_from_p, stock_greedy
 import mtpkit
 from fixtures.gemma4 import build_echo_assistant, build_target
 from fixtures.laws import pvalue
-from mtpkit.decoder import acceptance
-from mtpkit.decoder.assistant import AssistantDrafter, attach, final_normed, shared_kv
+from mtpkit.decoder.drafters.assistant import AssistantDrafter, attach, final_normed, shared_kv
 from mtpkit.decoder.options import OptionError, SamplingParams, Source
+from mtpkit.decoder.rounds import acceptance
+from mtpkit.decoder.rounds.session import Session
 from mtpkit.decoder.runner import Runner
 from mtpkit.decoder.sampling import probabilities
-from mtpkit.decoder.session import Session
 from mtpkit.loaders.findings import UserError
 
 WINDOW = 8  # the fixtures' sliding_window
@@ -106,7 +106,7 @@ def test_a_rejected_pass_across_the_window_edge(bundles: dict[str, Path]) -> Non
     6-token prompt through a 4-token pass into an 8-token window, then plain steps: stock's
     text. caches.snapshot saves a sliding window the pass will wrap, not only one that has
     wrapped: before, the rejected keys stayed in the window."""
-    from mtpkit.decoder.drafts import Draft
+    from mtpkit.decoder.drafters.drafts import Draft
 
     path, prompt = bundles["31b"], PROMPT[:6]
     reference, _ = stock_greedy(path, prompt, 20)
@@ -204,7 +204,7 @@ def test_a_pre_norm_trunk_is_normed_by_its_own_norm(bundles: dict[str, Path]) ->
     after the trunk's own final norm, the post-norm hidden a post_norm trunk returns."""
     from mlx_lm.utils import load_model
 
-    from mtpkit.decoder.trunk import Trunk
+    from mtpkit.decoder.model.trunk import Trunk
 
     tokens = mx.array([PROMPT])
     post, pre = (Trunk(load_model(bundles["31b"])[0], feed) for feed in ("post_norm",

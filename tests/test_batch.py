@@ -1,4 +1,4 @@
-"""Many sequences in one batch (decoder/batch.py, scheduler.py): each decodes exactly as alone.
+"""Many sequences in one batch (decoder/rounds/batch.py, scheduler.py): each decodes exactly as alone.
 
 Greedy: every row's tokens (float32) and its acceptance counts (so its drafts too) equal its
 lone decoding, for every family and draft source, with batch-mates at other depths, sources and
@@ -42,8 +42,8 @@ from test_exactness import (
 import mtpkit
 from fixtures.decoder_models import BatchOracleHead, tiny_runner
 from mtpkit.decoder.options import OptionError
+from mtpkit.decoder.rounds.session import PREFILL_STEP
 from mtpkit.decoder.runner import Runner
-from mtpkit.decoder.session import PREFILL_STEP
 
 FAMILIES = ("llama", "qwen3_5", "qwen3_5_moe", "qwen3_next", "deepseek_v3", "mimo")
 REPEAT = [11, 12, 13, 14, 15, 16]  # a prompt whose text repeats: context drafts get kept
@@ -262,9 +262,9 @@ def test_max_batch_is_refused_with_its_code(bad: Any) -> None:
 
 
 def test_bounded_attention_shapes_decode_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where a GPU compiles each attention shape (decoder/shapes.py), a batch's passes see keys
+    """Where a GPU compiles each attention shape (decoder/cache/shapes.py), a batch's passes see keys
     padded to whole steps, hidden by the mask: the same tokens as alone."""
-    import mtpkit.decoder.batch as batch
+    import mtpkit.decoder.rounds.batch as batch
 
     monkeypatch.setattr(batch, "bounded_by_default", lambda: True)
     runner = tiny_runner(vocab=6)
@@ -288,7 +288,7 @@ def test_bounded_attention_shapes_decode_the_same(monkeypatch: pytest.MonkeyPatc
 def _prefills(monkeypatch: pytest.MonkeyPatch, gpu: bool = True) -> list[int]:
     """The sizes of the batched prefills the scheduler runs (a spy on prefill_together), as
     on a GPU (where they pay) unless `gpu` is False."""
-    import mtpkit.decoder.scheduler as scheduler
+    import mtpkit.decoder.rounds.scheduler as scheduler
 
     sizes: list[int] = []
     real = scheduler.prefill_together
@@ -308,7 +308,7 @@ def test_prompts_that_start_together_prefill_in_one_pass(monkeypatch: pytest.Mon
     """Requests waiting together are prefilled in one left-padded pass: each sends its first
     token before any round, and every row (head, context and plain drafts; prompts of 2 to 300
     tokens) then decodes exactly as alone, with bounded shapes (a GPU's) too."""
-    import mtpkit.decoder.session as session
+    import mtpkit.decoder.rounds.session as session
 
     monkeypatch.setattr(session, "bounded_by_default", lambda: bounded)
     runner = tiny_runner(vocab=6)
@@ -355,9 +355,9 @@ def test_a_cached_prompt_is_restored_not_prefilled_with_others(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A prompt with a cached prefix starts from it alone; the ones after it still go
     together."""
-    from mtpkit.decoder.batch import Batch
-    from mtpkit.decoder.prefix import PrefixCache
-    from mtpkit.decoder.scheduler import Scheduler
+    from mtpkit.decoder.cache.prefix import PrefixCache
+    from mtpkit.decoder.rounds.batch import Batch
+    from mtpkit.decoder.rounds.scheduler import Scheduler
 
     runner = tiny_runner(vocab=6)
     prefix = PrefixCache(1 << 26)
@@ -384,7 +384,7 @@ def test_a_batchs_rounds_are_priced_at_the_keys_its_pass_attends_over() -> None:
     rounds as cheap as a step at the curve's first context (512) and 20 steps' worth from 1,024
     keys, rows whose head drafts right 80% of the time speculate over short prompts and decode
     plainly past 1,024 tokens. (Priced at the first context, the long batch speculated too.)"""
-    from mtpkit.decoder.curve import CostCurve, Point
+    from mtpkit.decoder.tuning.curve import CostCurve, Point
 
     base = tiny_runner(vocab=6)
     short = [[1, 2, 3, 4], [5, 4, 3]]
@@ -404,9 +404,9 @@ def test_a_lone_request_decodes_solo_then_joins_the_batch(depth: Any) -> None:
     """Alone, a request decodes on the single-sequence path (plain stretches pipelined, the
     controller choosing); when another arrives it ends its stretch at a clean point and joins
     the batch. Both still decode exactly as alone."""
-    from mtpkit.decoder.batch import Batch
-    from mtpkit.decoder.curve import CostCurve
-    from mtpkit.decoder.scheduler import Scheduler
+    from mtpkit.decoder.rounds.batch import Batch
+    from mtpkit.decoder.rounds.scheduler import Scheduler
+    from mtpkit.decoder.tuning.curve import CostCurve
 
     runner = tiny_runner(vocab=6)
     # a what-if curve where plain decoding wins at first: auto starts with a plain stretch
@@ -432,9 +432,9 @@ def test_a_lone_request_decodes_solo_then_joins_the_batch(depth: Any) -> None:
 
 
 def test_traced_batch_passes_decode_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A batch's verify passes traced once per shape (decoder/traced.py's run_rows: each row's
+    """A batch's verify passes traced once per shape (decoder/model/traced.py's run_rows: each row's
     RoPE offset and holes are inputs of the trace) decode the same tokens as alone."""
-    import mtpkit.decoder.batch as batch
+    import mtpkit.decoder.rounds.batch as batch
 
     monkeypatch.setattr(batch, "bounded_by_default", lambda: True)
     runner = tiny_runner(vocab=6)
@@ -462,7 +462,7 @@ def test_traced_batch_passes_decode_the_same(monkeypatch: pytest.MonkeyPatch) ->
 def _keen(curve: Any, max_depth: int, kept: float = 0.9, depth: int = 3) -> Any:
     """A row's policy (the batch's view of an auto row) whose head kept `kept` of its drafts
     at `depth`."""
-    from mtpkit.decoder.policy import DepthPolicy
+    from mtpkit.decoder.tuning.policy import DepthPolicy
 
     row = DepthPolicy(curve, max_depth)
     for i in range(40):
@@ -474,7 +474,7 @@ def _run(table: Any, offers: list[Any], max_depth: int, paid: Callable[[int], fl
          rounds: int) -> list[int]:
     """`rounds` batch rounds as `decide` plans them, each paying `paid(depth)` (0: a plain
     step of every row): the depths chosen."""
-    from mtpkit.decoder.policy import decide
+    from mtpkit.decoder.tuning.policy import decide
 
     rows, chosen = len(offers), []
     for _ in range(rounds):
@@ -489,8 +489,8 @@ def test_the_policy_drops_a_depth_whose_batch_rounds_cost_more_than_priced() -> 
     """A curve that makes drafts look free and rows that keep 90% of their drafts: where a
     batch's rounds really cost 3 plain steps per draft, the policy leaves the depths it tries
     as they are timed and decodes plain; where drafts are as cheap as priced it goes deepest."""
-    from mtpkit.decoder.curve import CostCurve
-    from mtpkit.decoder.policy import CostTable
+    from mtpkit.decoder.tuning.curve import CostCurve
+    from mtpkit.decoder.tuning.policy import CostTable
 
     curve = CostCurve([0.01] * 16, 0.01, 0.0, estimate=True)
     for per_draft, want in ((3.0, 0), (0.02, 8)):
@@ -504,8 +504,8 @@ def test_a_new_batch_size_takes_the_nearest_sizes_correction() -> None:
     """Rows leave and join all the time: a size not timed yet is priced by the curve's prior
     for its rows x positions, corrected as the nearest size's same shape paid (then by its own
     timings, weighed by their count)."""
-    from mtpkit.decoder.curve import CostCurve
-    from mtpkit.decoder.policy import CostTable
+    from mtpkit.decoder.tuning.curve import CostCurve
+    from mtpkit.decoder.tuning.policy import CostTable
 
     curve = CostCurve([0.01 + 0.001 * t for t in range(16)], 0.01, 0.0, estimate=True)
     table = CostTable(curve)
@@ -531,11 +531,11 @@ def test_a_copying_row_is_priced_by_the_match_it_would_draft_from() -> None:
     a head that keeps little the batch decodes plain."""
     from types import SimpleNamespace
 
-    from mtpkit.decoder.curve import CostCurve
-    from mtpkit.decoder.lookup import ContextIndex
+    from mtpkit.decoder.drafters.lookup import ContextIndex
     from mtpkit.decoder.options import Source
-    from mtpkit.decoder.policy import DepthPolicy, decide
-    from mtpkit.decoder.scheduler import _offer
+    from mtpkit.decoder.rounds.scheduler import _offer
+    from mtpkit.decoder.tuning.curve import CostCurve
+    from mtpkit.decoder.tuning.policy import DepthPolicy, decide
 
     curve = CostCurve([0.01 + 0.002 * t for t in range(16)], 0.01, 0.0)
 
@@ -565,8 +565,8 @@ def test_a_copying_row_is_priced_by_the_match_it_would_draft_from() -> None:
 def test_plain_is_priced_by_pipelined_steps_once_timed() -> None:
     """Depth-1 rounds that beat plain steps as the curve prices them, but lose to plain steps
     as they really run: once a stretch's steps are timed, the policy decodes plain."""
-    from mtpkit.decoder.curve import CostCurve
-    from mtpkit.decoder.policy import CostTable, decide
+    from mtpkit.decoder.tuning.curve import CostCurve
+    from mtpkit.decoder.tuning.policy import CostTable, decide
 
     curve = CostCurve([0.02] * 16, 0.02, 0.0, estimate=True)
     offers = [_keen(curve, 1, kept=0.5, depth=1).offer() for _ in range(4)]
@@ -587,8 +587,8 @@ def test_a_pipelined_round_is_priced_as_pipelined_passes_paid() -> None:
     the correction of the nearest pipelined shape timed (plain steps before any round ran
     pipelined), never the synchronous rounds'; so depths are compared as the batch would run
     them."""
-    from mtpkit.decoder.curve import CostCurve
-    from mtpkit.decoder.policy import CostTable, decide
+    from mtpkit.decoder.tuning.curve import CostCurve
+    from mtpkit.decoder.tuning.policy import CostTable, decide
 
     curve = CostCurve([0.01] * 16, 0.006, 0.0, estimate=True)
     table = CostTable(curve)
@@ -611,8 +611,8 @@ def _pipelined_seen(monkeypatch: pytest.MonkeyPatch, name: str = "plain_steps",
                     ahead: bool = True) -> list[int]:
     """The rows of every pipelined step or round batches take from now on (Batch.plain_steps,
     or Batch.spec_rounds), queued ahead as on a GPU (`ahead`; else as this backend does)."""
-    import mtpkit.decoder.batch as batch
-    from mtpkit.decoder.batch import Batch
+    import mtpkit.decoder.rounds.batch as batch
+    from mtpkit.decoder.rounds.batch import Batch
 
     monkeypatch.setattr(batch, "overlaps", lambda: ahead)
 
@@ -636,8 +636,8 @@ def test_a_plain_stretch_runs_pipelined_and_decodes_the_same(
     the last one's tokens are read); auto rows and a fixed plain one still decode as alone,
     rows leave mid-stretch at their max_tokens, and a request that arrives mid-stretch ends it
     and joins."""
-    import mtpkit.decoder.batch as batch
-    from mtpkit.decoder.policy import CostTable
+    import mtpkit.decoder.rounds.batch as batch
+    from mtpkit.decoder.tuning.policy import CostTable
 
     if traced:
         monkeypatch.setattr(batch, "bounded_by_default", lambda: True)
@@ -690,8 +690,8 @@ def test_a_waiting_request_waits_for_the_step_in_flight_only_on_a_cpu(ahead: boo
     overlap (a GPU, Batch.pipelined); there a request arriving mid-stretch waits for the queued
     step too. On a CPU none is queued ahead: its prefill follows the step in flight. Either
     way every row decodes as alone."""
-    from mtpkit.decoder.batch import Batch
-    from mtpkit.decoder.scheduler import Scheduler
+    from mtpkit.decoder.rounds.batch import Batch
+    from mtpkit.decoder.rounds.scheduler import Scheduler
 
     runner = tiny_runner(vocab=6)
     prompts = [[1, 2, 3, 4], [5, 4, 3], [2, 2, 1]]
@@ -723,7 +723,7 @@ def test_the_last_row_left_decodes_solo_again(monkeypatch: pytest.MonkeyPatch) -
     """When the batch drops to one row, that row's caches are compacted to its real positions
     and it decodes on the single-sequence path again (Batch.part), still exactly as alone:
     greedy and seeded sampled, head and context drafts, its acceptance counts too."""
-    from mtpkit.decoder.batch import Batch
+    from mtpkit.decoder.rounds.batch import Batch
 
     runner = tiny_runner(vocab=6)
     parted: list[int] = []
@@ -787,7 +787,7 @@ def test_seeded_rows_sample_the_same_text_in_pipelined_rounds(
         monkeypatch: pytest.MonkeyPatch, traced: bool) -> None:
     """Seeded sampled rows (and a greedy mate) at one fixed depth: pipelined rounds draw what
     each row's lone decoding draws (traced batch passes too)."""
-    import mtpkit.decoder.batch as batch
+    import mtpkit.decoder.rounds.batch as batch
 
     if traced:
         monkeypatch.setattr(batch, "bounded_by_default", lambda: True)
@@ -810,7 +810,7 @@ def test_auto_rounds_run_pipelined_once_the_policy_chooses(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Under auto, rounds at the depth the policy chooses run pipelined; tokens still equal
     plain decoding."""
-    from mtpkit.decoder.policy import CostTable
+    from mtpkit.decoder.tuning.policy import CostTable
 
     base = tiny_runner(vocab=6)
     prompts = [[1, 2, 3, 4], [5, 4, 3], [2, 2, 1]]
@@ -829,8 +829,8 @@ def test_auto_rows_done_mid_stretch_stay_until_it_ends(monkeypatch: pytest.Monke
     pass shape and a pipeline restart, not one per row); each row's surplus past its
     max_tokens is dropped, and every row's tokens are its plain greedy ones. The stretch
     goes on through the policy's choices while it picks the same depth: one stretch."""
-    from mtpkit.decoder.batch import Batch
-    from mtpkit.decoder.policy import CostTable
+    from mtpkit.decoder.rounds.batch import Batch
+    from mtpkit.decoder.tuning.policy import CostTable
 
     base = tiny_runner(vocab=6)
     prompts = [[1, 2, 3, 4], [5, 4, 3], [2, 2, 1]]
@@ -870,9 +870,9 @@ def test_a_depth_chosen_at_a_stretchs_check_runs_next_pipelined(
     costs it prices by change (here: what-if prices that make depth 2 pay from round 20 on),
     the stretch ends at that check and the new depth runs next, pipelined. Tokens stay the
     plain greedy ones."""
-    from mtpkit.decoder.batch import Batch
-    from mtpkit.decoder.policy import CostTable
-    from mtpkit.decoder.scheduler import SPEC_ROUNDS
+    from mtpkit.decoder.rounds.batch import Batch
+    from mtpkit.decoder.rounds.scheduler import SPEC_ROUNDS
+    from mtpkit.decoder.tuning.policy import CostTable
 
     base = tiny_runner(vocab=6)
     prompts = [[1, 2, 3, 4], [5, 4, 3], [2, 2, 1]]
@@ -914,7 +914,7 @@ def test_the_policy_is_told_whether_a_depth_would_run_pipelined(
         monkeypatch: pytest.MonkeyPatch, ahead: bool, draft: str, want: set) -> None:
     """Head rows on a GPU: a chosen depth runs pipelined; on a CPU, or with rows that may
     draft from their context, it does not (and is priced synchronously)."""
-    import mtpkit.decoder.scheduler as scheduler
+    import mtpkit.decoder.rounds.scheduler as scheduler
 
     base = tiny_runner(vocab=6)
     prompts = [[1, 2, 3, 4], [5, 4, 3]]
@@ -939,11 +939,11 @@ def test_a_request_arriving_mid_round_is_prefilled_between_the_rounds_stages(
     of a round's pass: the first to arrive is prefilled there and its first token sent at once
     (`early`), while the round is still in flight; one fill a step, so a second arrival waits
     for the next step's. Every row, the late ones included, decodes exactly as alone."""
-    import mtpkit.decoder.scheduler as scheduler_module
-    import mtpkit.decoder.session as session_module
-    from mtpkit.decoder.batch import Batch
-    from mtpkit.decoder.batch_cache import RowKVCache
-    from mtpkit.decoder.scheduler import Event, Scheduler
+    import mtpkit.decoder.rounds.scheduler as scheduler_module
+    import mtpkit.decoder.rounds.session as session_module
+    from mtpkit.decoder.cache.batch_cache import RowKVCache
+    from mtpkit.decoder.rounds.batch import Batch
+    from mtpkit.decoder.rounds.scheduler import Event, Scheduler
 
     runner = runners(family)
     prompts = [PROMPTS[0], PROMPTS[3], REPEAT * 3, PROMPTS[4], [9, 8, 7, 6]]

@@ -1,4 +1,4 @@
-"""Batches of sliding windows and DSA caches (decoder/batch_cache.py): each row decodes as alone.
+"""Batches of sliding windows and DSA caches (decoder/cache/batch_cache.py): each row decodes as alone.
 
 A sliding window (mlx-lm's RotatingKVCache) joins a batch as mlx-lm's BatchRotatingKVCache,
 whose rows roll their rejected positions into their left padding after each pass
@@ -52,8 +52,8 @@ from fixtures.heads import build_head_hf
 from mtpkit.convert.convert import ConvertOptions, convert
 from mtpkit.convert.sidecar import SidecarOptions
 from mtpkit.convert.trunk import QuantOptions
-from mtpkit.decoder.batch_cache import RowRotatingKVCache
-from mtpkit.decoder.caches import batchable
+from mtpkit.decoder.cache.batch_cache import RowRotatingKVCache
+from mtpkit.decoder.cache.caches import batchable
 from mtpkit.decoder.options import OptionError
 from mtpkit.decoder.runner import Runner
 
@@ -254,10 +254,10 @@ def test_every_row_decodes_as_alone_while_rows_join_and_leave(
 @pytest.mark.parametrize("family", ["gemma4", "mimo_v2_flash", "glm_moe_dsa"])
 def test_bounded_attention_shapes_decode_the_same(
         runners: Callable[[str], Runner], monkeypatch: pytest.MonkeyPatch, family: str) -> None:
-    """Where a GPU compiles each attention shape (decoder/shapes.py), alone and batched: the
+    """Where a GPU compiles each attention shape (decoder/cache/shapes.py), alone and batched: the
     batch's full-attention keys padded to whole steps beside the windows' own buffers."""
-    import mtpkit.decoder.batch as batch
-    import mtpkit.decoder.session as session
+    import mtpkit.decoder.rounds.batch as batch
+    import mtpkit.decoder.rounds.session as session
 
     monkeypatch.setattr(batch, "bounded_by_default", lambda: True)
     monkeypatch.setattr(session, "bounded_by_default", lambda: True)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mtpkit.decoder import blas
+from mtpkit.decoder.model import blas
 from mtpkit.train import graft as graft_mod
 
 ARCH = "x86_64-linux-gnu"
@@ -70,7 +70,7 @@ def test_too_late_once_mlx_is_imported(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_missing_chosen_library_never_fails(tmp_path: Path) -> None:
-    code = ("import mtpkit; from mtpkit.decoder import blas; import mlx.core; "
+    code = ("import mtpkit; from mtpkit.decoder.model import blas; import mlx.core; "
             "print(blas.LOADING.reason); print(blas.note())")
     env = {**os.environ, blas.ENV: str(tmp_path / "libopenblas.so.0")}
     env.pop("LD_PRELOAD", None)
@@ -98,7 +98,7 @@ def test_notes_and_the_graft_warning_follow_the_blas_in_use(
 
 @pytest.mark.skipif(not blas.candidates(blas.search_dirs()), reason="no optimized BLAS here")
 def test_an_installed_blas_serves_mlx_when_mtpkit_comes_first() -> None:
-    code = ("import mtpkit, mlx.core; from mtpkit.decoder import blas; "
+    code = ("import mtpkit, mlx.core; from mtpkit.decoder.model import blas; "
             "print(blas.LOADING.reason, *blas.in_use())")
     env = {k: v for k, v in os.environ.items() if k not in (blas.ENV, "LD_PRELOAD")}
     run = [sys.executable, "-c", code]

@@ -1,7 +1,7 @@
-"""$MTPKIT_CACHE (decoder/store.py): every cached document is validated on read against its
+"""$MTPKIT_CACHE (decoder/tuning/store.py): every cached document is validated on read against its
 schema (schemas/cache_*.schema.json), a bad one is measured again with one line on stderr
 naming the file and why, and writes never follow a symlink planted at the temp or target name.
-And the cost curve judged (decoder/costs.py's DRIFT): a noisy measurement says so, and a stored
+And the cost curve judged (decoder/tuning/costs.py's DRIFT): a noisy measurement says so, and a stored
 curve whose plain step real decoding beats by far is marked stale and measured again.
 
 Files read back are untrusted input: each hostile document below crashed a run, divided by
@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 
 import mtpkit
-from mtpkit.decoder import batch_costs, costs, dtypes, kernel_choice, store
-from mtpkit.decoder.curve import CostCurve
 from mtpkit.decoder.runner import Runner
+from mtpkit.decoder.tuning import batch_costs, costs, dtypes, kernel_choice, store
+from mtpkit.decoder.tuning.curve import CostCurve
 
 
 @pytest.fixture

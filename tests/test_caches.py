@@ -1,11 +1,11 @@
-"""decoder/caches.py: what each cache kind can do, on mlx-lm's own caches."""
+"""decoder/cache/caches.py: what each cache kind can do, on mlx-lm's own caches."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache
 
-from mtpkit.decoder.caches import (
+from mtpkit.decoder.cache.caches import (
     arrays,
     batch_size,
     batchable,
@@ -17,7 +17,7 @@ from mtpkit.decoder.caches import (
     trimmable,
     window,
 )
-from mtpkit.decoder.shapes import PaddedKVCache
+from mtpkit.decoder.cache.shapes import PaddedKVCache
 
 
 def _kv(cls: type = KVCache, rows: int = 5, batch: int = 1) -> KVCache:
@@ -74,7 +74,7 @@ def test_the_batch_is_the_first_dimension() -> None:
 
 
 def test_what_joins_a_batch() -> None:
-    """decoder/batch_cache.py holds KVCache, recurrent states, windows that keep no prefix
+    """decoder/cache/batch_cache.py holds KVCache, recurrent states, windows that keep no prefix
     (mlx-lm's batched window has none) and CacheLists of those; nothing else."""
     dsa = CacheList(KVCache(), KVCache())
     assert batchable([KVCache(), _recurrent(), RotatingKVCache(8), dsa])

@@ -19,11 +19,11 @@ import pytest
 
 import mtpkit
 from fixtures.decoder_models import tiny_runner
-from mtpkit.decoder import costs
-from mtpkit.decoder.curve import CONTEXT, GRAIN, CostCurve, Point
 from mtpkit.decoder.options import Source
-from mtpkit.decoder.policy import DepthPolicy
 from mtpkit.decoder.runner import Runner
+from mtpkit.decoder.tuning import costs
+from mtpkit.decoder.tuning.curve import CONTEXT, GRAIN, CostCurve, Point
+from mtpkit.decoder.tuning.policy import DepthPolicy
 from mtpkit.schemas import validate
 from mtpkit.verify.tune import render_text, report
 

@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 
 import mtpkit
-from mtpkit.decoder import costs, store
-from mtpkit.decoder.costs import Tick
-from mtpkit.decoder.curve import CONTEXT, CostCurve, breaks
 from mtpkit.decoder.runner import Runner
+from mtpkit.decoder.tuning import costs, store
+from mtpkit.decoder.tuning.costs import Tick
+from mtpkit.decoder.tuning.curve import CONTEXT, CostCurve, breaks
 from mtpkit.verify.tune import render_text, report, summary
 
 EXE = shutil.which("mtpkit", path=os.path.dirname(sys.executable)) or "mtpkit"

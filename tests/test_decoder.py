@@ -21,11 +21,12 @@ from fixtures.decoder_models import OracleHead, tiny_runner
 from fixtures.factory import Sidecar
 from fixtures.laws import exact_joint, pvalue
 from fixtures.numerics import RTOL, assert_close, difference
-from mtpkit.decoder import acceptance, misses
-from mtpkit.decoder.rows import FEW_ROWS, FewRowsLinear, use_few_rows_linears
+from mtpkit.decoder.drafters import misses
+from mtpkit.decoder.model.rows import FEW_ROWS, FewRowsLinear, use_few_rows_linears
+from mtpkit.decoder.rounds import acceptance
+from mtpkit.decoder.rounds.session import Session
 from mtpkit.decoder.runner import Runner
 from mtpkit.decoder.sampling import Candidates, SamplingParams, candidates, probabilities
-from mtpkit.decoder.session import Session
 from mtpkit.loaders.findings import UserError
 
 MTP_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "deepseek_v3", "mimo")
@@ -483,8 +484,8 @@ def test_blas_detection_tells_reference_from_optimized(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from mtpkit.decoder import blas
-    from mtpkit.decoder.blas import loaded_blas, note
+    from mtpkit.decoder.model import blas
+    from mtpkit.decoder.model.blas import loaded_blas, note
 
     # Optimized when preloaded or when importing mtpkit (conftest does it first) loaded one.
     loaded = blas.LOADING is not None and blas.LOADING.path is not None
@@ -493,7 +494,7 @@ def test_blas_detection_tells_reference_from_optimized(tmp_path: Path) -> None:
     assert loaded_blas() == expected and (note() is None) == (expected == "optimized")
     openblas = Path("/usr/lib/x86_64-linux-gnu/libopenblas.so.0")
     if openblas.exists():  # where an optimized BLAS is installed, preloading it is detected
-        code = ("import mlx.core as mx; from mtpkit.decoder.blas import loaded_blas; "
+        code = ("import mlx.core as mx; from mtpkit.decoder.model.blas import loaded_blas; "
                 "print(loaded_blas())")
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              env={**os.environ, "LD_PRELOAD": str(openblas)}, check=True)
@@ -540,7 +541,7 @@ def test_few_rows_linear_leaves_a_batch_of_sequences_to_nn_linear(
 def test_load_multiplies_verify_rows_weight_first_on_cpu_only(
         runners: Callable[[str], Runner]) -> None:
     """load swaps the trunk layers' and the head's float linears for FewRowsLinear on MLX's CPU
-    backend (an OpenBLAS cost, decoder/rows.py), and on no other backend."""
+    backend (an OpenBLAS cost, decoder/model/rows.py), and on no other backend."""
     runner = runners("qwen3_5")
     assert runner.head is not None
     linears = [m for _, m in runner.trunk.inner.named_modules() if isinstance(m, nn.Linear)]

@@ -1,4 +1,4 @@
-"""A DFlash drafter (decoder/dflash.py, loaders/dflash.py): exact greedy and sampled.
+"""A DFlash drafter (decoder/drafters/dflash.py, loaders/dflash.py): exact greedy and sampled.
 
 Fixtures scale a published config down: z-lab/Qwen3.6-27B-DFlash (docs/dflash.md) reads the
 outputs of target layers [1, 16, 31, 46, 61] of 64 (every 15th from the second) with 5 layers,
@@ -50,13 +50,13 @@ from test_exactness import (
 
 import mtpkit
 from fixtures.decoder_models import tiny_runner
-from mtpkit.decoder import acceptance
-from mtpkit.decoder.dflash import DFlashDrafter, DFlashPair, DFlashProposer
+from mtpkit.decoder.cache.prefix import PrefixCache
+from mtpkit.decoder.drafters.dflash import DFlashDrafter, DFlashPair, DFlashProposer
+from mtpkit.decoder.model.trunk import Trunk
 from mtpkit.decoder.options import SamplingParams
-from mtpkit.decoder.prefix import PrefixCache
+from mtpkit.decoder.rounds import acceptance
+from mtpkit.decoder.rounds.session import Session
 from mtpkit.decoder.runner import Runner
-from mtpkit.decoder.session import Session
-from mtpkit.decoder.trunk import Trunk
 from mtpkit.loaders.dflash import read_dflash, read_spec
 from mtpkit.loaders.findings import UserError
 

@@ -30,7 +30,7 @@ from unittest import mock
 import pytest
 
 from fixtures.serving import interruptible
-from mtpkit.decoder.peerwatch import PEER_LOST
+from mtpkit.decoder.sharded.peerwatch import PEER_LOST
 
 WORKER_TIMEOUT_S = 240
 PROMPT = [5 + (i * 37) % 200 for i in range(20)] * 2  # 40 tokens: the prefill takes 2 arrays
@@ -58,8 +58,8 @@ PIPELINE = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "deepseek_v3")
 def worker(bundle: str, mode: str, rollback: str, out: str) -> None:
     from mlx.utils import tree_flatten
 
-    from mtpkit.decoder import distributed
     from mtpkit.decoder.runner import load
+    from mtpkit.decoder.sharded import distributed
 
     runner = load(bundle, dtype="float32", shard=mode, rollback=rollback)
     record: dict[str, Any] = {}
@@ -335,7 +335,7 @@ def _model(family: str, **changes: Any) -> Any:
     ("deepseek_v3", {}, 4, "num_attention_heads=2"),
 ])
 def test_indivisible_dims_are_named(family: str, changes: dict, ranks: int, names: str) -> None:
-    from mtpkit.decoder.sharding import check_tensor
+    from mtpkit.decoder.sharded.sharding import check_tensor
     from mtpkit.loaders.findings import UserError
 
     with pytest.raises(UserError, match="do not divide") as exc:
@@ -350,7 +350,7 @@ def test_indivisible_dims_are_named(family: str, changes: dict, ranks: int, name
     ("llama", {"num_attention_heads": 4, "num_key_value_heads": 2}, 2),
 ])
 def test_divisible_dims_pass(family: str, changes: dict, ranks: int) -> None:
-    from mtpkit.decoder.sharding import check_tensor
+    from mtpkit.decoder.sharded.sharding import check_tensor
 
     check_tensor(_model(family, **changes), ranks)
 
@@ -363,8 +363,8 @@ def test_divisible_dims_pass(family: str, changes: dict, ranks: int) -> None:
     ("deepseek_v3", "pipeline-3", "3 pipeline stages need at least 3 layers; this trunk has 2"),
 ])
 def test_unsupported_splits_are_refused(family: str, mode: str, says: str) -> None:
-    from mtpkit.decoder import sharding
-    from mtpkit.decoder.trunk import Trunk
+    from mtpkit.decoder.model.trunk import Trunk
+    from mtpkit.decoder.sharded import sharding
     from mtpkit.loaders.findings import UserError
 
     model = _model(family)

@@ -1,4 +1,4 @@
-"""A separate draft model (decoder/draft_model.py): exact alone and batched, greedy and sampled.
+"""A separate draft model (decoder/drafters/draft_model.py): exact alone and batched, greedy and sampled.
 
 1. Greedy identity with stock mlx-lm at depths 1 and 3 with a different draft model of the same
    tokenizer (rejections happen), and with the trunk itself drafting (every draft kept).
@@ -44,11 +44,11 @@ from test_exactness import (
 import mtpkit
 from fixtures.decoder_models import tiny_runner
 from fixtures.tokenizer import write_tokenizer
-from mtpkit.decoder import acceptance
-from mtpkit.decoder.draft_model import DraftModel
+from mtpkit.decoder.drafters.draft_model import DraftModel
 from mtpkit.decoder.options import OptionError, SamplingParams, Source
+from mtpkit.decoder.rounds import acceptance
+from mtpkit.decoder.rounds.session import Session
 from mtpkit.decoder.runner import Runner
-from mtpkit.decoder.session import Session
 from mtpkit.loaders.findings import UserError
 
 

@@ -9,9 +9,9 @@ import pytest
 from click.testing import CliRunner
 
 from mtpkit.cli import main
-from mtpkit.decoder import dtypes
 from mtpkit.decoder.options import OptionError
 from mtpkit.decoder.runner import load, numerics_note
+from mtpkit.decoder.tuning import dtypes
 
 CPU = mx.default_device().type == mx.DeviceType.cpu
 

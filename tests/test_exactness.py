@@ -22,7 +22,7 @@ ending at every possible position). Their power was measured with mutants of the
 from the previous position's law, q taken before the sampler's processing, rollback committing
 one recurrent state too many or too few; each fails at least one test here by far.
 
-Re-run on the device rule (issue 32, acceptance in decoder/acceptance.py), each mutant applied to
+Re-run on the device rule (issue 32, acceptance in decoder/rounds/acceptance.py), each mutant applied to
 a copy of the tree: drafts accepted untested after the first and accept-everything fail all six
 law tests (round states x 4 settings, six tokens x 2); q taken before the sampler's processing
 fails the round-state law at top_k and top_p_min_p and the six-token law at top_k (at plain
@@ -30,7 +30,7 @@ temperature and with a draft vocabulary the processed q is the raw one: no mutan
 recurrent state committed one too many fails greedy identity with stock mlx-lm on qwen3_5,
 qwen3_5_moe and qwen3_next and the forced rejections under record; one too few fails the forced
 rejections under record (qwen3_5, qwen3_next). Re-run on the replay rollback (2026-11-28,
-decoder/recording.py): replaying one position too many or too few, through the batch's lengths
+decoder/cache/recording.py): replaying one position too many or too few, through the batch's lengths
 or the sliced single-sequence path, fails five tests here each (the forced rejections under
 record and greedy identity with stock mlx-lm). The replacement from p and the bonus from the
 previous position run below as negative controls, written on the device rule.
@@ -52,7 +52,7 @@ from scipy.stats import chi2, chisquare
 
 import mtpkit
 from fixtures.decoder_models import OracleHead, tiny_runner
-from mtpkit.decoder import acceptance
+from mtpkit.decoder.rounds import acceptance
 from mtpkit.decoder.runner import Runner
 from mtpkit.decoder.sampling import Candidates, SamplingParams, probabilities
 
@@ -170,7 +170,7 @@ def stratified_test(law: np.ndarray, tokens: list[int],
 def markov_statistic(setting: str, traced: bool = False) -> tuple[float, int]:
     """The stratified chi-square (statistic, df) of runs at depths 2, 3 and 4, after checking
     the setting's filters bite and every round outcome occurs at every depth; `traced`: with
-    the trunk's verify passes traced (decoder/traced.py)."""
+    the trunk's verify passes traced (decoder/model/traced.py)."""
     params, draft_vocab, head_norm = SETTINGS[setting]
     runner = tiny_runner(vocab=MV, draft_vocab=draft_vocab, head_norm=head_norm, markov=True,
                          logit_scale=MARKOV_LOGITS)

@@ -32,12 +32,12 @@ from mtpkit.convert.convert import ConvertOptions, convert
 from mtpkit.convert.repair import repair
 from mtpkit.convert.sidecar import SidecarOptions
 from mtpkit.convert.trunk import QuantOptions
-from mtpkit.decoder import session as session_module
-from mtpkit.decoder.head import WindowKVCache
+from mtpkit.decoder.model.head import WindowKVCache
 from mtpkit.decoder.options import OptionError
+from mtpkit.decoder.rounds import session as session_module
+from mtpkit.decoder.rounds.session import Session
 from mtpkit.decoder.runner import Runner
 from mtpkit.decoder.sampling import SamplingParams
-from mtpkit.decoder.session import Session
 from mtpkit.loaders import families as families_module
 from mtpkit.loaders.families import canonical_mtp_name, family_for
 from mtpkit.loaders.findings import UserError
@@ -239,7 +239,7 @@ def test_longcat_block_computes_the_layer_vllm_builds(bundles):
     """vLLM builds LongCat-Flash's MTP block as a DeepseekV2DecoderLayer without experts, the
     MLA's q / kv LoRA scaling folded into the a-layernorm gains at load: mlx-lm's deepseek_v3
     DecoderLayer (a dense layer) loaded so computes what the head's block (LongCat's own MLA
-    and MLP classes, composed by decoder/head.py) computes, a multi-row pass and single rows
+    and MLP classes, composed by decoder/model/head.py) computes, a multi-row pass and single rows
     after it (mlx-lm's two MLA paths)."""
     from mlx_lm.models import deepseek_v3
 
@@ -319,7 +319,7 @@ def test_forced_rejections_keep_greedy_equal_to_stock(bundles, family):
 
 
 def _window(runner: Runner) -> int:
-    """The window of the head's first sliding-window block (decoder/head.py's WindowKVCache)."""
+    """The window of the head's first sliding-window block (decoder/model/head.py's WindowKVCache)."""
     assert runner.head is not None
     return next(c.window for c in runner.head.make_cache() if isinstance(c, WindowKVCache))
 
@@ -547,7 +547,7 @@ def test_a_trunk_whose_lm_head_is_none_is_tied():
     are then the embedding's (read where the family table says it is), not a call of None."""
     import mlx.nn as nn
 
-    from mtpkit.decoder.trunk import Trunk
+    from mtpkit.decoder.model.trunk import Trunk
 
     class Inner(nn.Module):
         def __init__(self) -> None:

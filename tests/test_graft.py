@@ -20,8 +20,8 @@ from fixtures.factory import tree_hash
 from mtpkit.cli import main
 from mtpkit.convert.convert import ConvertError
 from mtpkit.convert.writer import OutputExists
-from mtpkit.decoder.costs import DecodeCosts
 from mtpkit.decoder.runner import safe_template
+from mtpkit.decoder.tuning.costs import DecodeCosts
 from mtpkit.loaders.digest import sha256_file
 from mtpkit.schemas import validate
 from mtpkit.train import graft as graft_mod

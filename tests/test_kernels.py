@@ -1,4 +1,4 @@
-"""The verify-row matmul (decoder/kernels.py) against MLX's own ops, on whatever backend runs.
+"""The verify-row matmul (decoder/model/kernels.py) against MLX's own ops, on whatever backend runs.
 
 On CUDA the kernel computes these products and must match mx.quantized_matmul within
 the tolerance of the activations' dtype; elsewhere verify_matmul must be exactly MLX's op (the
@@ -13,12 +13,13 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mtpkit.decoder import jit_warmup, kernel_choice, kernels
-from mtpkit.decoder.rows import (
+from mtpkit.decoder.model import kernels
+from mtpkit.decoder.model.rows import (
     KernelQuantizedEmbedding,
     KernelQuantizedLinear,
     use_kernel_linears,
 )
+from mtpkit.decoder.tuning import jit_warmup, kernel_choice
 
 TOLERANCE = {mx.bfloat16: 2e-2, mx.float16: 4e-3, mx.float32: 1e-4}
 

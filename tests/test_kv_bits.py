@@ -35,14 +35,14 @@ import mtpkit
 from fixtures.decoder_models import OracleHead, tiny_runner
 from fixtures.fake_servers import in_thread
 from mtpkit.cli import main
-from mtpkit.decoder import caches
-from mtpkit.decoder.caches import attends_quantized, unquantizable
-from mtpkit.decoder.curve import CostCurve
+from mtpkit.decoder.cache import caches
+from mtpkit.decoder.cache.caches import attends_quantized, unquantizable
+from mtpkit.decoder.cache.prefix import PrefixCache
+from mtpkit.decoder.model.trunk import Trunk
 from mtpkit.decoder.options import KVQuant, OptionError
-from mtpkit.decoder.prefix import PrefixCache
+from mtpkit.decoder.rounds.session import Session
 from mtpkit.decoder.runner import Runner
-from mtpkit.decoder.session import Session
-from mtpkit.decoder.trunk import Trunk
+from mtpkit.decoder.tuning.curve import CostCurve
 from mtpkit.serve.server import Server
 from mtpkit.serve.service import Service
 

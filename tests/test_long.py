@@ -17,9 +17,9 @@ from mtpkit.convert import writer
 from mtpkit.convert.convert import ConvertOptions, convert
 from mtpkit.convert.repair import repair
 from mtpkit.convert.trunk import QuantOptions
-from mtpkit.decoder import session as session_mod
+from mtpkit.decoder.rounds import session as session_mod
+from mtpkit.decoder.rounds.session import Session
 from mtpkit.decoder.sampling import SamplingParams
-from mtpkit.decoder.session import Session
 from mtpkit.loaders.digest import sha256_file
 from mtpkit.verify.doctor import report as doctor_report
 

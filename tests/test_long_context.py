@@ -1,5 +1,5 @@
 """Exactness past one prefill chunk (issue 49): a prompt the session prefills in two chunks
-(decoder/session.py's PREFILL_STEP, mlx-lm's prefill_step_size: 2,048 tokens, fixed; no public
+(decoder/rounds/session.py's PREFILL_STEP, mlx-lm's prefill_step_size: 2,048 tokens, fixed; no public
 option shrinks it, so the prompts here are 2,048 + 64 tokens on tiny trunks), then MTP rounds
 rejected at every draft position and fully kept.
 
@@ -9,7 +9,7 @@ rejected at every draft position and fully kept.
    replay), with an oracle drafter wrong at a random 30% of positions, and the hybrid's own MTP
    head, whose owed (hidden, token) pairs span both chunks; after the rounds every trunk cache
    equals plain decoding's. Untraced and traced (traced passes prefill in padded, bounded
-   chunks: decoder/shapes.py).
+   chunks: decoder/cache/shapes.py).
 2. The sampled law after a long prompt: tests/test_exactness.py's stratified chi-square on
    its Markov target, the prompt two chunks long.
 
@@ -40,11 +40,11 @@ from test_exactness import (
 
 import mtpkit
 from fixtures.decoder_models import OracleHead, tiny_runner
-from mtpkit.decoder import session as session_module
-from mtpkit.decoder.caches import is_recurrent
+from mtpkit.decoder.cache.caches import is_recurrent
+from mtpkit.decoder.rounds import session as session_module
+from mtpkit.decoder.rounds.session import Session, generate_ids
 from mtpkit.decoder.runner import Runner
 from mtpkit.decoder.sampling import SamplingParams
-from mtpkit.decoder.session import Session, generate_ids
 
 STEP = session_module.PREFILL_STEP
 LENGTH = STEP + 64  # two prefill chunks: a whole one and a part

@@ -1,4 +1,4 @@
-"""Drafts from the context (decoder/lookup.py): the index finds the longest earlier match, and
+"""Drafts from the context (decoder/drafters/lookup.py): the index finds the longest earlier match, and
 decoding with lookup drafts (alone, beside the head, fixed or auto depth) stays exact."""
 
 from __future__ import annotations
@@ -16,16 +16,16 @@ import pytest
 import mtpkit
 from fixtures.decoder_models import tiny_runner
 from fixtures.laws import exact_joint, pvalue
-from mtpkit.decoder.controller import CHAIN_MIN_NGRAM, Controller
-from mtpkit.decoder.curve import CostCurve
-from mtpkit.decoder.drafts import Draft
-from mtpkit.decoder.drafts import chain as chained_draft
-from mtpkit.decoder.lookup import MAX_NGRAM, ContextIndex
+from mtpkit.decoder.drafters.drafts import Draft
+from mtpkit.decoder.drafters.drafts import chain as chained_draft
+from mtpkit.decoder.drafters.lookup import MAX_NGRAM, ContextIndex
 from mtpkit.decoder.options import Source
-from mtpkit.decoder.policy import LONG_MATCH, DepthPolicy
+from mtpkit.decoder.rounds.controller import CHAIN_MIN_NGRAM, Controller
+from mtpkit.decoder.rounds.session import Session, generate_ids
 from mtpkit.decoder.runner import MAX_AUTO_DEPTH, Runner
 from mtpkit.decoder.sampling import SamplingParams
-from mtpkit.decoder.session import Session, generate_ids
+from mtpkit.decoder.tuning.curve import CostCurve
+from mtpkit.decoder.tuning.policy import LONG_MATCH, DepthPolicy
 from mtpkit.schemas import validate
 
 FAMILIES = ("llama", "qwen3_5", "qwen3_next", "deepseek_v3", "mimo")

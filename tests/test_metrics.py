@@ -6,7 +6,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import fixtures.numerics  # noqa: F401  (float32 runs in float32 on GPU backends too)
 import mtpkit
-from mtpkit.decoder.prefix import PrefixCache
+from mtpkit.decoder.cache.prefix import PrefixCache
 from mtpkit.serve.metrics import Metrics
 
 PROMPT = [5, 9, 14, 3, 22, 7, 8, 30, 11, 4] * 3

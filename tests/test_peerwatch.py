@@ -12,13 +12,13 @@ import time
 
 import pytest
 
-from mtpkit.decoder import peerwatch
-from mtpkit.decoder.peerwatch import PEER_LOST
+from mtpkit.decoder.sharded import peerwatch
+from mtpkit.decoder.sharded.peerwatch import PEER_LOST
 
 # A rank stand-in: connects to argv[1], watches that link, then waits forever in C (GIL
 # released, like mx.eval) -- or, given a line on stdin, disarms and ends by itself.
 RANK = """import socket, sys, threading, time
-from mtpkit.decoder import peerwatch
+from mtpkit.decoder.sharded import peerwatch
 before = peerwatch.socket_fds()
 link = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
 peerwatch.watch(peerwatch.connections(peerwatch.socket_fds() - before))

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 import mtpkit
-from mtpkit.decoder.curve import CostCurve
 from mtpkit.decoder.stats import Stats
+from mtpkit.decoder.tuning.curve import CostCurve
 from mtpkit.schemas import validate
 from mtpkit.serve.service import usage
 

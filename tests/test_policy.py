@@ -1,5 +1,5 @@
-"""--depth auto (decoder/policy.py, decoder/costs.py): the depth that the cost table (the curve's
-prior, corrected by what passes paid) and online acceptance favour, plain decoding when nothing
+"""--depth auto (decoder/tuning/policy.py, decoder/tuning/costs.py): the depth that the cost table
+(the curve's prior, corrected by what passes paid) and online acceptance favour, plain decoding when nothing
 beats it, padding to a cheaper width, untried costs explored by optimism, and exact decoding
 whatever it chooses."""
 
@@ -17,19 +17,19 @@ import pytest
 
 import mtpkit
 from fixtures.decoder_models import OracleHead
-from mtpkit.decoder import costs
-from mtpkit.decoder.controller import Controller
-from mtpkit.decoder.curve import MAX_ROWS, CostCurve
-from mtpkit.decoder.policy import (
+from mtpkit.decoder.rounds.controller import Controller
+from mtpkit.decoder.rounds.session import Session, generate_ids
+from mtpkit.decoder.runner import Runner
+from mtpkit.decoder.sampling import SamplingParams
+from mtpkit.decoder.tuning import costs
+from mtpkit.decoder.tuning.curve import MAX_ROWS, CostCurve
+from mtpkit.decoder.tuning.policy import (
     OPTIMISM,
     DepthPolicy,
     Offer,
     decide,
     memory,
 )
-from mtpkit.decoder.runner import Runner
-from mtpkit.decoder.sampling import SamplingParams
-from mtpkit.decoder.session import Session, generate_ids
 
 PROMPT = [5, 17, 42, 99, 7, 3]
 
@@ -239,7 +239,7 @@ def test_context_rounds_are_timed_after_a_stretch_and_whatever_pairs_they_leave_
     from types import SimpleNamespace
 
     from mtpkit.decoder.options import Source
-    from mtpkit.decoder.session import RoundOutcome
+    from mtpkit.decoder.rounds.session import RoundOutcome
     from mtpkit.decoder.stats import Stats
 
     policy = DepthPolicy(replace(cpu_like(), estimate=True), 8, sources=("head", "lookup"))

@@ -1,4 +1,4 @@
-"""The prefix cache (decoder/prefix.py): a prompt that starts with a cached one prefills only its
+"""The prefix cache (decoder/cache/prefix.py): a prompt that starts with a cached one prefills only its
 new tokens and decodes exactly as a cold start, in every family and drafting mode."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from mlx_lm.models.cache import KVCache
 import fixtures.numerics  # noqa: F401  (float32 runs in float32 on GPU backends too)
 import mtpkit
 from fixtures.configs import FAMILIES
-from mtpkit.decoder.caches import exportable
-from mtpkit.decoder.prefix import PrefixCache, turn_end
+from mtpkit.decoder.cache.caches import exportable
+from mtpkit.decoder.cache.prefix import PrefixCache, turn_end
+from mtpkit.decoder.rounds.session import Session
 from mtpkit.decoder.sampling import SamplingParams
-from mtpkit.decoder.session import Session
 
 TURN1 = [5, 9, 14, 3, 22, 7, 8, 30, 11, 4] * 3
 TURN2 = TURN1 + [17, 6, 25, 13]  # the next turn: the first, then new tokens

@@ -25,7 +25,7 @@ import test_serve_hostile as hostile
 import mtpkit
 from fixtures.fake_servers import in_thread
 from fixtures.serving import Script, until
-from mtpkit.decoder.prefix import PrefixCache
+from mtpkit.decoder.cache.prefix import PrefixCache
 from mtpkit.decoder.runner import Piece, Result, Runner
 from mtpkit.serve.server import Handler, Server
 from mtpkit.serve.service import Service, tool_calls

@@ -1,4 +1,4 @@
-"""Bounded attention shapes (decoder/shapes.py): the padded cache computes what mlx-lm's computes,
+"""Bounded attention shapes (decoder/cache/shapes.py): the padded cache computes what mlx-lm's computes,
 decoding with it is greedy-identical on every family, and multi-row attention only ever sees key
 lengths that are multiples of 256 (so a GPU compiles each shape once, not once per round)."""
 
@@ -13,10 +13,7 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 import mtpkit
-from mtpkit.decoder.runner import Runner
-from mtpkit.decoder.sampling import SamplingParams
-from mtpkit.decoder.session import Session, generate_ids
-from mtpkit.decoder.shapes import (
+from mtpkit.decoder.cache.shapes import (
     STEP,
     PaddedKVCache,
     bounded_caches,
@@ -24,6 +21,9 @@ from mtpkit.decoder.shapes import (
     padded,
     pieces,
 )
+from mtpkit.decoder.rounds.session import Session, generate_ids
+from mtpkit.decoder.runner import Runner
+from mtpkit.decoder.sampling import SamplingParams
 
 FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "deepseek_v3", "mimo")  # with MTP heads
 PROMPT = [5, 17, 42, 99, 7, 3] * 50  # 300 tokens: the prompt crosses a 256 boundary

@@ -51,3 +51,21 @@ def test_counter_sees_what_it_counts(tmp_path: Path) -> None:
     assert [c.split(":")[1] for c in s["constants"]] == ["LIMIT", "SIZES", "A", "B"]
     assert s["long_functions"] == [("decoder/m.py:long", 61)]
     assert len(s["anecdotes"]) == 1
+
+
+def test_the_wheel_lists_every_package() -> None:
+    """pyproject.toml names its packages one by one (the root is the package): a folder of the
+    package left out there would be missing from a built wheel though an editable install finds
+    it, so every folder holding an __init__.py is listed, and everything listed is a folder
+    (serve/static, a data folder, is listed without an __init__.py)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+                 ["packages"])
+    found = {"mtpkit"} | {
+        "mtpkit." + ".".join(p.parent.relative_to(ROOT).parts)
+        for p in ROOT.glob("*/**/__init__.py")
+        if p.relative_to(ROOT).parts[0] not in {"tests", "bench", "scripts", "build"}
+        and not any(part.startswith(".") for part in p.relative_to(ROOT).parts)}
+    assert found <= listed, sorted(found - listed)
+    assert all((ROOT.joinpath(*name.split(".")[1:])).is_dir() for name in listed), sorted(listed)

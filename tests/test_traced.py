@@ -1,4 +1,4 @@
-"""Traced verify passes (decoder/traced.py): the traced pass computes what the stock bounded pass
+"""Traced verify passes (decoder/model/traced.py): the traced pass computes what the stock bounded pass
 computes, decoding with it is greedy-identical and keeps the sampled law, it is traced once per
 shape (not once per round), and a trunk or cache it cannot take gets the stock pass."""
 
@@ -15,10 +15,10 @@ from test_exactness import ALPHA, markov_statistic
 from test_shapes import PROMPT, verify_passes
 
 import mtpkit
+from mtpkit.decoder.model.trunk import Trunk
+from mtpkit.decoder.rounds.session import Session, generate_ids
 from mtpkit.decoder.runner import Runner
 from mtpkit.decoder.sampling import SamplingParams
-from mtpkit.decoder.session import Session, generate_ids
-from mtpkit.decoder.trunk import Trunk
 
 TRACEABLE = ("llama", "mimo", "deepseek_v3")  # deepseek_v3's attention selects with a bool mask
 
@@ -57,7 +57,7 @@ def recorded_passes(trunk: Trunk) -> list[np.ndarray]:
     """Prefill, then recording verify passes of several widths, each committing a kept prefix
     by replay (recurrent layers) and trims (attention), then one-row steps: every logits, and
     every recurrent state after each commit."""
-    from mtpkit.decoder.state import commit_recorded
+    from mtpkit.decoder.cache.state import commit_recorded
 
     cache = trunk.make_cache(bounded=True)
     out = []

@@ -18,8 +18,8 @@ from click.testing import CliRunner
 
 from fixtures.factory import Sidecar
 from mtpkit.cli import main
-from mtpkit.decoder import costs
-from mtpkit.decoder.curve import CONTEXT, PAD_GAIN, CostCurve, breaks
+from mtpkit.decoder.tuning import costs
+from mtpkit.decoder.tuning.curve import CONTEXT, PAD_GAIN, CostCurve, breaks
 from mtpkit.schemas import validate
 from mtpkit.verify.tune import _batch_text
 
@@ -169,8 +169,8 @@ def test_tune_times_batched_rounds_and_runners_start_from_them(built: Callable[.
     DEEPEST) at 2..N rows through the real engine, says so as it goes, stores it beside the
     curve, and a later runner's cost table prices those shapes by them; the second call reads
     them."""
-    from mtpkit.decoder import batch_costs
     from mtpkit.decoder.runner import load
+    from mtpkit.decoder.tuning import batch_costs
     from mtpkit.verify.tune import batch_summary
 
     bundle = built("qwen3_5")
@@ -214,8 +214,8 @@ def test_an_interrupted_batch_timing_keeps_what_it_timed(built: Callable[..., Pa
     finding the largest size, times again."""
     from collections import deque
 
-    from mtpkit.decoder import batch_costs
     from mtpkit.decoder.runner import load
+    from mtpkit.decoder.tuning import batch_costs
 
     def interrupted(runner: Any, most: int, told: Any, paid: dict, **_: Any) -> dict:
         paid[(2, -1)] = deque([0.01, 0.011, 0.012])
@@ -244,8 +244,8 @@ def test_choose_takes_the_stock_pass_only_where_it_is_clearly_faster(
     tie)."""
     from collections import deque
 
-    from mtpkit.decoder import batch_costs
     from mtpkit.decoder.runner import load
+    from mtpkit.decoder.tuning import batch_costs
 
     PIPED = -1  # noqa: N806 (the stored keys: plain steps, K synchronous, -1 - K pipelined)
 
@@ -283,8 +283,8 @@ def test_a_traced_trunk_times_its_batch_passes_both_ways_and_keeps_the_faster(
     stored prices of a shape whose width went stock are the untraced times, the choice is
     stored and read back by a later runner, and its batch then passes those shapes untraced
     (the traced function is never called for them) with the same tokens."""
-    from mtpkit.decoder import batch_costs
     from mtpkit.decoder.runner import load
+    from mtpkit.decoder.tuning import batch_costs
 
     bundle = built("mimo")
     runner = load(bundle)

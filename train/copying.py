@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mtpkit.decoder.misses import lookup_sources
+from mtpkit.decoder.drafters.misses import lookup_sources
 
 
 @dataclass(frozen=True)

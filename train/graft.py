@@ -4,7 +4,7 @@ The head (fc over the normed embedding and the normed trunk hidden, one decoder 
 trunk's own class, final norm; embedding and lm_head shared and frozen) learns the trunk's own
 greedy token at position t+2 from the trunk hidden at t and token t+1, on the trunk's own greedy
 continuations of corpus prompts (rollouts.py). Training runs in float32
-(MLX's CPU backend runs bf16 matmuls without BLAS), so its speed is the BLAS's (decoder/blas.py);
+(MLX's CPU backend runs bf16 matmuls without BLAS), so its speed is the BLAS's (decoder/model/blas.py);
 the written trunk is the source's, unchanged. `--minutes` bounds the whole command: scoring and
 writing are reserved out of it from costs measured here before training (scoring.py).
 """
@@ -29,12 +29,12 @@ from mlx_lm.utils import load_model
 from mtpkit.convert.convert import ConvertError, finish_bundle, write_config
 from mtpkit.convert.sidecar import SidecarOptions, encode_sidecar
 from mtpkit.convert.writer import claim_output, staged_output, write_safetensors
-from mtpkit.decoder.blas import fix, in_use, loaded_blas
-from mtpkit.decoder.costs import measure_decoding
-from mtpkit.decoder.head import Contract, MTPHead, canonical_name
-from mtpkit.decoder.rows import use_few_rows_linears
+from mtpkit.decoder.model.blas import fix, in_use, loaded_blas
+from mtpkit.decoder.model.head import Contract, MTPHead, canonical_name
+from mtpkit.decoder.model.rows import use_few_rows_linears
+from mtpkit.decoder.model.trunk import Trunk
 from mtpkit.decoder.runner import Prompt, Runner, cast_floats, dequantize_for_cpu, safe_template
-from mtpkit.decoder.trunk import Trunk
+from mtpkit.decoder.tuning.costs import measure_decoding
 from mtpkit.loaders.bundle import BundleView, open_bundle
 from mtpkit.loaders.manifest import MANIFEST_FILE
 from mtpkit.loaders.tokenizer import load_wrapper

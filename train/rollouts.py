@@ -17,7 +17,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mtpkit.decoder.trunk import Trunk
+from mtpkit.decoder.model.trunk import Trunk
 from mtpkit.loaders.templates import RENDER_ERRORS, render
 from mtpkit.train.corpus import sequences, window_count
 

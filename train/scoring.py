@@ -2,7 +2,7 @@
 
 `--minutes` bounds the whole command, so the held-out scoring and the writing are reserved out of
 it before training starts: their cost is planned from a plain decode step, a depth-1 round and a
-prefill token timed (decoder/costs.py's measure_decoding) with the real trunk and a head of the
+prefill token timed (decoder/tuning/costs.py's measure_decoding) with the real trunk and a head of the
 real shape (a round costs the same
 whatever the head learned). After training the same probe runs again on the decoding graph a
 user gets, and with the measured acceptance gives the depth-1 speedup to expect here: a round
@@ -15,8 +15,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from mtpkit.decoder.blas import fix
-from mtpkit.decoder.costs import DecodeCosts
+from mtpkit.decoder.model.blas import fix
+from mtpkit.decoder.tuning.costs import DecodeCosts
 
 SCORING_SHARE = 0.25  # at most this share of a --minutes budget scores; fewer prompts beyond it
 WRITE_BYTES_PER_S = 100e6  # a conservative copy + fsync rate for writing OUT

@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from mtpkit.decoder.costs import Progress, cache_key, cached
 from mtpkit.decoder.runner import load
+from mtpkit.decoder.tuning.costs import Progress, cache_key, cached
 from mtpkit.loaders.bundle import BundleView, open_bundle
 from mtpkit.serve.protocol import Request
 from mtpkit.serve.service import Service, usage

@@ -1,5 +1,5 @@
-"""`mtpkit tune`: this machine's measured cost curve for a bundle (decoder/costs.py), where it is
-cached, and the depth `--depth auto` starts from at a few acceptance levels (decoder/policy.py),
+"""`mtpkit tune`: this machine's measured cost curve for a bundle (decoder/tuning/costs.py), where it is
+cached, and the depth `--depth auto` starts from at a few acceptance levels (decoder/tuning/policy.py),
 at each context measured and at the longest the model takes (the curve priced there).
 Also the line `serve` prints at start-up, and the stderr progress display of a measurement that
 generate, serve and tune pass down (the decoder itself prints nothing)."""
@@ -14,17 +14,17 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from mtpkit.decoder.batch_costs import Told
-from mtpkit.decoder.costs import (
+from mtpkit.decoder.tuning.batch_costs import Told
+from mtpkit.decoder.tuning.costs import (
     LONGEST,
     RETRY_SHARE,
     Progress,
     Tick,
     noisy,
 )
-from mtpkit.decoder.curve import CostCurve
-from mtpkit.decoder.policy import DepthPolicy
-from mtpkit.decoder.store import cache_dir, cache_file
+from mtpkit.decoder.tuning.curve import CostCurve
+from mtpkit.decoder.tuning.policy import DepthPolicy
+from mtpkit.decoder.tuning.store import cache_dir, cache_file
 
 if TYPE_CHECKING:
     from mtpkit.decoder.runner import Runner
@@ -33,7 +33,7 @@ ACCEPTANCE = (0.3, 0.5, 0.7, 0.9)  # a_1 levels the picks are shown at (a_i = a_
 
 
 def _cache_file(key: dict[str, Any] | None) -> Path | None:
-    """The cache file of `key`, named as decoder/costs.py names it (None: not cached)."""
+    """The cache file of `key`, named as decoder/tuning/costs.py names it (None: not cached)."""
     return cache_file(key) if key else None
 
 
@@ -73,7 +73,7 @@ def report(runner: Runner, bundle: str, refresh: bool = False,
     how far to trust it: spread, when, the machine's load) plus the bundle, whether it was
     measured now or read from the cache, the cache file and the picks. progress: told how a
     measurement goes (`progress_bar()` draws it on stderr). `batch`: also the round costs of
-    batches of up to that many rows (decoder/batch_costs.py; `told` hears how their timing
+    batches of up to that many rows (decoder/tuning/batch_costs.py; `told` hears how their timing
     goes: `batch_lines()`)."""
     began = time.time()
     curve = runner.costs(refresh, progress)

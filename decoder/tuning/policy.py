@@ -1,0 +1,450 @@
+"""`--depth auto`: one policy chooses every round's depth, for a lone sequence and a batch alike.
+
+A round over B rows at depth K runs one pass of shape (B rows, K+1 positions each, pipelined or
+not) plus the drafting; each row then commits 1 + a_1 + ... + a_K tokens on average, where a_i is
+the chance that its first i drafts are kept. The policy picks the K with the most expected
+committed tokens per second across the rows (`decide`): a lone sequence is B = 1, and K = 0 is
+plain decoding (pipelined steps where the rows can take them). Each row drafts from its best
+source at that depth (the head, its context, a draft model), so rows get their own drafts.
+
+The a_i are each row's own (`Tracker`: decayed counts from a prior, per source and, for context
+drafts, per match length), so the depth follows the text: deep on boilerplate, shallow on prose,
+plain where drafts help nothing. Evidence fades while a source drafts nothing (plain steps age
+it), so a source written off long ago is tried again once its prior would pay.
+
+What a round costs comes from one table (`CostTable`) keyed by its pass's shape: the cost curve
+priced at the rows' context (decoder/tuning/curve.py) is its prior, and what rounds pay here corrects
+it: per shape, the median of its last paid/prior ratios, weighed by their decayed count against
+PRIOR_WEIGHT for what `tune` timed of that shape or, without, what the nearest shape timed alike
+says. Untried costs are explored by optimism: every shape is priced cheaper by
+OPTIMISM / sqrt(1 + n), n the decayed count of its timings here, so a shape nobody has timed
+lately gets tried where its price is near the best, and a price taken too dear once is taken
+again as that timing fades. The choice depends only on past rounds and on drafts already made,
+never on the verify pass, so every round stays exact.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+from itertools import accumulate
+
+from mtpkit.decoder.options import Source
+from mtpkit.decoder.tuning.curve import CostCurve
+
+DECAY = 0.97  # evidence kept per round: about the last 30 rounds weigh in (acceptance and the
+# confidence in a cost alike)
+PRIOR = 0.5  # a_1 before anything is measured; a_i = PRIOR ** i
+PRIOR_WEIGHT = 2.0  # rounds' worth of belief in a prior
+OPTIMISM = 0.25  # an untimed shape is priced up to this share cheaper: within it of the best
+# it gets tried; further off, what a try would cost outweighs what it could show
+LONG_MATCH = 4  # lookups are tracked apart by match length 1, 2, 3, 4+: a rejected one-token
+# match says little about an eight-token one, and one tracker let it starve the long ones
+
+Shape = tuple[int, int, bool]  # a pass: (rows, positions per row, pipelined)
+
+
+def tracker_key(source: Source, match: int = 0) -> str:
+    """The tracker of a source; a lookup's by the length of the match it drafts from."""
+    return f"lookup:{min(max(match, 1), LONG_MATCH)}" if source == Source.LOOKUP else str(source)
+
+
+def memory() -> int:
+    """Timings a shape's correction is the median of: as many as DECAY keeps in mind."""
+    return round(1 / (1 - DECAY))
+
+
+@dataclass
+class Tracker:
+    """One draft source's acceptance: decayed successes and trials per draft position."""
+
+    size: int
+    prior: float = PRIOR
+    kept: list[float] = field(default_factory=list)
+    seen: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.kept = self.kept or [0.0] * self.size
+        self.seen = self.seen or [0.0] * self.size
+
+    def estimates(self) -> list[float]:
+        """a_1..a_size: estimated chance that the first i drafts are kept (non-increasing; a
+        position never tried extrapolates the last measured conditional rate)."""
+        out: list[float] = []
+        for i in range(self.size):
+            if not out:
+                prior = self.prior
+            else:  # the last measured conditional rate carries on
+                prior = out[-1] * (out[-1] / out[-2] if len(out) > 1 and out[-2] > 0 else out[-1])
+            rate = (self.kept[i] + PRIOR_WEIGHT * prior) / (self.seen[i] + PRIOR_WEIGHT)
+            out.append(min(rate, out[-1]) if out else rate)
+        return out
+
+    def age(self, rounds: int = 1) -> None:
+        """Evidence fades by DECAY a round (a plain step counts as one)."""
+        keep = DECAY ** rounds
+        self.kept = [k * keep for k in self.kept]
+        self.seen = [s * keep for s in self.seen]
+
+    def record(self, depth: int, accepted: int) -> None:
+        self.age()
+        for i in range(min(depth, self.size)):
+            self.seen[i] += 1.0
+            self.kept[i] += i < accepted
+
+
+@dataclass
+class CostTable:
+    """Seconds of a pass by its shape: the curve's prior corrected by what passes paid here
+    (a runner's: its generations and batches share it). `draft`: one head draft step;
+    `learn`: false for a curve given by hand (a what-if taken as it is)."""
+
+    curve: CostCurve
+    ratios: dict[Shape, deque] = field(default_factory=dict)  # paid / prior, the last memory()
+    times: dict[Shape, deque] = field(default_factory=dict)  # paid seconds, as timed
+    confidence: dict[Shape, tuple[float, int]] = field(default_factory=dict)  # (n, clock then)
+    clock: dict[int, int] = field(default_factory=dict)  # passes run, by rows
+    compiled: set[Hashable] = field(default_factory=set)  # pass shapes a round has run here
+    seeded: dict[Shape, float] = field(default_factory=dict)  # corrections timed elsewhere
+    _medians: dict[Shape, float] = field(default_factory=dict)  # of `ratios`, as asked
+    _nearest: dict[Shape, Shape | None] = field(default_factory=dict)  # until a new shape
+
+    @property
+    def learn(self) -> bool:
+        return self.curve.estimate
+
+    @property
+    def draft(self) -> float:
+        return self.curve.draft
+
+    def prior(self, shape: Shape, context: int = 0) -> float:
+        """The curve's price of a pass at `context`: a pipelined plain step for (1, 1, True),
+        else the verify pass over rows x width tokens (one row pads to a cheaper width),
+        pipelined passes by what pipelining saves a plain step. A pipelined step is never
+        priced over the synchronous pass of as many tokens (the same work, its host part
+        overlapped): a curve that says so was timed busy."""
+        rows, width, piped = shape
+        curve = self.curve.at(context)
+        saving = min(curve.plain / curve.verify[0], 1.0)
+        if rows == 1 and width == 1 and piped:
+            return curve.verify[0] * saving
+        tokens = curve.width(width) if rows == 1 else rows * width
+        verify = curve.verify
+        if tokens <= len(verify):
+            seconds = verify[tokens - 1]
+        else:  # beyond the curve: its mean slope (attention and matmuls grow with the tokens)
+            seconds = verify[-1] + (verify[-1] - verify[0]) / max(len(verify) - 1, 1) * (
+                tokens - len(verify))
+        return seconds * (saving if piped else 1.0)
+
+    def correction(self, shape: Shape) -> float:
+        """paid / prior: the median of the shape's own timings, weighed by their decayed count
+        against PRIOR_WEIGHT for what `tune` timed of it or, without, what the nearest shape
+        timed alike (pipelined or not; the fewest rows, then positions, apart) says, else 1:
+        a timing long past, or one alone, gives way to what its neighbours pay now."""
+        n = self.timings(shape) if shape in self.ratios else 0.0
+        base = self.seeded.get(shape)
+        if base is None:
+            if shape not in self._nearest:
+                rows, width, piped = shape
+                self._nearest[shape] = min(
+                    (s for s in (*self.ratios, *self.seeded) if s[2] == piped and s != shape),
+                    default=None, key=lambda s: (abs(s[0] - rows), abs(s[1] - width), s))
+            near = self._nearest[shape]
+            base = 1.0 if near is None else self._median(near)
+        return (n * self._median(shape) + PRIOR_WEIGHT * base) / (n + PRIOR_WEIGHT) if n \
+            else base
+
+    def _median(self, shape: Shape) -> float:
+        if shape not in self.ratios:
+            return self.seeded[shape]
+        if shape not in self._medians:
+            self._medians[shape] = statistics.median(self.ratios[shape])
+        return self._medians[shape]
+
+    def seconds(self, shape: Shape, context: int = 0, drafting: float = 0.0) -> float:
+        """What a round of this pass `shape` is expected to cost at `context`, its drafts
+        priced at `drafting` seconds by the prior (corrected with the pass: both are paid
+        as one round's time)."""
+        return (self.prior(shape, context) + drafting) * self.correction(shape)
+
+    def timings(self, shape: Shape) -> float:
+        """The decayed count of this shape's timings here."""
+        n, then = self.confidence.get(shape, (0.0, 0))
+        return n * DECAY ** (self.clock.get(shape[0], 0) - then)
+
+    def optimistic(self, shape: Shape, context: int = 0, drafting: float = 0.0) -> float:
+        """The price the policy compares: `seconds`, cheaper by OPTIMISM / sqrt(1 + n)."""
+        return self.pricer(shape, context, True)(drafting)
+
+    def pricer(self, shape: Shape, context: int, optimism: bool) -> Callable[[float], float]:
+        """`seconds` (or `optimistic`) of `shape` as a function of the drafting, its terms
+        computed once (the policy asks several plans of one shape)."""
+        prior, factor = self.prior(shape, context), self.correction(shape)
+        if optimism:
+            factor /= 1 + OPTIMISM / math.sqrt(1 + self.timings(shape))
+        return lambda drafting: (prior + drafting) * factor
+
+    def tick(self, rows: int, count: int = 1) -> None:
+        """`count` passes of `rows` rows ran (every shape's confidence at that size fades)."""
+        self.clock[rows] = self.clock.get(rows, 0) + count
+
+    def observe(self, shape: Shape, seconds: float, context: int = 0, count: int = 1,
+                drafting: float = 0.0) -> None:
+        """`count` rounds of pass `shape` (ticked apart) paid `seconds` each, drafts the prior
+        prices at `drafting` seconds included."""
+        self.confidence[shape] = (self.timings(shape) + count, self.clock.get(shape[0], 0))
+        self.times.setdefault(shape, deque(maxlen=memory())).append(seconds)
+        if self.learn and seconds > 0:
+            if shape not in self.ratios:
+                self._nearest.clear()
+            self.ratios.setdefault(shape, deque(maxlen=memory())).append(
+                seconds / (self.prior(shape, context) + drafting))
+            self._medians.pop(shape, None)
+
+    def seed(self, shape: Shape, times: Iterable[float], drafting: float = 0.0) -> None:
+        """Timings taken elsewhere (`tune`'s, from disk), at the curve's own context: what the
+        shape's own timings here are weighed against (they count for nothing in confidence:
+        the shape is still tried as untimed)."""
+        prior = self.prior(shape, self.curve.context) + drafting
+        ratios = [t / prior for t in times if t > 0]
+        if ratios:
+            self.seeded[shape] = statistics.median(ratios)
+            self._nearest.clear()
+
+    def first_of(self, shape: Hashable) -> bool:
+        """Whether this is the first round of its `shape` here (it may have compiled)."""
+        new = shape not in self.compiled
+        self.compiled.add(shape)
+        return new
+
+    def summary(self) -> dict[str, float]:
+        """Each timed shape's correction, named "rows x width" (+ " piped"), for statistics."""
+        return {f"{r}x{w}{' piped' if p else ''}": self.correction((r, w, p))
+                for r, w, p in sorted({*self.ratios, *self.seeded})}
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What one row can draft this round, as chances that its first i drafts are kept, per
+    source: `head` (the head's or a draft model's: `paid` says which steps it pays; [] for
+    none) and `context` (as many as its context offers, drafted for free)."""
+
+    head: Sequence[float] = ()
+    context: Sequence[float] = ()
+    paid: Source = Source.HEAD
+    sums: tuple[list[float], list[float]] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:  # expected kept drafts by depth, per source
+        object.__setattr__(self, "sums", (list(accumulate(self.head, initial=0.0)),
+                                          list(accumulate(self.context, initial=0.0))))
+
+    def source(self, depth: int) -> Source | None:
+        """The source that keeps more at `depth` (the context on a tie: it drafts for free)."""
+        if depth <= 0 or not (self.head or self.context):
+            return None
+        if self.context and self.kept(depth, True) >= self.kept(depth, head_only=True):
+            return Source.LOOKUP
+        return self.paid if self.head else Source.LOOKUP
+
+    def kept(self, depth: int, free_only: bool = False, head_only: bool = False) -> float:
+        """Expected kept drafts at `depth`: from its best source (or the free one, the head)."""
+        head, context = self.sums
+        free = context[min(depth, len(context) - 1)]
+        if free_only:
+            return free
+        paid = head[min(depth, len(head) - 1)]
+        return paid if head_only else max(paid, free)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A round as decided: its depth (0: plain), each row's source, and the expected rate."""
+
+    depth: int
+    sources: tuple[Source | None, ...]
+    rate: float
+
+
+def decide(offers: Sequence[Offer], table: CostTable, max_depth: int, context: int = 0,
+           pipelined: bool = False, plain: Shape | None = None, model_step: float = 0.0,
+           optimism: bool = True) -> Plan:
+    """The depth with the most expected committed tokens per second for these rows (see the
+    module's doc). `pipelined`: whether a round would run pipelined; `plain`: the shape plain
+    decoding takes (default: pipelined steps); `model_step`: a draft model's step."""
+    rows = len(offers)
+    optimism = optimism and table.learn
+    plain = plain or (rows, 1, True)
+    best = Plan(0, (None,) * rows, rows / table.pricer(plain, context, optimism)(0.0))
+    headed = any(o.head for o in offers)
+    step = model_step if any(o.paid == Source.MODEL for o in offers) else table.draft
+    plans = (False, True) if headed and any(o.context for o in offers) else (not headed,)
+    deepest = max_depth if headed else min(max((len(o.context) for o in offers), default=0),
+                                           max_depth)
+    for depth in range(1, deepest + 1):
+        price = table.pricer((rows, depth + 1, pipelined), context, optimism)
+        for free in plans:
+            kept = rows + sum(o.kept(depth, free) for o in offers)
+            rate = kept / price(0.0 if free else depth * step)
+            if rate > best.rate:
+                sources = tuple(o.source(depth) if not free else
+                                (Source.LOOKUP if o.context else None) for o in offers)
+                best = Plan(depth, sources, rate)
+    return best
+
+
+@dataclass
+class DepthPolicy:
+    """One request's view of the policy: its acceptance trackers (per source), the runner's
+    cost table (`table`), the context it decodes at; `choose` is `decide` for this one row."""
+
+    curve: CostCurve
+    max_depth: int
+    prior: float = PRIOR
+    sources: tuple[Source, ...] = (Source.HEAD,)
+    context: int = 0  # tokens the next round attends over: priced there
+    trackers: dict[str, Tracker] = field(default_factory=dict)
+    chosen: dict[int, int] = field(default_factory=dict)  # depth -> rounds (0: plain steps)
+    table: CostTable | None = None
+    model_step: float = 0.0  # seconds of one draft model step (a draft model's rounds)
+
+    def __post_init__(self) -> None:
+        self.sources = tuple(Source(s) for s in self.sources)
+        self.table = self.table if self.table is not None else CostTable(self.curve)
+        keys = [tracker_key(s, n) for s in self.sources
+                for n in (range(1, LONG_MATCH + 1) if s == Source.LOOKUP else (0,))]
+        keys += [tracker_key(Source.CHAIN)] if {Source.HEAD, Source.LOOKUP} <= set(self.sources) \
+            else []
+        self.trackers = self.trackers or {k: Tracker(self.max_depth, self.prior) for k in keys}
+
+    @property
+    def costs(self) -> CostTable:
+        assert self.table is not None
+        return self.table
+
+    @property
+    def priced(self) -> CostCurve:
+        """The curve at the session's context."""
+        return self.curve.at(self.context)
+
+    def acceptance(self, source: Source = Source.HEAD, match: int = 0) -> list[float]:
+        """a_1..a_max_depth of a source (a lookup's: of matches `match` tokens long)."""
+        return self.trackers[tracker_key(source, match)].estimates()
+
+    def shape(self, depth: int) -> Shape:
+        """A lone round's pass at `depth` (0: a pipelined plain step)."""
+        return (1, 1, True) if depth == 0 else (1, self.priced.width(depth + 1), False)
+
+    def cost(self, depth: int, source: Source = Source.HEAD, drafted: int | None = None) -> float:
+        """Seconds for a lone round of `depth` drafts, `drafted` of them by the head (default:
+        all for "head", none for "lookup"; a draft model pays `model_step` per draft)."""
+        return self.costs.seconds(self.shape(depth), self.context,
+                                  self.drafting(depth, source, drafted))
+
+    def drafting(self, depth: int, source: Source = Source.HEAD,
+                 drafted: int | None = None) -> float:
+        """What the prior prices a lone round's drafts at (see `cost`)."""
+        if depth == 0:
+            return 0.0
+        if source == Source.MODEL:
+            return depth * self.model_step
+        drafted = (depth if source == Source.HEAD else 0) if drafted is None else drafted
+        return drafted * self.costs.draft
+
+    def offer(self, lookup_width: int = 0, match: int = 0,
+              sources: tuple[Source, ...] | None = None) -> Offer:
+        """This row's offer: its paid source's acceptance, and `lookup_width` context drafts
+        from a `match`-token match."""
+        sources = self.sources if sources is None else sources
+        paid = next((s for s in sources if s in (Source.HEAD, Source.MODEL)), None)
+        context = (self.acceptance(Source.LOOKUP, match)[:lookup_width]
+                   if Source.LOOKUP in sources and lookup_width > 0 else [])
+        return Offer(self.acceptance(paid) if paid is not None else [], context,
+                     paid or Source.HEAD)
+
+    def choose(self, lookup_width: int = 0, sources: tuple[Source, ...] | None = None,
+               match: int = 0) -> tuple[Source | None, int]:
+        """(source, depth) with the highest expected rate for this row alone ((None, 0):
+        plain). A lookup drafts at most `lookup_width` tokens, from a `match`-token match."""
+        plan = decide([self.offer(lookup_width, match, sources)], self.costs, self.max_depth,
+                      self.context, model_step=self.model_step)
+        source = plan.sources[0]
+        if plan.depth == 0 or source is None:
+            return None, 0
+        return source, min(plan.depth, lookup_width) if source == Source.LOOKUP else plan.depth
+
+    def rate(self, depth: int, acceptance: list[float] | None = None,
+             source: Source = Source.HEAD) -> float:
+        """Expected tokens per second at `depth` from `source` (0: plain decoding)."""
+        if depth == 0:
+            return 1.0 / self.cost(0)
+        a = self.acceptance(source) if acceptance is None else acceptance
+        return (1.0 + sum(a[:depth])) / self.cost(depth, source)
+
+    def extension(self, depth: int, available: int) -> int:
+        """How many of `available` context tokens to append to `depth` head drafts: the count
+        with the highest expected rate (0: the head's drafts alone)."""
+        if Source.CHAIN not in self.trackers or depth <= 0:
+            return 0
+        head, chain = self.acceptance(Source.HEAD), self.acceptance(Source.CHAIN)
+        base = 1.0 + sum(head[:depth])
+
+        def rate(more: int) -> float:
+            kept = base + head[depth - 1] * sum(chain[:more])
+            return kept / self.cost(depth + more, Source.CHAIN, depth)
+
+        most = min(available, self.max_depth - depth)
+        return max(range(most + 1), key=lambda more: (rate(more), -more))
+
+    def best(self) -> int:
+        """The head's best depth, 0 where plain decoding is faster."""
+        return self.choose(sources=(Source.HEAD,))[1]
+
+    def predicted_speedup(self, depth: int | None = None,
+                          source: Source = Source.HEAD) -> float:
+        """Expected rate at `depth` (default: the head's best) over plain decoding's."""
+        depth = self.best() if depth is None else depth
+        return self.rate(depth, source=source) / self.rate(0)
+
+    def record(self, depth: int, accepted: int, source: Source = Source.HEAD,
+               drafted: int | None = None, match: int = 0) -> None:
+        """One verified round: drafts 1..accepted kept out of `depth` (a lookup's drafted
+        from a `match`-token match). A "chain" round's first `drafted` were the head's: they
+        count for the head, and the rest for the chain only when every head draft was kept
+        (else they were never put to the test)."""
+        if source == Source.CHAIN:
+            assert drafted is not None
+            self.trackers[Source.HEAD].record(drafted, min(accepted, drafted))
+            if accepted >= drafted:
+                self.trackers[Source.CHAIN].record(depth - drafted, accepted - drafted)
+        else:
+            self.trackers[tracker_key(source, match)].record(depth, accepted)
+        self.chosen[depth] = self.chosen.get(depth, 0) + 1
+
+    def plain(self, steps: int = 1) -> None:
+        """`steps` plain steps decoded: counted, and every source's evidence ages by them."""
+        self.chosen[0] = self.chosen.get(0, 0) + steps
+        for tracker in self.trackers.values():
+            tracker.age(steps)
+
+    def observe_round(self, seconds: float, depth: int, source: Source = Source.HEAD,
+                      drafted: int | None = None, shape: Hashable | None = None,
+                      width: int | None = None) -> None:
+        """What a lone round of `depth` drafts took (its pass ran `width` positions), unless
+        it is the first of its `shape` here (the verify width and the cache buffers): that
+        one may have compiled."""
+        self.costs.tick(1)
+        if shape is not None and self.costs.first_of(shape):
+            return
+        pass_shape = (1, width, False) if width else self.shape(depth)
+        self.costs.observe(pass_shape, seconds, self.context,
+                           drafting=self.drafting(depth, source, drafted))
+
+    def observe_plain(self, seconds: float, tokens: int) -> None:
+        """What `tokens` pipelined plain steps took."""
+        if tokens > 0:  # (the clock ticked step by step: the controller)
+            self.costs.observe((1, 1, True), seconds / tokens, self.context, tokens)
+
