@@ -399,6 +399,30 @@ def test_a_batchs_rounds_are_priced_at_the_keys_its_pass_attends_over() -> None:
         assert (rounds > 0) == speculates, [r.stats.depths for r in rows]
 
 
+def test_a_batchs_passes_are_corrected_against_their_price_at_its_keys() -> None:
+    """What a batch's pass paid is compared with the prior at the keys it attended over, as its
+    price was taken: on a curve ten times dearer from 1,024 keys (plain steps too), every
+    correction a long batch records divides its timing by the dear prior. (Observed against the
+    first context's prior, its corrections came out ten times too large, and a long batch was
+    priced at the long context's cost times that.)"""
+    from mtpkit.decoder.tuning.curve import CostCurve, Point
+
+    base = tiny_runner(vocab=6)
+    long = [[1, 2, 3, 4, 5] * 260, [5, 4, 3, 0] * 330]
+    runner, plain = _oracle_batch(base, long, [1, 2], 24)
+    runner._costs = CostCurve([0.01] * 16, 0.01, 0.0, estimate=True,
+                              longer=[Point(1024, [0.2] * 16, 0.1)])
+    rows = runner.generate_batch(long, 24, max_batch=2, depth="auto")
+    assert [r.tokens for r in rows] == plain
+    table = runner.paid
+    assert table is not None and table.ratios, "the batch's passes were observed"
+    for shape, ratios in table.ratios.items():
+        priced = [t / r for t, r in zip(table.times[shape], ratios, strict=True)]
+        short, dear = table.prior(shape, 0), table.prior(shape, 1300)
+        assert dear > 5 * short, (shape, short, dear)
+        assert all(p > 0.5 * dear for p in priced), (shape, priced, short, dear)
+
+
 @pytest.mark.parametrize("depth", [0, 2, "auto"])
 def test_a_lone_request_decodes_solo_then_joins_the_batch(depth: Any) -> None:
     """Alone, a request decodes on the single-sequence path (plain stretches pipelined, the

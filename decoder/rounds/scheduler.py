@@ -389,7 +389,7 @@ class Scheduler:
         self.rows = len(self.active)
         if self.paid is not None:
             self.paid.tick(self.rows)
-            self.paid.observe((self.rows, 1, True), paid)
+            self.paid.observe((self.rows, 1, True), paid, self._keys())
         events = []
         for request, token in zip(self.active, tokens, strict=True):
             if request.finish is None:  # a row done earlier in the stretch takes no more
@@ -408,8 +408,7 @@ class Scheduler:
     def _depth(self, auto: list[Request]) -> int:
         """The depth of the next round for the auto rows (0: plain): the policy's plan over
         every row (mates at a fixed depth priced as a row that commits one token) at the keys
-        the batch's pass attends over (its buffer: the longest row's, padding and holes
-        included), or the `decider`'s."""
+        the batch's pass attends over (`_keys`), or the `decider`'s."""
         if self.decider is not None:
             return self.decider(auto)
         assert self.paid is not None and auto
@@ -417,9 +416,13 @@ class Scheduler:
         assert first is not None
         offers = [_offer(r) for r in auto] + [Offer()] * (len(self.active) - len(auto))
         stretch = not any(r.policy is None and r.session.depth > 0 for r in self.active)
-        context = extent(self.batch.cache) if self.batch.cache is not None else 0
-        return decide(offers, self.paid, first.max_depth, context, self._pipelines(),
+        return decide(offers, self.paid, first.max_depth, self._keys(), self._pipelines(),
                       (len(self.active), 1, stretch), first.model_step).depth
+
+    def _keys(self) -> int:
+        """The keys the batch's pass attends over (its buffer: the longest row's, padding and
+        holes included): where its rounds are priced, and observed against that price."""
+        return extent(self.batch.cache) if self.batch.cache is not None else 0
 
     def _asks(self) -> list[Ask]:
         auto = [r for r in self.active if r.policy is not None]
@@ -454,15 +457,16 @@ class Scheduler:
         return Ask(depth=depth if offer.head else 0)
 
     def _observe(self, outcomes: list[RoundOutcome], pipelined: bool) -> None:
-        """A round's time into the cost table, under its pass's shape (the widest row), its
-        head steps priced as the prior prices them."""
+        """A round's time into the cost table, under its pass's shape (the widest row), against
+        the prior at the batch's keys (as it was priced), its head steps priced as the prior
+        prices them."""
         assert self.paid is not None
         rows = len(outcomes)
         depth = max(o.depth for o in outcomes)
         steps = max((o.drafted for o in outcomes if o.source in (Source.HEAD, Source.CHAIN)),
                     default=0)
         self.paid.tick(rows)
-        self.paid.observe((rows, depth + 1, pipelined), outcomes[0].paid_s,
+        self.paid.observe((rows, depth + 1, pipelined), outcomes[0].paid_s, self._keys(),
                           drafting=steps * self.paid.draft)
 
     def _learn(self, request: Request, outcome: RoundOutcome) -> None:
