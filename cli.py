@@ -592,8 +592,8 @@ def generate(bundle: str | None, prompt: str | None, model: str | None, prompt_o
 @click.option("--dtype", type=DTYPES, default="auto", show_default=True,
               help="Cast the weights as generate/serve --dtype do (each dtype has its own curve).")
 @click.option("--max-batch", "batch", type=int, default=None,
-              help="Also time batched rounds of up to N rows (serve --max-batch N then starts "
-              "from them instead of exploring).")
+              help="Also time batched rounds of up to N rows (serve --max-batch N then prices "
+              "its batches' passes from them, not from the single-sequence curve).")
 @_kv_options
 def tune(bundle: str, as_json: bool, refresh: bool, dtype: str | None,
          batch: int | None, kv_bits: int | None, kv_group_size: int,

@@ -196,7 +196,7 @@ class Runner:
         if self._costs is None or refresh:
             self._costs = costs_for(self, refresh, progress)
             self.paid = None
-            if self._costs.key:  # a bundle's: what `tune --batch` timed, as the first prices
+            if self._costs.key:  # a bundle's: what `tune --max-batch` timed, as the first prices
                 paid, stock = batch_costs.read(self._costs.key)
                 batch_costs.seed(self.table(), paid)
                 self._stock(stock)

@@ -39,8 +39,8 @@ class Stats:
     sources: dict[str, dict[str, Any]] = field(default_factory=dict)
     predicted_s: float = 0.0
     plain_s: float = 0.0
-    # --depth auto on a measured curve: paid / predicted cost per source and "plain"
-    # (decoder/tuning/policy.py's correction)
+    # --depth auto on a measured curve: paid / prior per pass shape, "rows x width" (+ " piped")
+    # (decoder/tuning/policy.py's CostTable.summary)
     cost_scale: dict[str, float] = field(default_factory=dict)
     # per verified round: (perf_counter at its verdict, tokens committed before it, depth, kept),
     # so acceptance and tok/s can be drawn over the rounds of a generation

@@ -29,7 +29,6 @@ MAX_JSON_DEPTH = 100
 # Keys that carry the number of MTP layers, in the order readers look for them.
 # The MTP layer count, by the names checkpoints give it (MiniMax-M3: num_mtp_modules).
 MTP_COUNT_KEYS = ("mtp_num_hidden_layers", "num_nextn_predict_layers", "num_mtp_modules")
-QUANT_PARAM_KEYS = {"group_size", "bits", "mode", "global_scale"}
 # Special token ids transformers validates strictly (int, list of int or null) while loading
 # the tokenizer; anything else is a StrictDataclassFieldValidationError there.
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")

@@ -45,7 +45,6 @@ SWEEP = (1, 2, 3, 4)
 RUNS, MAX_TOKENS = 3, 256  # the defaults
 CPU_RUNS, CPU_MAX_TOKENS = 1, 128  # on a CPU backend: minutes, not half an hour (64 steady tokens)
 TEMPLATE_TOKENS = 16  # a chat template's own tokens around a message, roughly
-CONTROL_TOKENS = 8  # the two 4-token probes: does the target take a depth, and "auto"?
 TTFT_TOKENS = 4  # an endpoint's cold MTP TTFT, from a short request of its own per run
 # Before any answer, the cost curve's figure as a range: it prices prefill and plain steps
 # only (no HTTP, rendering or MTP rounds). After answers: the measured seconds per priced

@@ -34,8 +34,6 @@ from mtpkit.loaders.config import read_json
 from mtpkit.loaders.drafters import bundle_drafter, float_weights
 from mtpkit.loaders.findings import UserError
 
-FULL, SLIDING = "full_attention", "sliding_attention"
-
 
 class CentroidHead(nn.Module):
     """The E2B / E4B assistants' LM head: score token clusters, keep the `top_k` best, score

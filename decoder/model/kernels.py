@@ -4,9 +4,10 @@ A verify pass multiplies 1 + depth rows by every weight matrix. On MLX's CUDA ba
 quantized matmul re-reads the packed weights once per row for 2-7 rows, so a depth-3 round costs
 about what three plain steps do. The kernel here
 streams each packed 16-value chunk once, dequantizes it in registers and multiplies it with every
-row, as a decode step's matrix-vector product does for one row. `verify_matmul` is the one
-dispatch point: the CUDA kernel where it applies, MLX's own op everywhere else (a Metal kernel can
-be added here once it can be tested on a Mac).
+row, as a decode step's matrix-vector product does for one row. `rows_matmul` runs it; the layer
+twins (decoder/model/rows.py) and the row-count timing (decoder/tuning/kernel_choice.py) call it
+where it applies, MLX's own op everywhere else (a Metal kernel can be added here once it can be
+tested on a Mac).
 
 Layouts: MLX affine quantization, 4 or 8 bits, groups of 32, 64 or 128 (what mtpkit convert
 writes); x in float16, bfloat16 or float32. Float weights keep MLX's matmul: a kernel of this

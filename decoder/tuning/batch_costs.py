@@ -1,6 +1,6 @@
-"""What a batch's rounds cost here, timed up front (`mtpkit tune --batch N`) and kept on disk.
+"""What a batch's rounds cost here, timed up front (`mtpkit tune --max-batch N`) and kept on disk.
 
-`tune --batch N` runs the real engine (Scheduler, Batch, the cost table's own `observe`) on
+`tune --max-batch N` runs the real engine (Scheduler, Batch, the cost table's own `observe`) on
 synthetic prompts at 2, 4, ... N rows, choosing each shape still untimed (plain steps, every
 depth up to DEEPEST) until each has ROUNDS times, and stores them beside the cost curve (same
 key): later runners' cost tables start from those prices (`seed`). A traced trunk's shapes are
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from mtpkit.decoder.tuning.curve import CostCurve
     from mtpkit.decoder.tuning.policy import DepthPolicy
 
-ROUNDS = 5  # times per shape: a median of the four after one that may have compiled (a GPU)
+ROUNDS = 5  # times per shape: their median seeds the table (a first one that compiled cannot move it)
 DEEPEST = 3  # depths timed up front; deeper ones the prior prices and decoding corrects
 MAX_TOKENS = 100_000  # the requests never end by length: the timing policy ends the run
 

@@ -188,9 +188,9 @@ class CostTable:
             factor /= 1 + OPTIMISM / math.sqrt(1 + self.timings(shape))
         return lambda drafting: (prior + drafting) * factor
 
-    def tick(self, rows: int, count: int = 1) -> None:
-        """`count` passes of `rows` rows ran (every shape's confidence at that size fades)."""
-        self.clock[rows] = self.clock.get(rows, 0) + count
+    def tick(self, rows: int) -> None:
+        """A pass of `rows` rows ran (every shape's confidence at that size fades)."""
+        self.clock[rows] = self.clock.get(rows, 0) + 1
 
     def observe(self, shape: Shape, seconds: float, context: int = 0, count: int = 1,
                 drafting: float = 0.0) -> None:
@@ -271,12 +271,12 @@ class Plan:
 
 def decide(offers: Sequence[Offer], table: CostTable, max_depth: int, context: int = 0,
            pipelined: bool = False, plain: Shape | None = None, model_step: float = 0.0,
-           optimism: bool = True) -> Plan:
+           ) -> Plan:
     """The depth with the most expected committed tokens per second for these rows (see the
     module's doc). `pipelined`: whether a round would run pipelined; `plain`: the shape plain
     decoding takes (default: pipelined steps); `model_step`: a draft model's step."""
     rows = len(offers)
-    optimism = optimism and table.learn
+    optimism = table.learn  # a curve given by hand is taken as it is
     plain = plain or (rows, 1, True)
     best = Plan(0, (None,) * rows, rows / table.pricer(plain, context, optimism)(0.0))
     headed = any(o.head for o in offers)
