@@ -369,11 +369,13 @@ def estimate(cfg: dict, bits: int) -> dict[str, float]:
     drawn in float32 and cast to bf16 before it is quantized), from the lazily built model."""
     from mlx.utils import tree_flatten
 
+    from mtpkit.decoder.model.trunk import parts
+
     cls, args_cls = model_classes(cfg)
     model = cls(args_cls.from_dict(cfg))
     picks = quantizable(model)
-    text = getattr(model, "language_model", model)
-    inner = next(getattr(text, n) for n in ("model", "backbone") if hasattr(text, n))
+    text, inner_name, _ = parts(model)
+    inner = getattr(text, inner_name)
     layers = [_bytes(layer, bits, picks) for layer in inner.layers]
     trunk = _bytes(model, bits, picks)
     largest = max(v.size for _, v in tree_flatten(model.parameters()))

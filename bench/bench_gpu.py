@@ -108,16 +108,13 @@ def oracle_ready(cls, args, bits: int | None):
     import mlx.nn as nn
     from mlx.utils import tree_flatten
 
-    from mtpkit.decoder.model.trunk import INNER
-    from mtpkit.loaders.families import family_for
+    from mtpkit.decoder.model.trunk import parts
 
     mx.random.seed(0)
     model = cls(args)
     model.set_dtype(mx.bfloat16)
-    text = getattr(model, "language_model", model)
-    inner_name = next(n for n in INNER if hasattr(text, n))
+    text, inner_name, embed_name = parts(model)
     inner = getattr(text, inner_name)
-    embed_name = family_for(getattr(text.args, "model_type", None)).embed_module
     embedding = getattr(inner, embed_name)
     for layer in inner.layers:
         for name, module in tree_flatten(layer.leaf_modules(), is_leaf=nn.Module.is_module):

@@ -64,15 +64,23 @@ class LayerTap(nn.Module):
         return out
 
 
+def parts(model: nn.Module) -> tuple[nn.Module, str, str]:
+    """Where an mlx-lm model keeps what the decoder reads: its text model (a VL model's
+    language_model), the attribute of its inner model (one of INNER) and, inside that, the
+    token embedding's (the family table's embed_module)."""
+    text = getattr(model, "language_model", model)
+    inner = next(n for n in INNER if hasattr(text, n))
+    return text, inner, family_for(getattr(text.args, "model_type", None)).embed_module
+
+
 class Trunk:
     """Forward passes over an mlx-lm model that return (hidden for the head, logits)."""
 
     def __init__(self, model: nn.Module, hidden_feed: str = "post_norm") -> None:
         self.model = model
-        self.text = getattr(model, "language_model", model)
-        self.inner = next(getattr(self.text, n) for n in INNER if hasattr(self.text, n))
+        self.text, inner, self._embed_module = parts(model)
+        self.inner = getattr(self.text, inner)
         self.args = self.text.args
-        self._embed_module = family_for(getattr(self.args, "model_type", None)).embed_module
         self.hidden_feed = hidden_feed
         self._tap: _NormTap | None = None
         if hidden_feed == "pre_norm":
