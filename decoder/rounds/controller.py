@@ -109,24 +109,36 @@ class Controller:
                 yield self.round(self.proposed(source, depth, drafts, match, left() - 1)
                                  ).committed
                 continue
-            # timed every memory() steps (a stretch cut off by the generation's end never is)
+            # timed every memory() steps, and before the generation's last token
             yield from self._stretch(min(left(), memory()),
-                                     lambda: self.choose(left() - 1)[1] > 0)
+                                     lambda: self.choose(left() - 1)[1] > 0, left)
+            self.switched = True
 
-    def _stretch(self, count: int, stop: Callable[[], bool]) -> Iterator[list[int]]:
-        """Pipelined plain steps until `stop()` (timed for the policy)."""
+    def _stretch(self, count: int, stop: Callable[[], bool],
+                 left: Callable[[], int]) -> Iterator[list[int]]:
+        """Pipelined plain steps until `stop()`, timed for the policy when they end or
+        before the one that ends the generation (its consumer stops asking there)."""
         policy, session = self.policy, self.session
         if self.interrupt is not None:
             stop = _either(self.interrupt, stop)
+        timed = False
         for token in session.plain_steps(count, stop):
             policy.plain()
             policy.costs.tick(1)
             session.stats.predicted_s += policy.cost(0)
+            if left() <= 1:
+                self._observe_plain()
+                timed = True
             yield [token]
-        policy.observe_plain(*session.plain_paid)
+        if not timed:
+            self._observe_plain()
+
+    def _observe_plain(self) -> None:
+        """What the plain steps paid, into the policy; the stored curve judged by it."""
+        policy = self.policy
+        policy.observe_plain(*self.session.plain_paid)
         if policy.costs.learn and (1, 1, True) in policy.costs.ratios:
-            check_plain(policy.curve, policy.cost(0))  # the stored curve judged by what it paid
-        self.switched = True
+            check_plain(policy.curve, policy.cost(0))
 
     def report(self, stats: Stats) -> None:
         """The depths chosen so far and the cost scales in use, into the statistics."""

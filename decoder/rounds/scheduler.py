@@ -30,6 +30,7 @@ from mtpkit.decoder.rounds.batch_prefill import prefill_together
 from mtpkit.decoder.rounds.controller import Controller
 from mtpkit.decoder.rounds.session import RoundOutcome, Session, Stopped
 from mtpkit.decoder.stats import Stats
+from mtpkit.decoder.tuning.costs import check_plain
 from mtpkit.decoder.tuning.policy import CostTable, DepthPolicy, Offer, decide
 
 SPEC_ROUNDS = 16  # pipelined speculative rounds between two of the policy's choices (each
@@ -390,6 +391,8 @@ class Scheduler:
         if self.paid is not None:
             self.paid.tick(self.rows)
             self.paid.observe((self.rows, 1, True), paid, self._keys())
+            if self.rows == 1 and self.paid.learn:  # the stored curve judged, as a lone run's
+                check_plain(self.paid.curve, self.paid.seconds((1, 1, True), self._keys()))
         events = []
         for request, token in zip(self.active, tokens, strict=True):
             if request.finish is None:  # a row done earlier in the stretch takes no more

@@ -247,6 +247,7 @@ class Session:
             self.taken([token])
             self.last = token
             busy += time.perf_counter() - begin
+            self.plain_paid = (busy, n + 1)  # as paid so far: the consumer may stop here
             yield token
             begin = time.perf_counter()
             n += 1
