@@ -13,6 +13,11 @@
 
     .venv/bin/python bench/bench_serve.py [--bundle out/SmolLM2-135M-mtp] [--turns 5]
 
+With `--against OLD` (a folder holding another tree's `mtpkit/`, e.g. a `git archive` of an
+older commit) only part 2 runs, on two servers of the same bundle, this tree's and OLD's,
+alternately `--runs` times in one process: each pair's aggregate tokens/s ratio, their median
+and spread (a paired comparison on a shared, noisy machine).
+
 Every server runs its default depth (auto: the cost curve is measured at start-up, cached).
 """
 
@@ -104,6 +109,7 @@ def concurrency(url: str, clients: int, each: int, max_tokens: int) -> dict[str,
     requests as they arrive (X-Mtpkit-Arrival); first in, first out means they are answered in
     that order."""
     done: list[tuple[float, int, float]] = []  # (answered, arrival number, latency)
+    produced: list[int] = []  # completion tokens per answer
     errors: list[str] = []
     lock = threading.Lock()
     start = threading.Barrier(clients)
@@ -118,7 +124,8 @@ def concurrency(url: str, clients: int, each: int, max_tokens: int) -> dict[str,
                 response = conn.getresponse()
                 doc = json.loads(response.read())
                 assert response.status == 200, doc
-                assert doc["usage"]["completion_tokens"], "no usage"
+                tokens = doc["usage"]["completion_tokens"]
+                assert tokens, "no usage"
                 arrival = int(response.getheader("X-Mtpkit-Arrival"))
             except Exception as exc:  # noqa: BLE001 (every failure is a finding here)
                 with lock:
@@ -127,6 +134,7 @@ def concurrency(url: str, clients: int, each: int, max_tokens: int) -> dict[str,
             answered = time.perf_counter()
             with lock:
                 done.append((answered, arrival, answered - sent))
+                produced.append(tokens)
 
     threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
     began = time.perf_counter()
@@ -134,10 +142,11 @@ def concurrency(url: str, clients: int, each: int, max_tokens: int) -> dict[str,
         t.start()
     for t in threads:
         t.join()
+    wall = time.perf_counter() - began
     order = [arrival for _, arrival, _ in sorted(done)]
     return {"clients": clients, "each": each, "answered": len(done), "errors": errors,
             "arrival_order_kept": order == sorted(order), "answer_order": order,
-            "wall_s": time.perf_counter() - began,
+            "wall_s": wall, "tokens": sum(produced), "tok_s": sum(produced) / wall,
             "latency_s": summary([d[2] for d in done]) if done else None}
 
 
@@ -184,6 +193,28 @@ def dropped_stream(url: str, rounds_before_drop: int) -> dict[str, Any]:
             "freed_in_rounds": freed / statistics.median(rounds)}
 
 
+def paired(bundle: Path, old: Path, runs: int, options: list[str]) -> dict[str, Any]:
+    """Part 2 on this tree's server and OLD's, alternately (see the module's doc)."""
+    arms: dict[str, list[dict[str, Any]]] = {"new": [], "old": []}
+    env = {"PYTHONPATH": str(old.resolve())}
+    with serve_process(bundle, "--cache-gb", "2", *options) as new_url, \
+            serve_process(bundle, "--cache-gb", "2", *options, env=env) as old_url:
+        for url in (new_url, old_url):  # warm-up, not counted
+            concurrency(url, 4, 1, 32)
+        for run in range(runs):
+            order = (("new", new_url), ("old", old_url))
+            for arm, url in order if run % 2 == 0 else order[::-1]:
+                arms[arm].append(concurrency(url, 4, 5, 32))
+                print(f"run {run + 1}/{runs} {arm}: {arms[arm][-1]['tok_s']:.1f} tok/s",
+                      file=sys.stderr)
+    ratios = [n["tok_s"] / o["tok_s"] for n, o in zip(arms["new"], arms["old"], strict=True)]
+    return {"against": str(old), "runs": runs,
+            "tok_s": {arm: summary([r["tok_s"] for r in rs]) for arm, rs in arms.items()},
+            "ratio": {**summary(ratios), "max": max(ratios), "each": ratios},
+            "errors": sum(len(r["errors"]) for rs in arms.values() for r in rs),
+            "arms": arms}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bundle", type=Path, default=ROOT / "out" / "SmolLM2-135M-mtp")
@@ -192,8 +223,20 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="float32 by default: on MLX's CPU backend with OpenBLAS a bf16 "
                         "prefill of 2,000 tokens takes ~7x longer")
+    parser.add_argument("--against", type=Path,
+                        help="a folder holding another tree's mtpkit/: part 2 only, paired")
+    parser.add_argument("--runs", type=int, default=5, help="pairs, with --against")
     args = parser.parse_args()
     options = ["--dtype", args.dtype]
+    if args.against is not None:
+        pair = paired(args.bundle, args.against, args.runs, options)
+        path = save(f"serve-pair-{args.dtype}", {"bundle": str(args.bundle), **pair})
+        t, r = pair["tok_s"], pair["ratio"]
+        print(f"4 clients x 5 requests: this tree {t['new']['median']:.1f} tok/s, "
+              f"{args.against} {t['old']['median']:.1f} (medians of {args.runs}); paired "
+              f"ratio {r['median']:.3f} (min {r['min']:.3f}, max {r['max']:.3f}); errors "
+              f"{pair['errors']}; written {path}")
+        return
     doc = document(args.bundle)
     with serve_process(args.bundle, "--cache-gb", "2", *options) as url, \
             serve_process(args.bundle, "--cache-gb", "0", *options) as cold_url:

@@ -52,7 +52,10 @@ def test_generate_auto_reports_the_chosen_depths(built: Callable[..., Path], cac
     assert stats["depths"] and all(int(d) >= 0 and n > 0 for d, n in stats["depths"].items())
     assert _rounds(stats["depths"]) == stats["verify_calls"], "every verify round is counted"
     assert stats["depths"].get("0", 0) < stats["generated_tokens"]
-    assert stats["predicted_speedup"] is not None and stats["predicted_speedup"] > 0
+    # whether rounds pay on this fixture depends on the machine's costs: predicted exactly
+    # when rounds ran (tests/test_policy.py decides on given costs)
+    assert (stats["predicted_speedup"] is None) == (stats["verify_calls"] == 0)
+    assert stats["predicted_speedup"] is None or stats["predicted_speedup"] > 0
 
     text = _invoke(*args, "--depth", "auto")
     # streamed pieces vs one decode: a tokenizer may drop the first token's leading space, and
