@@ -270,6 +270,23 @@ def test_headline_acceptance_is_its_checks_figure() -> None:
     assert check.summary.startswith("depth-1 acceptance 95.2% (median over loads)"), check.summary
 
 
+def test_no_acceptance_says_whether_auto_decoded_plainly() -> None:
+    """Auto reporting only plain steps is not a target that hides its acceptance: the check
+    says which (a --min-accept floor fails both)."""
+    from mtpkit.verify.run import VerifyOptions, _speed_checks
+
+    tps = {"p50": 10.0, "p95": 11.0, "n": 1}
+    plainly = {"code": {"plain": {"decode_tps": tps}, "speedup": 1.0,
+                        "mtp": {"decode_tps": tps, "acceptance_by_depth": [], "depths": {"0": 47}}}}
+    silent = {"code": {"plain": {"decode_tps": tps}, "speedup": 1.0,
+                       "mtp": {"decode_tps": tps}}}
+    for rows, said in ((plainly, "auto decoded plainly"), (silent, "not reported")):
+        for floor, status in ((None, "info"), (0.5, "fail")):
+            check = next(c for c in _speed_checks(rows, VerifyOptions(min_accept=floor), True,
+                                                  "auto") if c.name == "acceptance")
+            assert check.status == status and said in check.summary, check
+
+
 def test_an_interrupted_run_is_marked_incomplete(local_run) -> None:
     doc, _, _ = local_run
     cut = copy.deepcopy(doc) | {"incomplete": True,

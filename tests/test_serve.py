@@ -381,6 +381,8 @@ def test_verify_run_passes_our_own_serve(trained) -> None:
     # exactly when rounds ran
     speculated = any(d != "0" for d in depths)
     assert status["acceptance"] == ("pass" if speculated else "info") and status["speedup"] == "pass"
+    said = next(c["summary"] for c in doc["checks"] if c["name"] == "acceptance")
+    assert speculated or "auto decoded plainly" in said, said
     assert status["answer"] == "fail" and "reasoning" in next(
         c["summary"] for c in doc["checks"] if c["name"] == "answer")
     assert status["prefix_cache"] == "info" and status["anthropic"] == "pass"  # no --cache-gb
