@@ -14,7 +14,19 @@ batched (a plain one beside speculative mates too), and the round-state law test
 Mutants these tests kill (issue 33; each applied to a copy of the tree): one row's kept count
 applied to another row; a rollback that trims every row by the batch's minimum; a joining row
 that attends to the positions of the row before it (a mate's layout); a batched prefill
-without its padding mask, or leaving a row's cache at the padded width.
+without its padding mask, or leaving a row's cache at the padded width. Re-run on 2026-11-29
+at 68e42eb (decoder/ in sub-packages), each on a copy of the tree; the first failing test (-x):
+- kept counts applied to other rows (rounds/batch.py round: rows' counts reversed in _settle) and
+  every row trimmed by the batch's minimum (all keep max(kept) + 1):
+  test_rows_keep_different_counts_in_one_pass[llama];
+- a joining row given its mate's layout (cache/batch_cache.py Holes.join: the new row's valid
+  is the last row's): test_every_row_decodes_as_alone[qwen3_5] ([llama] passes);
+- a batched prefill without its padding mask (rounds/batch_prefill.py: left_padding zeroed after
+  BatchKVCache(pads), RoPE offsets kept) and a row's cache left at the padded width (FrozenKV of
+  all `width` positions): test_prompts_that_start_together_prefill_in_one_pass[False];
+- the recurrent replay's batch lengths path one position too many or too few
+  (cache/recording.py), which test_exactness.py does not reach:
+  test_rows_keep_different_counts_in_one_pass[qwen3_5] ([llama] passes: no recurrent layer).
 """
 
 from __future__ import annotations

@@ -22,18 +22,30 @@ ending at every possible position). Their power was measured with mutants of the
 from the previous position's law, q taken before the sampler's processing, rollback committing
 one recurrent state too many or too few; each fails at least one test here by far.
 
-Re-run on the device rule (issue 32, acceptance in decoder/rounds/acceptance.py), each mutant applied to
-a copy of the tree: drafts accepted untested after the first and accept-everything fail all six
-law tests (round states x 4 settings, six tokens x 2); q taken before the sampler's processing
-fails the round-state law at top_k and top_p_min_p and the six-token law at top_k (at plain
-temperature and with a draft vocabulary the processed q is the raw one: no mutant there); a
-recurrent state committed one too many fails greedy identity with stock mlx-lm on qwen3_5,
-qwen3_5_moe and qwen3_next and the forced rejections under record; one too few fails the forced
-rejections under record (qwen3_5, qwen3_next). Re-run on the replay rollback (2026-11-28,
-decoder/cache/recording.py): replaying one position too many or too few, through the batch's lengths
-or the sliced single-sequence path, fails five tests here each (the forced rejections under
-record and greedy identity with stock mlx-lm). The replacement from p and the bonus from the
-previous position run below as negative controls, written on the device rule.
+Re-run on 2026-11-29 at 68e42eb (decoder/ in sub-packages), each mutant applied to a copy of
+the tree; the first failing test (-x) and what else fails here:
+- drafts accepted untested after the first (rounds/acceptance.py: ratio | index > 0) and
+  accept-everything (kept = depth): test_every_round_state_emits_the_target_law[temperature];
+  all six law tests fail, each first at its round-structure assert (kept counts {0, K} or {K});
+  with that assert off (checked on the first), the laws fail by far too (round states at
+  temperature: p = 2e-163; a filtered token emitted at top_k; six tokens: p = 1e-148).
+- q taken before the sampler's processing (rounds/session.py head_draft: q the raw softmax, the
+  draft drawn from the processed law): test_every_round_state_emits_the_target_law[top_k]; also
+  [top_p_min_p] and the six-token law at top_k (at plain temperature and with a draft
+  vocabulary the processed q is the raw one: no mutant there).
+- a recurrent state committed one too many (cache/state.py commit_recorded: recorder.commit(keep
+  + 1)): test_forced_rejections_keep_greedy_equal_to_stock[record-qwen3_5]; also [record-
+  qwen3_next] and greedy identity with stock mlx-lm on qwen3_5, qwen3_5_moe and qwen3_next.
+- one too few (keep - 1 where keep > 1): [record-qwen3_5] and [record-qwen3_next] only; a bare
+  keep - 1 replays no position when one is kept and crashes (mlx: conv, reshape) in those five.
+- replay rollback, sliced single-sequence path (cache/recording.py commit): one position too
+  many fails the same five tests as the state committed one too many, [record-qwen3_5] first;
+  one too few: as the state committed one too few (both forms).
+- replay rollback, the batch's lengths path (recording.py: lengths = keep + 1, keep - 1): NO
+  test here fails (whole file run: 18 passed): a lone sequence never takes that path. Both are
+  killed by test_batch.py::test_rows_keep_different_counts_in_one_pass[qwen3_5].
+The replacement from p and the bonus from the previous position run below as negative controls,
+written on the device rule.
 """
 
 from __future__ import annotations
