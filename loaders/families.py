@@ -462,10 +462,12 @@ def stacked_modules(path: str) -> tuple[str, ...]:
 # Attributes under which mlx-lm's decoder layers hold a recurrent (non-trimmable) mixer, with
 # the layer attribute and value that say the mixer there is the recurrent one (None: always):
 # Qwen's linear_attn; Kimi-K3's KDA under self_attn (is_linear); Nemotron-H's Mamba under mixer
-# (block_type "M"). decoder/cache/recording.py records them so a batch commits each row's kept
+# (block_type "M"); Ling 2.5's lightning attention under attention (is_global False, its call
+# taking the rope offset). decoder/cache/recording.py records them so a batch commits each row's kept
 # positions (a mixer it does not record keeps a batch's rejected drafts in its state).
 RECURRENT_ATTRIBUTES: dict[str, tuple[str, Any] | None] = {
-    "linear_attn": None, "self_attn": ("is_linear", True), "mixer": ("block_type", "M")}
+    "linear_attn": None, "self_attn": ("is_linear", True), "mixer": ("block_type", "M"),
+    "attention": ("is_global", False)}
 # Attributes by which mlx-lm's decoder layers say their kind (recurrent, sliding-window, MLA
 # among linear layers), which decides the cache mlx-lm's model makes for them: an MTP layer's
 # cache is the one made for the trunk layers that agree with it on these (decoder/model/trunk.py).

@@ -570,9 +570,10 @@ def test_a_trunk_whose_lm_head_is_none_is_tied():
 
 # Heads inside a batch: a sliding-window head of several blocks (Step-3.5: sliding, full,
 # sliding depths, each block its own cache) and heads over recurrent trunks (Nemotron-H's Mamba
-# mixers, Kimi-K3's KDA layers), rows joining as others leave, at different depths and
-# sources, the last row parted back to a lone session.
-@pytest.mark.parametrize("family", ["step3p5", "nemotron_h", "kimi_k3"])
+# mixers, Kimi-K3's KDA layers, Ling 2.5's lightning attention, whose call takes the rope
+# offset), rows joining as others leave, at different depths and sources, the last row parted
+# back to a lone session.
+@pytest.mark.parametrize("family", ["step3p5", "nemotron_h", "kimi_k3", "bailing_hybrid"])
 def test_every_row_of_a_batch_of_head_drafts_decodes_as_alone(bundles, family):
     """Each row's tokens and round counts in a batch equal its lone decoding: the head's
     drafts for two rows (3 deep: every block chained, past Step-3.5's 32-token window; and 2
@@ -600,12 +601,10 @@ def test_every_row_of_a_batch_of_head_drafts_decodes_as_alone(bundles, family):
     assert sum(r.stats.corrections for r in batched) > 0, "rows rejected drafts"
 
 
-# Families whose rows would not decode as alone in a batch: Ling 2.5's linear attention is not
-# recorded (its mixer takes an offset the recorder does not pass), so a batch cannot roll a
-# row's state back; MiniMax-M3's sparse attention picks key blocks by cache slot, so a row's
-# left padding changes its keys (the family table's `unbatchable`).
-@pytest.mark.parametrize(("family", "why"), [("bailing_hybrid", "not recorded"),
-                                             ("minimax_m3_vl", "cache slot")])
+# A family whose rows would not decode as alone in a batch: MiniMax-M3's sparse attention
+# picks key blocks by cache slot, so a row's left padding changes its keys (the family table's
+# `unbatchable`).
+@pytest.mark.parametrize(("family", "why"), [("minimax_m3_vl", "cache slot")])
 def test_a_batch_that_would_not_decode_as_alone_is_refused(bundles, family, why):
     """Every batch entry refuses max_batch above 1 in one line with options.invalid and the
     reason; one at a time, each prompt decodes as alone."""
@@ -627,3 +626,20 @@ def test_a_batch_that_would_not_decode_as_alone_is_refused(bundles, family, why)
     alone = [runner.generate(p, 12, depth=2, draft="head") for p in prompts]
     together = runner.generate_batch(prompts, 12, max_batch=1, depth=2, draft="head")
     assert [r.tokens for r in together] == [r.tokens for r in alone]
+
+
+def test_ling_traced_recording_passes_compute_what_stock_passes_compute(bundles):
+    """Ling 2.5's lightning attention takes the rope offset as a keyword: a traced recording
+    pass hands it out with the layer's input, and each commit replays from it the states the
+    stock pass leaves (replayed at offset 0, the logits move by about 10)."""
+    from test_traced import _traced, recorded_passes
+
+    runner = mtpkit.load(bundles("bailing_hybrid"), dtype="float32")
+    assert [r.exported for r in runner.trunk.recorders] == [()]
+    want = recorded_passes(runner.trunk)
+    calls = _traced(runner.trunk)
+    got = recorded_passes(runner.trunk)
+    assert calls == [(1, width) for w in (3, 5, 2, 4, 4) for width in (w, 1)]
+    assert [r.exported for r in runner.trunk.recorders] == [("offset",)]
+    for a, b in zip(want, got, strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4)

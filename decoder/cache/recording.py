@@ -63,6 +63,8 @@ class StateRecorder(nn.Module):
         self._start: list[Any] = []  # the cache's arrays before the pass
         self._inputs: mx.array | None = None
         self._mask: mx.array | None = None
+        self._kwargs: dict[str, Any] = {}  # the call's keywords (Ling 2.5's rope offset)
+        self.exported: tuple[str, ...] = ()  # of those, the arrays a traced pass hands out
         for name, child in list(inner.children().items()):
             if isinstance(child, LINEARS):
                 setattr(inner, name, Tap(child))
@@ -71,11 +73,12 @@ class StateRecorder(nn.Module):
     def taps(self) -> list[Tap]:
         return [m for m in self.inner.children().values() if isinstance(m, Tap)]
 
-    def __call__(self, x: mx.array, mask: mx.array | None = None, cache: Any = None) -> mx.array:
+    def __call__(self, x: mx.array, mask: mx.array | None = None, cache: Any = None,
+                 **kwargs: Any) -> mx.array:
         if not self.recording or cache is None:
-            return self.inner(x, mask, cache)
-        self.adopt(cache, list(cache.cache), x, mask)
-        return self._with_taps("keep", lambda: self.inner(x, mask, cache))
+            return self.inner(x, mask, cache, **kwargs)
+        self.adopt(cache, list(cache.cache), x, mask, kwargs=kwargs)
+        return self._with_taps("keep", lambda: self.inner(x, mask, cache, **kwargs))
 
     def _with_taps(self, mode: str, run: Callable[[], mx.array]) -> mx.array:
         taps = self.taps
@@ -88,16 +91,20 @@ class StateRecorder(nn.Module):
                 tap.mode = ""
 
     def kept(self) -> list[mx.array]:
-        """What a traced pass hands out for this layer: its input and every tap's output."""
+        """What a traced pass hands out for this layer: its input, every tap's output and
+        the call's array keywords (`exported`, named while tracing)."""
         outputs = [tap._out for tap in self.taps]
         assert self._inputs is not None and all(o is not None for o in outputs)
-        return [self._inputs, *outputs]
+        self.exported = tuple(k for k, v in self._kwargs.items() if isinstance(v, mx.array))
+        return [self._inputs, *outputs, *(self._kwargs[k] for k in self.exported)]
 
     def adopt(self, cache: Any, start: list[Any], inputs: mx.array | None,
-              mask: mx.array | None = None, outputs: list[mx.array] | None = None) -> None:
-        """Take `cache` (and the arrays it held before the pass, the layer's input and mask,
-        and, from a traced pass, each tap's output) as what this pass recorded."""
+              mask: mx.array | None = None, outputs: list[mx.array] | None = None,
+              kwargs: dict[str, Any] | None = None) -> None:
+        """Take `cache` (and the arrays it held before the pass, the layer's input, mask and
+        keywords, and, from a traced pass, each tap's output) as what this pass recorded."""
         self.cache, self._start, self._inputs, self._mask = cache, start, inputs, mask
+        self._kwargs = kwargs or {}
         if outputs is not None:
             for tap, out in zip(self.taps, outputs, strict=True):
                 tap._out = out
@@ -112,7 +119,7 @@ class StateRecorder(nn.Module):
             for tap in self.taps:
                 tap._out = None if tap._out is None else tap._out[:, :keep]
             cache.cache = list(self._start)
-            self._with_taps("play", lambda: self.inner(x, mask, cache))
+            self._with_taps("play", lambda: self.inner(x, mask, cache, **self._kwargs))
         elif not isinstance(keep, int):  # a length per row: mlx-lm's right-padded batch
             after = cache.left_padding, cache.lengths
             cache.cache, cache.left_padding = list(self._start), None
@@ -120,7 +127,7 @@ class StateRecorder(nn.Module):
             held = cache.make_mask(x.shape[1])
             try:
                 self._with_taps("play", lambda: self.inner(
-                    x, held if mask is None else held & mask, cache))
+                    x, held if mask is None else held & mask, cache, **self._kwargs))
             finally:
                 cache.left_padding, cache.lengths = after
         self.release()

@@ -174,9 +174,10 @@ class TracedPasses:
         if record:
             recurrent = [c for c in cache if type(c) is not PaddedKVCache]
             for recorder, slot in zip(self.trunk.recorders, self._slots, strict=True):
-                taps = len(recorder.taps)
-                recorder.adopt(recurrent[slot], starts[slot], rest[0], None, rest[1:1 + taps])
-                rest = rest[1 + taps:]
+                taps, named = len(recorder.taps), recorder.exported
+                recorder.adopt(recurrent[slot], starts[slot], rest[0], None, rest[1:1 + taps],
+                               dict(zip(named, rest[1 + taps:], strict=False)))
+                rest = rest[1 + taps + len(named):]
         return hidden, logits
 
     # -- a batch's passes (decoder/rounds/batch.py) ------------------------------------------------
