@@ -197,7 +197,11 @@ def test_a_seeded_plain_row_samples_the_same_text_beside_a_speculative_mate(
     """A seeded row at depth 0 draws one plain step's uniforms per token whether it runs alone
     (pipelined plain steps) or as a depth-0 row of a speculative batch round (a round there
     had drawn one ratio test more, and every later token differed)."""
+    from mtpkit.decoder.tuning.curve import CostCurve
+
     runner = tiny_runner(vocab=6)
+    # rounds priced as plain steps, taken as given: auto speculates on any machine
+    runner._costs = CostCurve([0.01] * 16, 0.01, 0.0)
     prompts = [[1, 2, 3, 4], [5, 4, 3]]
     row = {"depth": 0, "temperature": 0.8, "seed": 5, "max_tokens": 40}
     alone = runner.generate(prompts[0], **row)
