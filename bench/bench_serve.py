@@ -110,6 +110,7 @@ def concurrency(url: str, clients: int, each: int, max_tokens: int) -> dict[str,
     that order."""
     done: list[tuple[float, int, float]] = []  # (answered, arrival number, latency)
     produced: list[int] = []  # completion tokens per answer
+    depths: dict[str, int] = {}  # rounds per depth (plain steps at "0"), summed over answers
     errors: list[str] = []
     lock = threading.Lock()
     start = threading.Barrier(clients)
@@ -126,6 +127,7 @@ def concurrency(url: str, clients: int, each: int, max_tokens: int) -> dict[str,
                 assert response.status == 200, doc
                 tokens = doc["usage"]["completion_tokens"]
                 assert tokens, "no usage"
+                mtp = doc["usage"].get("mtp") or {}
                 arrival = int(response.getheader("X-Mtpkit-Arrival"))
             except Exception as exc:  # noqa: BLE001 (every failure is a finding here)
                 with lock:
@@ -135,6 +137,8 @@ def concurrency(url: str, clients: int, each: int, max_tokens: int) -> dict[str,
             with lock:
                 done.append((answered, arrival, answered - sent))
                 produced.append(tokens)
+                for d, n in (mtp.get("depths") or {}).items():
+                    depths[d] = depths.get(d, 0) + n
 
     threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
     began = time.perf_counter()
@@ -147,6 +151,7 @@ def concurrency(url: str, clients: int, each: int, max_tokens: int) -> dict[str,
     return {"clients": clients, "each": each, "answered": len(done), "errors": errors,
             "arrival_order_kept": order == sorted(order), "answer_order": order,
             "wall_s": wall, "tokens": sum(produced), "tok_s": sum(produced) / wall,
+            "depths": dict(sorted(depths.items(), key=lambda kv: int(kv[0]))),
             "latency_s": summary([d[2] for d in done]) if done else None}
 
 
@@ -205,8 +210,8 @@ def paired(bundle: Path, old: Path, runs: int, options: list[str]) -> dict[str, 
             order = (("new", new_url), ("old", old_url))
             for arm, url in order if run % 2 == 0 else order[::-1]:
                 arms[arm].append(concurrency(url, 4, 5, 32))
-                print(f"run {run + 1}/{runs} {arm}: {arms[arm][-1]['tok_s']:.1f} tok/s",
-                      file=sys.stderr)
+                print(f"run {run + 1}/{runs} {arm}: {arms[arm][-1]['tok_s']:.1f} tok/s, "
+                      f"depths {arms[arm][-1]['depths']}", file=sys.stderr)
     ratios = [n["tok_s"] / o["tok_s"] for n, o in zip(arms["new"], arms["old"], strict=True)]
     return {"against": str(old), "runs": runs,
             "tok_s": {arm: summary([r["tok_s"] for r in rs]) for arm, rs in arms.items()},
