@@ -642,10 +642,11 @@ def _speed_checks(rows: dict[str, dict], options: VerifyOptions, control: bool,
                                    for k, r in rows.items()}}
     if accept is None:
         status = FAIL if options.min_accept is not None else INFO
-        plainly = any(r.get("mtp", {}).get("depths") for r in rows.values())  # auto: plain only
-        out.append(Check("acceptance", status, "no speculative round ran (auto decoded plainly: "
-                         "rounds priced slower here)" if plainly else
-                         "acceptance not reported by the target", evidence))
+        if any(r.get("mtp", {}).get("depths") for r in rows.values()):  # auto: plain only
+            said = "no speculative round ran (auto decoded plainly: rounds priced slower here)"
+        else:
+            said = "acceptance not reported by the target"
+        out.append(Check("acceptance", status, said, evidence))
     else:
         floor = options.min_accept
         status = FAIL if floor is not None and accept < floor else PASS

@@ -389,10 +389,11 @@ class Scheduler:
             return None
         self.rows = len(self.active)
         if self.paid is not None:
+            keys = self._keys()
             self.paid.tick(self.rows)
-            self.paid.observe((self.rows, 1, True), paid, self._keys())
+            self.paid.observe((self.rows, 1, True), paid, keys)
             if self.rows == 1 and self.paid.learn:  # the stored curve judged, as a lone run's
-                check_plain(self.paid.curve, self.paid.seconds((1, 1, True), self._keys()))
+                check_plain(self.paid.curve, self.paid.seconds((1, 1, True), keys))
         events = []
         for request, token in zip(self.active, tokens, strict=True):
             if request.finish is None:  # a row done earlier in the stretch takes no more
