@@ -3,11 +3,12 @@
 A traced verify pass (decoder/model/traced.py) writes its rows into every layer's key and value
 buffer with `mx.slice_update` at an array offset, so the trace does not bake the position in.
 This times 32 layers x (keys, values) of (1, 8, L, 128) bfloat16 written 4 rows at a time, the
-buffers held by nothing else, six ways: `mx.slice_update` at an array offset eagerly and inside
+buffers held by nothing else, seven ways: `mx.slice_update` at an array offset eagerly and inside
 `mx.compile`, the same with the offset a constant of the trace, a scatter of the rows at their
 positions (`mx.put_along_axis`) eagerly and traced, and the static slice assignment one-row
-decoding uses (`buffer[..., a:b, :] = rows`). Where a way donates the buffer it costs
-the rows; where it copies, the whole buffer.
+decoding uses (`buffer[..., a:b, :] = rows`), eagerly and traced. Where a way donates the buffer it costs
+the rows; where it copies, the whole buffer (the peak memory above the buffers says which).
+Each way runs twice: back to back, and waiting for the device after each write.
 
     python bench/prof_kv_update.py --contexts 16384,65536
 """
@@ -35,37 +36,52 @@ def arms(at: int) -> dict[str, Callable[[list[mx.array], mx.array], list[mx.arra
             b[..., at:at + ROWS, :] = new
         return buffers
 
+    def assign_traced(new: mx.array, *buffers: mx.array) -> list[mx.array]:
+        return assign(list(buffers), new)
+
     def scatter(start: mx.array, new: mx.array, *buffers: mx.array) -> list[mx.array]:
         rows = (start + mx.arange(new.shape[2], dtype=mx.int32))[None, None, :, None]
         rows = mx.broadcast_to(rows, new.shape)
         return [mx.put_along_axis(b, rows, new, axis=2) for b in buffers]
 
     traced, traced_constant = mx.compile(dynamic), mx.compile(constant)
-    traced_scatter = mx.compile(scatter)
+    traced_scatter, traced_assign = mx.compile(scatter), mx.compile(assign_traced)
     start = mx.array(at, mx.int32)
     return {"eager, array offset": lambda b, new: dynamic(start, new, *b),
             "traced, array offset": lambda b, new: traced(start, new, *b),
             "traced, constant offset": lambda b, new: traced_constant(new, *b),
             "eager, scatter": lambda b, new: scatter(start, new, *b),
             "traced, scatter": lambda b, new: traced_scatter(start, new, *b),
-            "static assignment": assign}
+            "static assignment": assign,
+            "traced, static assignment": lambda b, new: traced_assign(new, *b)}
 
 
-def _time(write: Callable, held: dict[str, list[mx.array]], new: mx.array, reps: int) -> float:
-    """Mean ms of `reps` writes after 3 warm-ups, the buffers donatable each time."""
+def _time(write: Callable, held: dict[str, list[mx.array]], new: mx.array, reps: int,
+          settle: bool) -> tuple[float, float]:
+    """(mean ms of `reps` writes after 3 warm-ups, the buffers donatable each time; peak MB
+    above what the buffers hold: about 0 where every write donated, a buffer's worth or more
+    where it copied). settle: wait for the device after each write, so nothing the backend
+    still holds from the last write keeps this one from donating."""
     def step() -> None:
         buffers = held.pop("buffers")  # nothing else holds them
         out = write(buffers, new)
         del buffers
         mx.eval(out)
+        if settle:
+            mx.synchronize()
         held["buffers"] = out
 
     for _ in range(3):
         step()
+    mx.synchronize()
+    base = sum(b.nbytes for b in held["buffers"])
+    mx.reset_peak_memory()
     start = time.perf_counter()
     for _ in range(reps):
         step()
-    return 1000 * (time.perf_counter() - start) / reps
+    mx.synchronize()
+    ms = 1000 * (time.perf_counter() - start) / reps
+    return ms, (mx.get_peak_memory() - base) / 2**20
 
 
 def main() -> None:
@@ -78,10 +94,14 @@ def main() -> None:
                             for _ in range(2 * LAYERS)]}
         new = mx.ones((1, KV_HEADS, ROWS, DIM), mx.bfloat16)
         mx.eval(held["buffers"], new)
+        buffer_mb = held["buffers"][0].nbytes / 2**20
         for name, write in arms(length // 2).items():
-            ms = _time(write, held, new, args.reps)
-            print(f"L={length:6d} {name:24s} {ms:8.2f} ms per pass ({2 * LAYERS} buffers)",
-                  flush=True)
+            for settle in (False, True):
+                ms, extra = _time(write, held, new, args.reps, settle)
+                label = name + (", settled" if settle else "")
+                print(f"L={length:6d} {label:36s} {ms:8.2f} ms per pass ({2 * LAYERS} buffers),"
+                      f" peak {extra:9.1f} MB above them (one buffer {buffer_mb:.1f} MB)",
+                      flush=True)
         del held
         mx.clear_cache()
 
