@@ -158,3 +158,22 @@ def test_traced_rounds_emit_the_target_law() -> None:
     trunk's verify passes traced."""
     stat, df = markov_statistic("top_p_min_p", traced=True)
     assert chi2.sf(stat, df) > ALPHA, (stat, df)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_a_traced_write_puts_the_rows_where_slice_update_does(dtype: mx.Dtype) -> None:
+    """The traced passes scatter a pass's rows into the key and value buffers (MLX's CUDA
+    backend copies the whole buffer for `mx.slice_update` at an array offset): the result is
+    mlx's own op's, bit for bit, eagerly and inside `mx.compile`, at the start, middle and end
+    of the buffer, and rows of another dtype are cast as slice_update casts them."""
+    from mtpkit.decoder.model.traced import _write
+
+    buffer = mx.random.normal((2, 3, 64, 8)).astype(dtype)
+    rows = mx.random.normal((2, 3, 4, 8))  # float32: cast on the way in
+    traced = mx.compile(_write)
+    for at in (0, 29, 60):
+        start = mx.array(at, mx.int32)
+        want = mx.slice_update(buffer, rows, start[None], axes=(2,))
+        for got in (_write(buffer, rows, start), traced(buffer, rows, start)):
+            assert got.dtype == dtype
+            assert mx.array_equal(got, want).item(), at

@@ -7,8 +7,7 @@ handing it to the device cost about as much as the device's own work (docs/bench
 from C++ afterwards, with elementwise chains fused.
 
 A trace must not bake the cache position in, so inside it each PaddedKVCache is stood in for by
-a `_TracedCache` whose offset is an int32 array: rope takes it as an array, rows are written by
-`mx.slice_update` at it into the STEP-aligned buffer, and the mask (additive, or bool for
+a `_TracedCache` whose offset is an int32 array: rope takes it as an array, rows are scattered at it into the STEP-aligned buffer, and the mask (additive, or bool for
 families that select with it) hides each row's future and whatever a discarded pass left past
 the end. The real caches keep their Python offsets; a pass hands them the new buffers.
 Recurrent layers (GatedDeltaNet, mlx-lm's ArraysCache) take their conv and recurrent states in
@@ -43,6 +42,15 @@ def _positions(length: int) -> mx.array:
     return out
 
 
+def _write(buffer: mx.array, rows: mx.array, start: mx.array) -> mx.array:
+    """`buffer` with `rows` written at positions start.. of axis 2, as a scatter: MLX's CUDA
+    backend copies the whole buffer for `mx.slice_update` at an array offset and donates it for
+    a scatter (bench/prof_kv_update.py), so the write costs the rows, not the context."""
+    at = (start + mx.arange(rows.shape[2], dtype=mx.int32))[None, None, :, None]
+    return mx.put_along_axis(buffer, mx.broadcast_to(at, rows.shape), rows.astype(buffer.dtype),
+                             axis=2)
+
+
 class _TracedCache:
     """Stands in for one PaddedKVCache inside a trace: whole STEP-aligned buffers and an array
     offset. update_and_fetch writes the pass's rows and returns the whole buffers; the offset
@@ -54,8 +62,8 @@ class _TracedCache:
         self.positions, self.selecting = positions, selecting
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        self.keys = mx.slice_update(self.keys, keys, self.offset[None], axes=(2,))
-        self.values = mx.slice_update(self.values, values, self.offset[None], axes=(2,))
+        self.keys = _write(self.keys, keys, self.offset)
+        self.values = _write(self.values, values, self.offset)
         return self.keys, self.values
 
     def make_mask(self, n: int, return_array: bool = False,
@@ -90,8 +98,8 @@ class _TracedRows(_TracedCache):
         self.start, self.valid = start, valid
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        self.keys = mx.slice_update(self.keys, keys, self.start[None], axes=(2,))
-        self.values = mx.slice_update(self.values, values, self.start[None], axes=(2,))
+        self.keys = _write(self.keys, keys, self.start)
+        self.values = _write(self.values, values, self.start)
         return self.keys, self.values
 
     def seen(self, n: int) -> mx.array:
