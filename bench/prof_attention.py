@@ -11,7 +11,8 @@ shapes (32 query heads, 8 KV heads, 128 dims, bfloat16), one pass's worth of lay
 - `padded+mask T`: T rows over the padded buffer with an additive mask (our traced passes);
 - `exact+causal T`: T rows over the exact keys, mlx-lm's "causal" (stock, each new key length
   builds its own graph: warmed here, so compiling is not counted);
-- `row by row T`: T one-row calls, each over its own exact keys, no mask.
+- `row by row T`: T one-row calls, each over its own exact keys, no mask;
+- with `--batch B`, a batch's plain step of B rows (`batch_cases`).
 
 Prints medians in ms per pass; `--out` writes them as JSON.
 """
@@ -77,22 +78,62 @@ def cases(length: int, widths: list[int]) -> dict[str, Callable[[], list[mx.arra
     return out
 
 
+def batch_cases(length: int, rows: int) -> dict[str, Callable[[], list[mx.array]]]:
+    """A batch's plain step: `rows` sequences of one query each at `length` keys, the mask
+    and key view mlx-lm's BatchKVCache sends (exact keys, a bool mask) beside ours (a traced
+    batch pass: keys padded to a STEP, an additive mask over the padding), each eagerly and
+    inside `mx.compile` (where MLX's unfused attention for a masked query row is fused)."""
+    capacity = -(-(length + 1) // STEP) * STEP
+    shape = (rows, KV_HEADS, capacity, DIM)
+    keys = [mx.random.normal(shape).astype(mx.bfloat16) for _ in range(LAYERS)]
+    values = [mx.random.normal(shape).astype(mx.bfloat16) for _ in range(LAYERS)]
+    q = mx.random.normal((rows, HEADS, 1, DIM)).astype(mx.bfloat16)
+    mx.eval(keys, values, q)
+    scale = DIM ** -0.5
+    end = length + 1
+    exact = mx.ones((rows, 1, 1, end), dtype=mx.bool_)
+    seen = mx.broadcast_to(mx.arange(capacity)[None, None, None] < end, (rows, 1, 1, capacity))
+    additive = mx.where(seen, 0.0, -mx.inf).astype(mx.bfloat16)
+
+    def layers(q: mx.array, mask: mx.array | None, view: int, *kv: mx.array) -> list[mx.array]:
+        return [mx.fast.scaled_dot_product_attention(q, k[..., :view, :], v[..., :view, :],
+                                                     scale=scale, mask=mask)
+                for k, v in zip(kv[:LAYERS], kv[LAYERS:], strict=True)]
+
+    def with_mask(mask: mx.array | None, view: int) -> Callable[..., list[mx.array]]:
+        return lambda q, *kv: layers(q, mask, view, *kv)
+
+    out: dict[str, Callable[[], list[mx.array]]] = {}
+    for name, mask, view in ((f"batch {rows} exact, no mask", None, end),
+                             (f"batch {rows} exact+bool", exact, end),
+                             (f"batch {rows} padded+additive", additive, capacity)):
+        eager, traced = with_mask(mask, view), mx.compile(with_mask(mask, view))
+        out[name] = lambda f=eager: f(q, *keys, *values)
+        out[name + ", traced"] = lambda f=traced: f(q, *keys, *values)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contexts", default="1024,16384,65536")
     parser.add_argument("--widths", default="1,2,4")
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--batch", type=int, default=0,
+                        help="also a batch's plain step of this many rows (mlx-lm's and ours)")
     parser.add_argument("--out")
     args = parser.parse_args()
     widths = [int(w) for w in args.widths.split(",")]
     results: dict[str, dict[str, float]] = {}
     for length in (int(c) for c in args.contexts.split(",")):
         results[str(length)] = {}
-        for name, run in cases(length, widths).items():
+        runs = cases(length, widths)
+        if args.batch:
+            runs |= batch_cases(length, args.batch)
+        for name, run in runs.items():
             ms = _time(run, args.reps)
             results[str(length)][name] = ms
-            print(f"L={length:6d} {name:16s} {ms:8.3f} ms per pass ({LAYERS} layers)", flush=True)
+            print(f"L={length:6d} {name:34s} {ms:8.3f} ms per pass ({LAYERS} layers)", flush=True)
         mx.clear_cache()
     if args.out:
         with open(args.out, "w") as f:
