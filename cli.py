@@ -313,8 +313,9 @@ def _repair(bundle: str, out: Path, template_from: Path | None, force: bool) -> 
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--upload-repo", metavar="ORG/NAME", help="Publish OUT with huggingface_hub.")
 @click.option("--dry-run", is_flag=True, help="With --upload-repo: print the upload plan only.")
-@click.option("--drafter", metavar="ASSISTANT", help="Gemma 4's assistant (a folder or cached "
-              "repo id): checked against SRC, copied into OUT/assistant/ as published.")
+@click.option("--drafter", metavar="DRAFTER", help="A drafter that ships apart (a folder or "
+              "cached repo id): Gemma 4's assistant, copied into OUT/assistant/, or a DFlash "
+              "drafter, into OUT/dflash/; checked against SRC, copied as published.")
 def convert(src: str, out: Path, quantize: bool, q_bits: int | None, q_group_size: str | None,
             q_mode: str, quant_recipe: str | None, overrides: tuple[str, ...],
             dtype: str | None, mtp_policy: str | None, mtp_bits: int, mtp_group_size: str,

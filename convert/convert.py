@@ -30,6 +30,7 @@ from mtpkit.convert.writer import (
 from mtpkit.loaders.assistant import DRAFTER_DIR, DrafterReport, read_assistant
 from mtpkit.loaders.bundle import BundleView, open_bundle
 from mtpkit.loaders.config import MTP_COUNT_KEYS
+from mtpkit.loaders.dflash import DFLASH_DIR, DFlashReport, is_dflash, read_dflash_folder
 from mtpkit.loaders.digest import sha256_file
 from mtpkit.loaders.findings import Finding
 from mtpkit.loaders.model_check import blocking, check_model
@@ -157,10 +158,14 @@ def check_source(view: BundleView) -> None:
                 raise ConvertError(f.code, f"source: {f.message} [{f.location}]", f.hint)
 
 
-def check_drafter(view: BundleView, drafter: str | None) -> tuple[Path, DrafterReport] | None:
+Drafter = DrafterReport | DFlashReport
+
+
+def check_drafter(view: BundleView, drafter: str | None) -> tuple[Path, Drafter] | None:
     """The drafter to carry into the bundle, checked against the source as its target: the one
-    named (`--drafter`), else the source bundle's own; ConvertError with the first error's
-    code for an assistant that is damaged or does not fit this target."""
+    named (`--drafter`: Gemma 4's assistant, or a DFlash drafter where its config says so),
+    else the source bundle's own; ConvertError with the first error's code for a drafter that
+    is damaged or does not fit this target."""
     if drafter is None:
         if view.drafter.path is None:
             return None
@@ -171,7 +176,8 @@ def check_drafter(view: BundleView, drafter: str | None) -> tuple[Path, DrafterR
         except NotABundle as exc:
             raise ConvertError("drafter.invalid", f"--drafter {drafter}: {exc}",
                                exc.hint) from None
-        report = read_assistant(folder, view.config.raw, view.root)
+        read = read_dflash_folder if is_dflash(folder) else read_assistant
+        report = read(folder, view.config.raw, view.root)
     errors = [f for f in report.findings if f.severity == "error"]
     if errors or report.spec is None:
         f = errors[0]
@@ -179,16 +185,23 @@ def check_drafter(view: BundleView, drafter: str | None) -> tuple[Path, DrafterR
     return folder, report
 
 
-def _copy_drafter(stage: Path, folder: Path, report: DrafterReport,
+def drafter_dir(report: Drafter) -> str:
+    """Where a drafter of this kind lives in a bundle convert writes."""
+    return DFLASH_DIR if isinstance(report, DFlashReport) else DRAFTER_DIR
+
+
+def _copy_drafter(stage: Path, folder: Path, report: Drafter,
                   progress: Callable[[int], None]) -> dict[str, str]:
-    """The assistant's config.json and safetensors copied into stage/assistant/ byte for byte
-    (its weights kept as published: the tensors are not requantized); returns their sha256."""
-    target = stage / DRAFTER_DIR
+    """The drafter's config.json and safetensors copied into its folder of the stage byte for
+    byte (its weights kept as published: the tensors are not requantized); returns their
+    sha256."""
+    rel = drafter_dir(report)
+    target = stage / rel
     target.mkdir()
     hashes = {}
     for name in ["config.json", *(Path(f).name for f in report.files)]:
         shutil.copyfile(folder / name, target / name)
-        hashes[f"{DRAFTER_DIR}/{name}"] = sha256_file(target / name)
+        hashes[f"{rel}/{name}"] = sha256_file(target / name)
         progress((target / name).stat().st_size)
     return hashes
 
@@ -260,7 +273,7 @@ def _convert(src: str, out: Path, options: ConvertOptions, progress: Callable[[i
             hashes[SIDECAR_FILE] = write_safetensors(stage / SIDECAR_FILE, sidecar,
                                                      sorted(sidecar), progress=progress)
         if drafter:
-            status("copying the assistant drafter into assistant/")
+            status(f"copying the drafter into {drafter_dir(drafter[1])}/")
             hashes |= _copy_drafter(stage, *drafter, progress)
         write_config(stage, config, mtp_record, max(view.mtp.declared_layers, view.mtp.blocks))
         _carry_files(view, stage)

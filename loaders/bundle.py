@@ -9,6 +9,7 @@ from typing import Any
 from mtpkit.loaders.assistant import DrafterReport, read_drafter
 from mtpkit.loaders.config import ModelConfig, read_config
 from mtpkit.loaders.config_weights import check_config_weights
+from mtpkit.loaders.dflash import DFlashReport, read_dflash
 from mtpkit.loaders.families import Family, family_for
 from mtpkit.loaders.findings import SEVERITY_ORDER, Finding
 from mtpkit.loaders.manifest import ManifestReport, check_manifest
@@ -39,7 +40,8 @@ class BundleView:
     tokenizer: TokenizerReport
     manifest: ManifestReport
     findings: list[Finding] = field(default_factory=list)
-    drafter: DrafterReport = field(default_factory=DrafterReport)  # a separate drafter, if any
+    # a drafter that ships apart, if any: Gemma 4's assistant or a DFlash drafter
+    drafter: DrafterReport | DFlashReport = field(default_factory=DrafterReport)
 
     @property
     def tensors(self) -> dict[str, Any]:
@@ -122,7 +124,9 @@ def open_bundle(path: str | Path) -> BundleView:
     template = check_template(root, tokenizer.config, tokenizer.special_tokens(),
                               tokenizer.chat_markers)
     manifest = check_manifest(root)
-    drafter = read_drafter(root, config.raw, manifest.data)
+    drafter: DrafterReport | DFlashReport = read_drafter(root, config.raw, manifest.data)
+    if drafter.path is None and not drafter.findings:
+        drafter = read_dflash(root, config.raw, manifest.data)
     dims = check_config_weights(config, family, weights, mtp.source_names.values(),
                                 quantization)
     # The audit and each reader vet the same files the same way: keep one of each finding.

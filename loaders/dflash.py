@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mtpkit.loaders.config import read_json
 from mtpkit.loaders.drafters import drafter_folder, read_folder
 from mtpkit.loaders.findings import Finding, finding
 
@@ -228,3 +229,32 @@ def read_dflash(root: Path, target: dict[str, Any],
     read_folder(report, root, rel, target, root, "DFlash drafter", read_spec, check_tensors,
                 check_pair)
     return report
+
+
+def read_dflash_folder(folder: Path, target: dict[str, Any], target_root: Path) -> DFlashReport:
+    """A DFlash drafter folder given on its own (convert's --drafter), checked against the
+    target whose config and tokenizer are given; paths in findings are relative to the
+    folder's parent."""
+    report = DFlashReport(path=folder.name)
+    if not (folder / "config.json").is_file():
+        report.findings.append(finding("drafter.invalid", "no config.json: not a checkpoint "
+                                       "folder", str(folder)))
+        return report
+    read_folder(report, folder.parent, folder.name, target, target_root, "DFlash drafter",
+                read_spec, check_tensors, check_pair)
+    return report
+
+
+def is_dflash(folder: Path) -> bool:
+    """Whether a drafter folder's config says DFlash (a `dflash_config`, or a DFlash
+    architecture); anything else is read as Gemma 4's assistant, whose reader refuses what is
+    neither."""
+    try:
+        raw = read_json(folder / "config.json")
+    except (OSError, ValueError):
+        return False
+    if not isinstance(raw, dict):
+        return False
+    names = raw.get("architectures")
+    return "dflash_config" in raw or (isinstance(names, list)
+                                      and any("DFlash" in str(n) for n in names))

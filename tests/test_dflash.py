@@ -435,3 +435,97 @@ def test_a_quantized_drafter_is_refused(bundle_copy: Callable[..., Path]) -> Non
     with pytest.raises(UserError) as err:
         mtpkit.load(path, dtype="float32")
     assert err.value.code == "options.invalid" and "quantized" in str(err.value)
+
+
+# -- 5. convert --drafter and doctor -------------------------------------------------------------
+
+def test_convert_carries_a_dflash_drafter(bundle_copy: Callable[..., Path],
+                                          tmp_path: Path) -> None:
+    """convert TARGET OUT --drafter DFLASH: the drafter copied into OUT/dflash/ byte for byte,
+    the manifest naming it (schema-valid), doctor finding the pair healthy, the bundle decoding
+    with it as stock mlx-lm does; convert again and doctor --fix keep it."""
+    from mtpkit.convert.convert import ConvertOptions, convert
+    from mtpkit.convert.repair import repair
+    from mtpkit.convert.trunk import QuantOptions
+    from mtpkit.schemas import validate
+    from mtpkit.verify.doctor import report
+
+    target = bundle_copy("llama")
+    drafter = tmp_path / "drafter"
+    write_drafter(drafter, drafter_config(**LLAMA))
+    out = tmp_path / "out"
+    convert(str(target), out, ConvertOptions(quant=QuantOptions(quantize=False),
+                                             drafter=str(drafter)))
+    manifest = json.loads((out / "mtpkit.json").read_text())
+    validate(manifest, "manifest")
+    assert manifest["drafter"] == {"kind": "dflash", "path": "dflash", "layers": 2,
+                                   "block_size": BLOCK, "target_layer_ids": [0, 1],
+                                   "mask_token_id": manifest["drafter"]["mask_token_id"],
+                                   "weights": "as_given"}
+    roles = {f["path"]: f["role"] for f in manifest["files"]}
+    assert roles["dflash/config.json"] == roles["dflash/model.safetensors"] == "drafter"
+    for name in ("config.json", "model.safetensors"):
+        assert (out / "dflash" / name).read_bytes() == (drafter / name).read_bytes()
+    doc = report(out)
+    validate(doc, "doctor_report")
+    assert doc["summary"]["ok"] and doc["bundle"]["drafter"]["kind"] == "dflash", doc
+    reference, _ = stock_greedy(target, PROMPT, 32)
+    runner = mtpkit.load(out, dtype="float32")
+    assert isinstance(runner.drafter, DFlashPair)
+    result = runner.generate(PROMPT, 32, depth=3)
+    assert result.tokens == reference and result.stats.sources["model"]["rounds"] > 0
+    again = tmp_path / "again"
+    convert(str(out), again, ConvertOptions(quant=QuantOptions(quantize=False)))
+    assert json.loads((again / "mtpkit.json").read_text())["drafter"] == manifest["drafter"]
+    (out / "chat_template.jinja").unlink(missing_ok=True)
+    (out / "tokenizer_config.json").write_text(
+        json.dumps({k: v for k, v in json.loads((out / "tokenizer_config.json").read_text())
+                    .items() if k != "chat_template"}))
+    repair(out, tmp_path / "fixed")
+    fixed = json.loads((tmp_path / "fixed" / "mtpkit.json").read_text())
+    assert fixed["drafter"] == manifest["drafter"]
+    assert (tmp_path / "fixed" / "dflash" / "model.safetensors").read_bytes() == (
+        drafter / "model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("code", BAD)
+def test_convert_refuses_a_dflash_drafter_that_does_not_fit(bundle_copy: Callable[..., Path],
+                                                            tmp_path: Path, code: str) -> None:
+    """A DFlash drafter trained for another target: one ConvertError with the code doctor
+    gives, and no output; the CLI says it in one line, exit 2."""
+    from click.testing import CliRunner
+
+    from mtpkit.cli import main
+    from mtpkit.convert.convert import ConvertOptions, convert
+    from mtpkit.convert.errors import ConvertError
+    from mtpkit.convert.trunk import QuantOptions
+
+    target = bundle_copy("llama")
+    bad = tmp_path / "bad"
+    write_drafter(bad, drafter_config(**BAD[code]))
+    with pytest.raises(ConvertError) as err:
+        convert(str(target), tmp_path / "out", ConvertOptions(
+            quant=QuantOptions(quantize=False), drafter=str(bad)))
+    assert err.value.code == code.strip() and not (tmp_path / "out").exists()
+    no = CliRunner().invoke(main, ["convert", str(target), str(tmp_path / "no"),
+                                   "--drafter", str(bad)])
+    errors = [line for line in no.output.splitlines() if line.startswith("error")]
+    assert no.exit_code == 2 and len(errors) == 1 and f"[{code.strip()}]" in errors[0], no.output
+    assert not (tmp_path / "no").exists()
+
+
+def test_doctor_reports_a_damaged_dflash_drafter(bundle_copy: Callable[..., Path]) -> None:
+    """doctor reads a bundle's dflash/ as load does: a missing tensor is an error located at
+    the drafter's file, and the bundle is not ok."""
+    from mtpkit.verify.doctor import report
+
+    path = bundle_copy("llama")
+    write_drafter(path / "dflash", drafter_config(**LLAMA))
+    assert report(path)["summary"]["ok"]
+    weights = mx.load(str(path / "dflash" / "model.safetensors"))
+    weights.pop("fc.weight")
+    mx.save_safetensors(str(path / "dflash" / "model.safetensors"), weights)
+    doc = report(path)
+    missing = [f for f in doc["findings"] if f["code"] == "weights.missing"]
+    assert not doc["summary"]["ok"] and missing, doc["findings"]
+    assert all("dflash" in f["location"] for f in missing), missing
