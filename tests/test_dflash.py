@@ -53,7 +53,7 @@ from fixtures.decoder_models import tiny_runner
 from mtpkit.decoder.cache.prefix import PrefixCache
 from mtpkit.decoder.drafters.dflash import DFlashDrafter, DFlashPair, DFlashProposer
 from mtpkit.decoder.model.trunk import Trunk
-from mtpkit.decoder.options import SamplingParams
+from mtpkit.decoder.options import SamplingParams, Source
 from mtpkit.decoder.rounds import acceptance
 from mtpkit.decoder.rounds.session import Session
 from mtpkit.decoder.runner import Runner
@@ -219,16 +219,85 @@ def test_recurrent_targets_keep_the_context_exact(bundle_copy: Callable[..., Pat
     assert runner.generate(PROMPT, 32, depth=3).tokens == reference
 
 
-def test_a_batch_row_decodes_exactly_and_drafts_again_alone() -> None:
-    """A batch's passes are not a row's own: its rows step plainly while batched, and the
-    last one drafts again after it parts, once its context is rebuilt from the text."""
+def rebuilds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Every context rebuild from the text (a trunk pass over all of it), as it happens."""
+    real, calls = DFlashProposer.rebuild, []
+
+    def counted(self: DFlashProposer, end: int) -> None:
+        calls.append(end)
+        real(self, end)
+
+    monkeypatch.setattr(DFlashProposer, "rebuild", counted)
+    return calls
+
+
+def test_batch_rows_draft_and_decode_as_stock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows of a batch draft with their DFlash proposers from their rows of the batch's passes:
+    three prompts through two places (a row leaves, the third joins, the last parts and
+    decodes alone), every row's tokens stock mlx-lm's, and every row proposing and keeping
+    what it does alone: its drafts came from the same context, kept from the batch's passes
+    (never rebuilt from the text)."""
     runner = dflash_runner()
-    short, long = PROMPT[:6], PROMPT
-    results = runner.generate_batch([short, long], 24, max_batch=2, depth=3, draft="model",
-                                    each=[{"max_tokens": 8}, {"max_tokens": 48}])
-    assert results[0].tokens == stock(runner.trunk, short, 8)
-    assert results[1].tokens == stock(runner.trunk, long, 48)
-    assert results[1].stats.sources["model"]["rounds"] > 0
+    rebuilt = rebuilds(monkeypatch)
+    prompts = [PROMPT[:6], PROMPT, [1, 2, 3, 4, 5, 6, 7]]
+    each = [{"max_tokens": 16}, {"max_tokens": 40}, {"max_tokens": 24}]
+    results = runner.generate_batch(prompts, 24, max_batch=2, depth=3, draft="model", each=each)
+    assert rebuilt == []
+    for prompt, e, result in zip(prompts, each, results, strict=True):
+        assert result.tokens == stock(runner.trunk, prompt, e["max_tokens"])
+        alone = runner.generate(prompt, e["max_tokens"], depth=3, draft="model").stats
+        assert (result.stats.proposed, result.stats.accepted) == (alone.proposed, alone.accepted)
+        assert result.stats.sources["model"]["rounds"] > 0, result.stats.sources
+    assert sum(results[2].stats.accepted) > 0
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(0.8, top_k=3)])
+def test_the_context_of_every_batch_row_is_a_fresh_prefills(
+        params: SamplingParams, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two rows of one batch, rounds at every depth (kept and rejected at every position, rows
+    of different widths in one pass) and queued plain steps: after each, every row's drafter
+    context holds exactly its committed positions, as a fresh prefill's, from the batch's
+    passes (no rebuild); then the last row parts and keeps it so alone."""
+    from mtpkit.decoder.rounds.batch import Ask, Batch
+
+    runner = dflash_runner()
+    rebuilt = rebuilds(monkeypatch)
+    sessions = [Session(runner.trunk, None, params, BLOCK - 1, seed=5 + i, draft="model",
+                        drafter=runner.drafter) for i in range(2)]
+    batch = Batch(runner.trunk, None)
+    for session, prompt in zip(sessions, [PROMPT, PROMPT[3:]], strict=True):
+        session.start(prompt)
+        batch.join(session)
+
+    def check() -> None:
+        for session in sessions:
+            proposer = session.model
+            assert isinstance(proposer, DFlashProposer)
+            text = proposer.text[:-1]
+            assert proposer.propose(1) is not None
+            for got, want in zip([s.state[0][..., :s.offset, :] for s in proposer.stores],
+                                 fresh_context(runner.drafter, text), strict=True):
+                assert got.shape == want.shape
+                np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5)
+
+    seen = set()
+    for step in range(16):
+        if step % 5 == 4:
+            list(batch.plain_steps(2))
+        else:
+            depths = [1 + step % (BLOCK - 1), 1 + (step + 2) % (BLOCK - 1)]
+            outcomes = batch.round([Ask(depth=d, model=True) for d in depths])
+            seen |= {(o.depth, o.kept) for o in outcomes}
+            assert all(o.source is Source.MODEL for o in outcomes)
+        check()
+    kept = {k for _, k in seen}
+    assert 0 in kept and max(kept) > 0, seen
+    batch.leave({0})
+    sessions = [batch.part()]
+    for depth in (2, 4):
+        sessions[0].next_round(depth)
+        check()
+    assert rebuilt == []
 
 
 def test_a_prompt_from_the_prefix_cache_rebuilds_the_context() -> None:

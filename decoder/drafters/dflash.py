@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import statistics
 import timeit
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, Self
@@ -32,6 +33,8 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3 import ModelArgs, TransformerBlock
 
+from mtpkit.decoder.cache.batch_cache import RowKVCache
+from mtpkit.decoder.cache.caches import leaves
 from mtpkit.decoder.drafters.draft_model import PREFILL_STEP, STEP_REPS, STEP_TEXT
 from mtpkit.decoder.drafters.drafts import Draft
 from mtpkit.decoder.model.trunk import LayerTap, Trunk
@@ -200,7 +203,10 @@ class DFlashProposer:
     """decoder/drafters/proposers.py's Proposer for a DFlash drafter (Source.MODEL). It keeps the
     committed text, the target layers' outputs of committed positions not fed to the drafter
     yet (`parts`, from position `base`; a pass's rows past the committed end are overwritten by
-    the next pass from there) and the drafter's context caches (`stores`)."""
+    the next pass from there) and the drafter's context caches (`stores`). While its session is
+    a batch's row, `batched` gives the batch's caches and the row's index: the row's outputs of
+    a batch pass are kept at the row's position, read from the batch's offsets when the
+    proposer next needs them (`pending`), so queued passes cost no host read."""
 
     source = Source.MODEL
 
@@ -210,20 +216,48 @@ class DFlashProposer:
         self.text: list[int] = []
         self.parts: dict[int, list[mx.array]] = {}
         self.base = 0
-        self.gap = False  # a position no pass of ours computed (a restored prefix, a batch)
+        self.gap = False  # a position no pass of ours computed (a restored prefix)
         self.rebuilding: list[Any] | None = None  # a rebuild's caches, ours while it runs
+        self.batched: Callable[[], tuple[list[Any] | None, int]] | None = None
+        self.pending: list[tuple[int, mx.array, mx.array]] = []  # (layer, start, outputs)
         for tap in pair.taps:
             tap.sinks.add(self)
 
     def captured(self, index: int, cache: Any, out: mx.array) -> None:
-        """A tapped trunk layer's output: kept where the pass is this session's."""
+        """A tapped trunk layer's output: kept where the pass is this session's (its own, a
+        rebuild's, or its row of its batch's)."""
+        if self.rebuilding is None and self.batched is not None:
+            caches, row = self.batched()
+            if caches is None or not any(c is cache for c in caches):
+                return
+            offsets = next((c.offset for c in leaves(caches) if isinstance(c, RowKVCache)), None)
+            if offsets is None:
+                self.gap = True
+                return
+            self.pending.append((index, offsets[row], out[row:row + 1]))
+            return
         caches = self.rebuilding if self.rebuilding is not None else self.session.cache
         if out.shape[0] != 1 or not any(c is cache for c in caches):
             return
+        self._placed()
         start = _start(caches, cache, out.shape[1], index)
         if start is None:
             self.gap = True
             return
+        self._keep(index, start, out)
+
+    def _placed(self) -> None:
+        """The batch passes' outputs kept at their rows' positions (one read of them all)."""
+        if not self.pending:
+            return
+        starts = mx.stack([start for _, start, _ in self.pending]).tolist()
+        pending, self.pending = self.pending, []
+        for (index, _, out), start in zip(pending, starts, strict=True):
+            self._keep(index, int(start), out)
+
+    def _keep(self, index: int, start: int, out: mx.array) -> None:
+        """Layer `index`'s outputs of positions start.. (1, n, hidden), over what a pass
+        before left from there."""
         if start < self.base:  # a replay of positions already fed: the same rows
             out, start = out[:, self.base - start:], self.base
         if not out.shape[1]:
@@ -253,14 +287,16 @@ class DFlashProposer:
         return mx.concatenate(out, axis=-1)
 
     def _complete(self, end: int) -> bool:
+        self._placed()
         ids = self.pair.spec.target_layer_ids
         return not self.gap and all(
             self.base + sum(p.shape[1] for p in self.parts.get(i, [])) >= end for i in ids)
 
     def rebuild(self, end: int) -> None:
         """The context from scratch: the committed text's first `end` tokens through the trunk
-        on fresh caches (what a restored prefix or a batch left uncaptured)."""
+        on fresh caches (what a restored prefix left uncaptured)."""
         self.stores, self.parts, self.base, self.gap = self.pair.drafter.make_stores(), {}, 0, False
+        self.pending = []
         trunk = self.pair.trunk
         self.rebuilding = trunk.make_cache()
         try:
@@ -274,10 +310,10 @@ class DFlashProposer:
 
     def propose(self, depth: int) -> Draft | None:
         """min(depth, block_size - 1) drafts after the last committed token, from one drafter
-        pass; each drawn from its position's processed law (greedy: its argmax). None while
-        the session is a batch's row (its passes are the batch's: not captured here)."""
+        pass; each drawn from its position's processed law (greedy: its argmax). None before
+        the session has caches of its own or a batch's."""
         session = self.session
-        if depth <= 0 or not session.cache:
+        if depth <= 0 or not (session.cache or self.batched is not None):
             return None
         depth = min(depth, self.pair.spec.block_size - 1)
         end = len(self.text) - 1  # committed positions in the trunk's caches

@@ -7,9 +7,10 @@ handing it to the device cost about as much as the device's own work (docs/bench
 from C++ afterwards, with elementwise chains fused.
 
 A trace must not bake the cache position in, so inside it each PaddedKVCache is stood in for by
-a `_TracedCache` whose offset is an int32 array: rope takes it as an array, rows are scattered at it into the STEP-aligned buffer, and the mask (additive, or bool for
-families that select with it) hides each row's future and whatever a discarded pass left past
-the end. The real caches keep their Python offsets; a pass hands them the new buffers.
+a `_TracedCache` whose offset is an int32 array: rope takes it as an array, rows are scattered at
+it into the STEP-aligned buffer, and the mask (additive, or bool for families that select with
+it) hides each row's future and whatever a discarded pass left past the end. The real caches
+keep their Python offsets; a pass hands them the new buffers.
 Recurrent layers (GatedDeltaNet, mlx-lm's ArraysCache) take their conv and recurrent states in
 and hand the new ones out; a recording pass also hands out what a commit replays from (each
 recurrent layer's input and projections, decoder/cache/recording.py), so hybrid trunks (Qwen3.5/3.6,

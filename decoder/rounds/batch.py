@@ -36,6 +36,7 @@ from mtpkit.decoder.cache.caches import leaves
 from mtpkit.decoder.cache.recording import recorded
 from mtpkit.decoder.cache.shapes import bounded_by_default
 from mtpkit.decoder.drafters.assistant import AssistantProposer
+from mtpkit.decoder.drafters.dflash import DFlashProposer
 from mtpkit.decoder.drafters.drafts import Draft, widened
 from mtpkit.decoder.model.head import MTPHead
 from mtpkit.decoder.model.trunk import Trunk
@@ -125,6 +126,8 @@ class Batch:
         self.headed.append(headed)
         if isinstance(session.model, AssistantProposer):  # it reads the batch's caches now
             session.model.batched = lambda layer, last: self._row_view(session, layer, last)
+        elif isinstance(session.model, DFlashProposer):  # it keeps its row of the batch's passes
+            session.model.batched = lambda: (self.cache, self.rows.index(session))
         mx.eval(self._arrays())
 
     def _row_view(self, session: Session, layer: int, last: int
@@ -165,7 +168,7 @@ class Batch:
         stay = [i for i in range(len(self.rows)) if i not in gone]
         heads = [sum(self.headed[:i]) for i in stay if self.headed[i]]
         for i in gone:  # a row gone keeps no view of the batch
-            if isinstance(model := self.rows[i].model, AssistantProposer):
+            if isinstance(model := self.rows[i].model, AssistantProposer | DFlashProposer):
                 model.batched = None
         if not stay:
             self.__init__(self.trunk, self.head, self.bounded, self.between)  # type: ignore[misc]
@@ -192,7 +195,7 @@ class Batch:
             assert self.head is not None and self.mtp_cache is not None
             session.mtp_cache = single(self.mtp_cache, self.mtp_holes,
                                        self.head.make_cache(session.bounded))
-        if isinstance(session.model, AssistantProposer):
+        if isinstance(session.model, AssistantProposer | DFlashProposer):
             session.model.batched = None
         self.__init__(self.trunk, self.head, self.bounded, self.between)  # type: ignore[misc]
         return session
