@@ -206,7 +206,7 @@ def test_recurrent_targets_keep_the_context_exact(bundle_copy: Callable[..., Pat
                                                   family: str, rollback: str) -> None:
     """DFlash's own targets are hybrid (Qwen3.5 / 3.6): a tapped GatedDeltaNet layer has no
     offset, its rows are placed by an attention cache's; recurrent rollback by recorded
-    states or by replay. Greedy output is stock mlx-lm's."""
+    states or by replay. Greedy output is stock mlx-lm's, alone and batched."""
     path = bundle_copy(family)
     layers = json.loads((path / "config.json").read_text())
     layers = layers.get("text_config", layers)["num_hidden_layers"]
@@ -217,6 +217,10 @@ def test_recurrent_targets_keep_the_context_exact(bundle_copy: Callable[..., Pat
     context_after_rounds(runner, SamplingParams(1.0, top_k=20), rollback=rollback)
     reference, _ = stock_greedy(path, PROMPT, 32)
     assert runner.generate(PROMPT, 32, depth=3).tokens == reference
+    other, _ = stock_greedy(path, PROMPT[3:], 32)  # batched: recurrent rows, tapped too
+    batched = runner.generate_batch([PROMPT, PROMPT[3:]], 32, max_batch=2, depth=3)
+    assert [r.tokens for r in batched] == [reference, other]
+    assert all(r.stats.sources["model"]["rounds"] > 0 for r in batched)
 
 
 def rebuilds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
