@@ -191,13 +191,19 @@ def context_after_rounds(runner: Runner, params: SamplingParams, **kw: Any) -> s
             continue
         outcome = session.next_round(1 + step % (BLOCK - 1))
         seen.add((outcome.depth, outcome.kept))
-        text = proposer.text[:-1]  # what the next proposal feeds the drafter first
-        proposer.propose(1)
-        for got, want in zip([s.state[0][..., :s.offset, :] for s in proposer.stores],
-                             fresh_context(runner.drafter, text), strict=True):
-            assert got.shape == want.shape
-            np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5)
+        assert_context_fresh(proposer)
     return seen
+
+
+def assert_context_fresh(proposer: DFlashProposer) -> None:
+    """After the next proposal, the drafter's context keys are a fresh prefill's of the
+    committed positions (the text less its last token, which the block starts from)."""
+    text = proposer.text[:-1]
+    assert proposer.propose(1) is not None
+    for got, want in zip([s.state[0][..., :s.offset, :] for s in proposer.stores],
+                         fresh_context(proposer.pair, text), strict=True):
+        assert got.shape == want.shape
+        np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
@@ -275,14 +281,8 @@ def test_the_context_of_every_batch_row_is_a_fresh_prefills(
 
     def check() -> None:
         for session in sessions:
-            proposer = session.model
-            assert isinstance(proposer, DFlashProposer)
-            text = proposer.text[:-1]
-            assert proposer.propose(1) is not None
-            for got, want in zip([s.state[0][..., :s.offset, :] for s in proposer.stores],
-                                 fresh_context(runner.drafter, text), strict=True):
-                assert got.shape == want.shape
-                np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5)
+            assert isinstance(session.model, DFlashProposer)
+            assert_context_fresh(session.model)
 
     seen = set()
     for step in range(16):
@@ -301,6 +301,42 @@ def test_the_context_of_every_batch_row_is_a_fresh_prefills(
     for depth in (2, 4):
         sessions[0].next_round(depth)
         check()
+    assert rebuilt == []
+
+
+def test_plain_stretches_keep_what_is_held_for_the_drafter_bounded(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A session that asks for no draft for long (auto decoding plainly), alone and as a
+    batch's row, feeds its drafter's context every PREFILL_STEP committed positions (8 here):
+    the tapped outputs it holds stay under that plus a pass, and the context is still a fresh
+    prefill's, never rebuilt."""
+    from mtpkit.decoder.drafters import dflash
+    from mtpkit.decoder.rounds.batch import Batch
+
+    monkeypatch.setattr(dflash, "PREFILL_STEP", 8)
+    runner = dflash_runner()
+    rebuilt = rebuilds(monkeypatch)
+    sessions = [Session(runner.trunk, None, SamplingParams(), BLOCK - 1, seed=5,
+                        draft="model", drafter=runner.drafter) for _ in range(3)]
+    for session in sessions:
+        session.start(PROMPT)
+    batch = Batch(runner.trunk, None)
+    for session in sessions[1:]:
+        batch.join(session)
+
+    def held(proposer: DFlashProposer) -> int:
+        proposer._placed()
+        return max(sum(p.shape[1] for p in pieces) for pieces in proposer.parts.values())
+
+    for _ in range(6):
+        list(sessions[0].plain_steps(5))
+        list(batch.plain_steps(5))
+        for session in sessions:
+            assert isinstance(session.model, DFlashProposer)
+            assert held(session.model) <= 8 + 1, held(session.model)
+    for session in sessions:
+        assert session.model.base > len(PROMPT)
+        assert_context_fresh(session.model)
     assert rebuilt == []
 
 

@@ -153,12 +153,16 @@ class DFlashPair:
         the committed positions' `features` (not yet in the stores) are fed. Lazy."""
         spec, dtype = self.spec, self.drafter.fc.weight.dtype
         if features is not None:
-            self.drafter.context(features.astype(dtype), stores)
+            self.feed(stores, features)
         ids = mx.array([[last] + [spec.mask_token_id] * depth])
         x = self.trunk.embed(ids).astype(dtype) * spec.embedding_scale
         logits = self.trunk.logits(self.drafter.block(x, stores)[:, 1:])[0]
         logits = logits * spec.output_multiplier if spec.output_multiplier != 1 else logits
         return mx.tanh(logits / spec.softcap) * spec.softcap if spec.softcap else logits
+
+    def feed(self, stores: list[KVCache], features: mx.array) -> None:
+        """Committed positions' features into the drafter's context caches. Lazy."""
+        self.drafter.context(features.astype(self.drafter.fc.weight.dtype), stores)
 
     def step_cost(self) -> float:
         """Seconds of one draft, timed once: a block pass of min(block - 1, 8) drafts after a
@@ -332,8 +336,16 @@ class DFlashProposer:
 
     def settle(self, tokens: list[int]) -> None:
         """Committed tokens: the text grows (the trunk's passes brought their positions'
-        features already; a rejected draft's rows are overwritten by the next pass)."""
+        features already; a rejected draft's rows are overwritten by the next pass). While
+        no draft is asked (plain stretches), every PREFILL_STEP committed positions go into
+        the drafter's context, so the outputs kept for it stay bounded."""
         self.text += tokens
+        end = len(self.text) - 1
+        if end - self.base >= PREFILL_STEP and self._complete(end):
+            features = self.features(end)
+            assert features is not None
+            self.pair.feed(self.stores, features)
+            mx.eval([s.state for s in self.stores])
 
 
 def attach(runner: Any, root: Path | str | None = None) -> bool:
