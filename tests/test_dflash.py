@@ -164,6 +164,48 @@ def fresh_context(pair: DFlashPair, text: list[int]) -> list[mx.array]:
     return [s.state[0][..., :s.offset, :] for s in stores]
 
 
+class _Concatenated:
+    """The reference a block's view is checked against: the context's stored keys and values
+    concatenated with the block's, nothing written anywhere."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.offset = store.offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        k, v = (a[..., :self.offset, :] for a in self.store.state[:2])
+        return mx.concatenate([k, keys], axis=2), mx.concatenate([v, values], axis=2)
+
+
+@pytest.mark.parametrize("sliding", [False, True])
+def test_a_block_reads_the_context_then_itself_and_stores_nothing(sliding: bool) -> None:
+    """A block's logits over a context longer than a cache step (its buffers grown) equal the
+    same layers over the context and the block concatenated; the stores keep the context
+    alone (offsets and keys unchanged), and the same block again gives the same logits."""
+    pair = dflash_runner(sliding).drafter
+    assert isinstance(pair, DFlashPair)
+    stores = pair.drafter.make_stores()
+    mx.random.seed(3)
+    width = len(pair.spec.target_layer_ids) * pair.spec.hidden
+    pair.feed(stores, mx.random.normal((1, 300, width)))
+    pair.feed(stores, mx.random.normal((1, 7, width)))
+    before = [(s.offset, np.array(s.state[0][..., :s.offset, :])) for s in stores]
+    got = pair.block_logits(stores, None, 2, BLOCK - 1)
+    mx.eval(got)
+    for (offset, keys), store in zip(before, stores, strict=True):
+        assert store.offset == offset == 307
+        assert np.array_equal(np.array(store.state[0][..., :offset, :]), keys)
+    drafter, spec = pair.drafter, pair.spec
+    x = pair.trunk.embed(mx.array([[2] + [spec.mask_token_id] * (BLOCK - 1)])) * \
+        spec.embedding_scale
+    for i, (layer, store) in enumerate(zip(drafter.layers, stores, strict=True)):
+        x = layer(x, drafter.mask(i, store.offset, x.shape[1]), _Concatenated(store))
+    want = pair.trunk.logits(drafter.norm(x)[:, 1:])[0]
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5, rtol=1e-5)
+    again = pair.block_logits(stores, None, 2, BLOCK - 1)
+    np.testing.assert_allclose(np.array(again), np.array(got), atol=1e-6)
+
+
 @pytest.mark.parametrize(("params", "bounded"), [(SamplingParams(), False),
                                                  (SamplingParams(0.8, top_k=3), False),
                                                  (SamplingParams(), True)])

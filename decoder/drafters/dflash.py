@@ -46,7 +46,9 @@ from mtpkit.loaders.drafters import bundle_drafter, float_weights
 
 class _BlockView:
     """The cache a drafter layer is handed for the block: the context's keys and values
-    first, then the block's own (which are not stored: the next block replaces them)."""
+    first, then the block's own. The block's are written past the context in the store's
+    buffer and trimmed off again (the next block or context overwrites them), so a round
+    writes its block, not a copy of the whole context."""
 
     def __init__(self, store: KVCache) -> None:
         self.store = store
@@ -58,9 +60,9 @@ class _BlockView:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         if self.store.offset == 0:
             return keys, values
-        k, v, n = self.store.state  # buffers grown in steps: only `n` are written
-        return (mx.concatenate([k[..., :n, :], keys], axis=2),
-                mx.concatenate([v[..., :n, :], values], axis=2))
+        out = self.store.update_and_fetch(keys, values)
+        self.store.trim(keys.shape[2])
+        return out
 
 
 class DFlashDrafter(nn.Module):
