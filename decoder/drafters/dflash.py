@@ -9,7 +9,7 @@ and `hidden_norm`), captured by wrapping those trunk layers (decoder/model/trunk
 sequence's context keys and values live in its proposer's own KVCaches: positions are fed once,
 when committed, so a rejected draft never reaches them and nothing is ever rolled back. The
 layer is handed a cache view whose `update_and_fetch` returns the context's keys before the
-block's and stores nothing, so mlx-lm's attention runs unchanged; the block positions sit after
+block's and keeps nothing of the block, so mlx-lm's attention runs unchanged; the block sits after
 the context, as z-lab's drafter places them. Block position i's output, through the target's LM
 head, is draft i's logits.
 
