@@ -94,7 +94,7 @@ def test_a_kernel_choice_missing_a_row_count_is_timed_again(
 def test_bad_batch_prices_are_not_read(cache: Path, capfd: pytest.CaptureFixture[str]) -> None:
     batch_costs.store(KEY, {(2, 1): [0.01, 0.012]}, {(2, 2): True})
     assert batch_costs.read(KEY)[0][(2, 1)]
-    path = batch_costs._path(KEY)
+    path = store.batch_file(KEY)
     doc = json.loads(path.read_text())
     path.write_text(json.dumps({**doc, "paid": {"2,1": [0.0]}}))
     assert batch_costs.read(KEY) == ({}, {})
@@ -221,6 +221,61 @@ def test_a_stored_curve_real_steps_beat_by_far_is_measured_again(
     assert policy.curve.plain == measured[-1].plain < doctored["plain"] / costs.DRIFT
     assert "stale" not in json.loads(path.read_text())
     assert "measuring again" in capfd.readouterr().err
+
+
+def test_stored_batch_prices_real_steps_beat_by_far_are_set_aside(
+        runner: Runner, monkeypatch: pytest.MonkeyPatch,
+        capfd: pytest.CaptureFixture[str]) -> None:
+    """Batch prices stored while the machine was busy (`tune --max-batch`; their plain step of
+    2 rows 20x what such steps take now): a batch's plain steps give it away after
+    MIN_REPEATS of them, one line says so, the file is marked stale, the next read finds no
+    prices there and the next tune times batches again. Drafts are never kept here, so the
+    batch decodes plainly on every machine."""
+    monkeypatch.setattr(Tracker, "estimates", lambda self: [0.0] * self.size)
+    runner.batch_costs(2)
+    key = runner.costs().key
+    path = store.batch_file(key)
+    doc = json.loads(path.read_text())
+    doc["paid"]["2,-1"] = [20 * t for t in doc["paid"]["2,-1"]]  # (2 rows, plain, pipelined)
+    path.write_text(json.dumps(doc))
+    capfd.readouterr()
+
+    busy = mtpkit.load(runner.root)
+    prompts = [[3, 1, 4, 1, 5], [2, 7, 1, 8]]
+    busy.generate_batch(prompts, max_tokens=16, depth="auto", max_batch=2)
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(path) in err[0] and "busy machine" in err[0], err
+    marked = json.loads(path.read_text())
+    assert marked["stale"]["rows"] == 2 and marked["paid"] == doc["paid"]
+    assert batch_costs.read(key) == ({}, {})
+    busy.generate_batch(prompts, max_tokens=16, depth="auto", max_batch=2)
+    assert capfd.readouterr().err == ""  # said once
+
+    again = mtpkit.load(runner.root)
+    paid, timed = again.batch_costs(2)
+    assert timed and "stale" not in json.loads(path.read_text())
+    assert paid[(2, -1)] and max(paid[(2, -1)]) < min(doc["paid"]["2,-1"]) / costs.DRIFT
+
+
+def test_batch_steps_dearer_than_stored_prices_prove_nothing(
+        runner: Runner, capfd: pytest.CaptureFixture[str]) -> None:
+    """Load now makes a batch's steps dearer than what tune stored, and too few steps prove
+    nothing either way: the store is left as it is."""
+    runner.batch_costs(2)
+    path = store.batch_file(runner.costs().key)
+    before = path.read_text()
+    table = runner.table()
+    shape = (2, 1, True)
+    stored = table.seconds(shape)
+    for _ in range(5):
+        table.observe(shape, 3 * stored)
+    assert not costs.check_batch(table, 2)
+    table = costs.CostTable(runner.costs())
+    batch_costs.seed(table, batch_costs.read(runner.costs().key)[0])
+    for _ in range(2):  # fewer than MIN_REPEATS, however cheap
+        table.observe(shape, stored / 100)
+    assert not costs.check_batch(table, 2)
+    assert path.read_text() == before and capfd.readouterr().err == ""
 
 
 def test_real_steps_dearer_than_the_curve_prove_nothing(runner: Runner,

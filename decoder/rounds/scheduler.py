@@ -30,7 +30,7 @@ from mtpkit.decoder.rounds.batch_prefill import prefill_together
 from mtpkit.decoder.rounds.controller import Controller
 from mtpkit.decoder.rounds.session import RoundOutcome, Session, Stopped
 from mtpkit.decoder.stats import Stats
-from mtpkit.decoder.tuning.costs import check_plain
+from mtpkit.decoder.tuning.costs import check_batch, check_plain
 from mtpkit.decoder.tuning.policy import CostTable, DepthPolicy, Offer, decide
 
 SPEC_ROUNDS = 16  # pipelined speculative rounds between two of the policy's choices (each
@@ -394,6 +394,8 @@ class Scheduler:
             self.paid.observe((self.rows, 1, True), paid, keys)
             if self.rows == 1 and self.paid.learn:  # the stored curve judged, as a lone run's
                 check_plain(self.paid.curve, self.paid.seconds((1, 1, True), keys))
+            elif self.rows > 1:  # and tune's batch prices, by what the batch's steps take
+                check_batch(self.paid, self.rows)
         events = []
         for request, token in zip(self.active, tokens, strict=True):
             if request.finish is None:  # a row done earlier in the stretch takes no more
@@ -472,6 +474,8 @@ class Scheduler:
         self.paid.tick(rows)
         self.paid.observe((rows, depth + 1, pipelined), outcomes[0].paid_s, self._keys(),
                           drafting=steps * self.paid.draft)
+        if rows > 1:  # tune's batch prices judged by what the batch's passes take
+            check_batch(self.paid, rows)
 
     def _learn(self, request: Request, outcome: RoundOutcome) -> None:
         policy = request.policy

@@ -201,13 +201,9 @@ def _name(depth: int) -> str:
     return "plain steps" if depth == 0 else f"depth {depth}"
 
 
-def _path(key: dict[str, Any]) -> Path:
-    return disk.cache_file({**key, "kind": "batch"}, ".batch.json")
-
-
 def store(key: dict[str, Any], paid: Paid, stock: Stock | None = None) -> Path:
     """Atomically, beside the cost curve of the same key."""
-    return disk.write(_path(key), {
+    return disk.write(disk.batch_file(key), {
         "key": key, "measured": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "paid": {f"{rows},{shape}": list(times) for (rows, shape), times in paid.items()},
         "stock": {f"{rows},{w}": bool(faster) for (rows, w), faster in (stock or {}).items()}},
@@ -222,10 +218,11 @@ def _pairs(table: dict[str, Any]) -> dict[tuple[int, int], Any]:
 def read(key: dict[str, Any]) -> tuple[Paid, Stock]:
     """The round times stored for `key` and which batch pass shapes were timed faster
     untraced, from one read of the store; {} for none, invalid (decoder/tuning/store.py says why) or
-    another key's (and no choice from a store from before the comparison, or one interrupted
-    during it: every shape stays traced)."""
-    doc = disk.read(_path(key), "batch")
-    doc = doc if doc is not None and doc["key"] == key else {}
+    another key's, or judged stale by a later process (decoder/tuning/costs.py's check_batch; no
+    choice either from a store from before the comparison, or one interrupted during it: every
+    shape stays traced)."""
+    doc = disk.read(disk.batch_file(key), "batch")
+    doc = doc if doc is not None and doc["key"] == key and "stale" not in doc else {}
     paid = {shape: deque(map(float, times), maxlen=memory())
             for shape, times in _pairs(doc.get("paid", {})).items()}
     return paid, _pairs(doc.get("stock", {}))

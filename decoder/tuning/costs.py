@@ -40,6 +40,7 @@ from mtpkit.decoder.tuning.curve import (
     interpolate,
     smooth,
 )
+from mtpkit.decoder.tuning.policy import CostTable
 from mtpkit.decoder.tuning.store import cache_file, versions
 
 if TYPE_CHECKING:
@@ -178,6 +179,38 @@ def check_plain(curve: CostCurve, paid: float) -> bool:
     disk.say(f"the stored cost curve prices a plain step at {1000 * doc['plain']:.1f} ms; here "
              f"they take {1000 * paid:.1f} ms (it was measured on a busy machine): priced by "
              f"what rounds pay for now, measured again at the next load ({path})")
+    return True
+
+
+def check_batch(table: CostTable, rows: int) -> bool:
+    """Whether the batch prices stored beside the table's curve (`tune --max-batch`) are stale
+    by the module's rule: their plain step of `rows` rows priced over DRIFT dearer than the
+    cheapest pass of `rows` rows timed MIN_REPEATS or more times in this process (a plain step
+    is the least work a batch's pass does; a price that dear keeps the batch off plain steps,
+    so their own timings may never come). Marks the file so (once, with one line on stderr):
+    the next read finds no prices there and tune times batches again."""
+    plain = (rows, 1, True)
+    if not table.curve.key or not table.learn or plain not in table.seeded:
+        return False
+    stored = table.seeded[plain] * table.prior(plain, table.curve.context)
+    seen = [statistics.median(times) for shape, times in table.times.items()
+            if shape[0] == rows and len(times) >= MIN_REPEATS]
+    if not seen or stored <= DRIFT * min(seen):
+        return False
+    path = disk.batch_file(table.curve.key)
+    if path in _STALE:
+        return False
+    _STALE.add(path)
+    doc = disk.read(path, "batch")
+    if doc is None or doc["key"] != table.curve.key or "stale" in doc:
+        return False
+    paid = min(seen)
+    disk.write(path, {**doc, "stale": {"rows": rows, "plain_paid": paid, "at": time.time()}},
+               "batch")
+    disk.say(f"the stored batch prices price a plain step of {rows} rows at "
+             f"{1000 * stored:.1f} ms; passes of {rows} rows take {1000 * paid:.1f} ms here "
+             f"(they were timed on a busy machine): set aside, timed again by the next "
+             f"`mtpkit tune --max-batch` ({path})")
     return True
 
 

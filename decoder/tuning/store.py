@@ -70,6 +70,11 @@ def cache_file(key: dict[str, Any], suffix: str = ".json") -> Path:
     return cache_dir() / f"{key_name(key)}{suffix}"
 
 
+def batch_file(key: dict[str, Any]) -> Path:
+    """Where `tune --max-batch`'s batch prices for a curve's `key` live, beside the curve."""
+    return cache_file({**key, "kind": "batch"}, ".batch.json")
+
+
 def say(line: str) -> None:
     """One line on stderr: why something cached was not used."""
     print(f"mtpkit: {line}", file=sys.stderr, flush=True)
