@@ -382,6 +382,16 @@ def test_plain_stretches_keep_what_is_held_for_the_drafter_bounded(
     assert rebuilt == []
 
 
+def test_a_dflash_session_is_prefilled_alone() -> None:
+    """Prompts that arrive together are prefilled in one pass on a GPU; a DFlash session's
+    is not, since its drafter's context comes from its own passes."""
+    runner = dflash_runner()
+    drafting = Session(runner.trunk, None, SamplingParams(), 3, draft="model",
+                       drafter=runner.drafter)
+    plain = Session(runner.trunk, None, SamplingParams(), 0)
+    assert plain.prefills_with_others(PROMPT) and not drafting.prefills_with_others(PROMPT)
+
+
 def test_a_prompt_from_the_prefix_cache_rebuilds_the_context() -> None:
     """A restored prompt was never run by this session: the context is rebuilt from the text
     at the first proposal, and the tokens and the drafts are a fresh run's."""

@@ -39,6 +39,7 @@ from mtpkit.decoder.cache.prefix import KINDS, PrefixCache
 from mtpkit.decoder.cache.shapes import PaddedKVCache, bounded_by_default, padded, pieces
 from mtpkit.decoder.cache.state import commit_recorded, rewind
 from mtpkit.decoder.drafters.assistant import final_normed
+from mtpkit.decoder.drafters.dflash import DFlashProposer
 from mtpkit.decoder.drafters.draft_model import DraftModel, ModelProposer
 from mtpkit.decoder.drafters.drafts import Draft, cut, widened
 from mtpkit.decoder.drafters.lookup import ContextIndex
@@ -363,9 +364,11 @@ class Session:
     def prefills_with_others(self, ids: list[int]) -> bool:
         """Whether this prompt may be prefilled in one pass with other sessions' prompts
         (decoder/rounds/batch_prefill.py): attention caches only (a left-padded recurrent layer
-        would run its state through the padding), one prefill chunk, and no cached prefix
-        to start from."""
-        if len(ids) > PREFILL_STEP or not all(type(c) in ATTENTION for c in self.cache):
+        would run its state through the padding), one prefill chunk, no cached prefix to
+        start from, and no DFlash drafter (its context is taken from this session's own
+        passes: a shared prefill would leave it to be rebuilt)."""
+        if (len(ids) > PREFILL_STEP or not all(type(c) in ATTENTION for c in self.cache)
+                or isinstance(self.model, DFlashProposer)):
             return False
         return self.prefix is None or not self.prefix.cached(KINDS[bool(self.mtp_cache)], ids)
 
