@@ -228,8 +228,9 @@ def test_stored_batch_prices_real_steps_beat_by_far_are_set_aside(
         capfd: pytest.CaptureFixture[str]) -> None:
     """Batch prices stored while the machine was busy (`tune --max-batch`; their plain step of
     2 rows 20x what such steps take now): a batch's plain steps give it away after
-    MIN_REPEATS of them, one line says so, the file is marked stale, the next read finds no
-    prices there and the next tune times batches again. Drafts are never kept here, so the
+    MIN_REPEATS of them, one line says so, the file is marked stale, the process prices
+    batches without it (and takes plain steps again), the next read finds no prices there
+    and the next tune times batches again. Drafts are never kept here, so the
     batch decodes plainly on every machine."""
     monkeypatch.setattr(Tracker, "estimates", lambda self: [0.0] * self.size)
     runner.batch_costs(2)
@@ -247,9 +248,10 @@ def test_stored_batch_prices_real_steps_beat_by_far_are_set_aside(
     assert len(err) == 1 and str(path) in err[0] and "busy machine" in err[0], err
     marked = json.loads(path.read_text())
     assert marked["stale"]["rows"] == 2 and marked["paid"] == doc["paid"]
-    assert batch_costs.read(key) == ({}, {})
-    busy.generate_batch(prompts, max_tokens=16, depth="auto", max_batch=2)
+    assert batch_costs.read(key) == ({}, {}) and busy.table().seeded == {}
+    again = busy.generate_batch(prompts, max_tokens=16, depth="auto", max_batch=2)
     assert capfd.readouterr().err == ""  # said once
+    assert all(r.stats.verify_calls < 8 for r in again)  # mostly plain steps, this process
 
     again = mtpkit.load(runner.root)
     paid, timed = again.batch_costs(2)

@@ -188,7 +188,8 @@ def check_batch(table: CostTable, rows: int) -> bool:
     cheapest pass of `rows` rows timed MIN_REPEATS or more times in this process (a plain step
     is the least work a batch's pass does; a price that dear keeps the batch off plain steps,
     so their own timings may never come). Marks the file so (once, with one line on stderr):
-    the next read finds no prices there and tune times batches again."""
+    the next read finds no prices there and tune times batches again; this process prices
+    batches without them from now on."""
     plain = (rows, 1, True)
     if not table.curve.key or not table.learn or plain not in table.seeded:
         return False
@@ -197,6 +198,7 @@ def check_batch(table: CostTable, rows: int) -> bool:
             if shape[0] == rows and len(times) >= MIN_REPEATS]
     if not seen or stored <= DRIFT * min(seen):
         return False
+    table.unseed()
     path = disk.batch_file(table.curve.key)
     if path in _STALE:
         return False

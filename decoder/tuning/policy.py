@@ -215,6 +215,12 @@ class CostTable:
             self.seeded[shape] = statistics.median(ratios)
             self._nearest.clear()
 
+    def unseed(self) -> None:
+        """Forget every timing taken elsewhere (a store judged stale): passes are priced by
+        the curve and what they pay here."""
+        self.seeded.clear()
+        self._nearest.clear()
+
     def first_of(self, shape: Hashable) -> bool:
         """Whether this is the first round of its `shape` here (it may have compiled)."""
         new = shape not in self.compiled
