@@ -271,12 +271,12 @@ def test_batch_steps_dearer_than_stored_prices_prove_nothing(
     stored = table.seconds(shape)
     for _ in range(5):
         table.observe(shape, 3 * stored)
-    assert not costs.check_batch(table, 2)
+    assert not costs.check_batch(table, shape)
     table = costs.CostTable(runner.costs())
     batch_costs.seed(table, batch_costs.read(runner.costs().key)[0])
     for _ in range(2):  # fewer than MIN_REPEATS, however cheap
         table.observe(shape, stored / 100)
-    assert not costs.check_batch(table, 2)
+    assert not costs.check_batch(table, shape)
     assert path.read_text() == before and capfd.readouterr().err == ""
 
 

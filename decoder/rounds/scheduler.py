@@ -395,7 +395,7 @@ class Scheduler:
             if self.rows == 1 and self.paid.learn:  # the stored curve judged, as a lone run's
                 check_plain(self.paid.curve, self.paid.seconds((1, 1, True), keys))
             elif self.rows > 1:  # and tune's batch prices, by what the batch's steps take
-                check_batch(self.paid, self.rows)
+                check_batch(self.paid, (self.rows, 1, True))
         events = []
         for request, token in zip(self.active, tokens, strict=True):
             if request.finish is None:  # a row done earlier in the stretch takes no more
@@ -471,11 +471,11 @@ class Scheduler:
         depth = max(o.depth for o in outcomes)
         steps = max((o.drafted for o in outcomes if o.source in (Source.HEAD, Source.CHAIN)),
                     default=0)
+        shape = (rows, depth + 1, pipelined)
         self.paid.tick(rows)
-        self.paid.observe((rows, depth + 1, pipelined), outcomes[0].paid_s, self._keys(),
-                          drafting=steps * self.paid.draft)
+        self.paid.observe(shape, outcomes[0].paid_s, self._keys(), drafting=steps * self.paid.draft)
         if rows > 1:  # tune's batch prices judged by what the batch's passes take
-            check_batch(self.paid, rows)
+            check_batch(self.paid, shape)
 
     def _learn(self, request: Request, outcome: RoundOutcome) -> None:
         policy = request.policy

@@ -40,7 +40,7 @@ from mtpkit.decoder.tuning.curve import (
     interpolate,
     smooth,
 )
-from mtpkit.decoder.tuning.policy import CostTable
+from mtpkit.decoder.tuning.policy import CostTable, Shape
 from mtpkit.decoder.tuning.store import cache_file, versions
 
 if TYPE_CHECKING:
@@ -168,51 +168,56 @@ def check_plain(curve: CostCurve, paid: float) -> bool:
     Marks it so on disk (once, with one line on stderr): the next load measures again."""
     if not curve.key or not curve.estimate or curve.plain <= DRIFT * paid:
         return False  # (asked after every plain stretch: the file is read only when it fails)
-    path = cache_file(curve.key)
-    if path in _STALE:
-        return False
-    _STALE.add(path)
-    doc = disk.read(path, "curve")
-    if doc is None or doc["key"] != curve.key or "stale" in doc or doc["plain"] <= DRIFT * paid:
-        return False
-    disk.write(path, {**doc, "stale": {"plain_paid": paid, "at": time.time()}}, "curve")
-    disk.say(f"the stored cost curve prices a plain step at {1000 * doc['plain']:.1f} ms; here "
-             f"they take {1000 * paid:.1f} ms (it was measured on a busy machine): priced by "
-             f"what rounds pay for now, measured again at the next load ({path})")
-    return True
+    return _mark_stale(
+        cache_file(curve.key), "curve", curve.key, {"plain_paid": paid},
+        lambda doc: doc["plain"] > DRIFT * paid,
+        lambda doc, path: f"the stored cost curve prices a plain step at "
+        f"{1000 * doc['plain']:.1f} ms; here they take {1000 * paid:.1f} ms (it was measured on "
+        f"a busy machine): priced by what rounds pay for now, measured again at the next load "
+        f"({path})")
 
 
-def check_batch(table: CostTable, rows: int) -> bool:
+def check_batch(table: CostTable, shape: Shape) -> bool:
     """Whether the batch prices stored beside the table's curve (`tune --max-batch`) are stale
-    by the module's rule: their plain step of `rows` rows priced over DRIFT dearer than the
-    cheapest pass of `rows` rows timed MIN_REPEATS or more times in this process (a plain step
-    is the least work a batch's pass does; a price that dear keeps the batch off plain steps,
-    so their own timings may never come). Marks the file so (once, with one line on stderr):
-    the next read finds no prices there and tune times batches again; this process prices
-    batches without them from now on."""
-    plain = (rows, 1, True)
-    if not table.curve.key or not table.learn or plain not in table.seeded:
+    by the module's rule, judged after a pass of `shape` (rows x width, pipelined or not):
+    their plain step of as many rows priced over DRIFT dearer than MIN_REPEATS or more such
+    passes take in this process (a plain step is the least work a batch's pass does; a price
+    that dear keeps the batch off plain steps, so their own timings may never come). Marks the
+    file so (once, with one line on stderr): the next read finds no prices there and tune times
+    batches again; this process prices batches without them from now on."""
+    rows = shape[0]
+    plain, seen = (rows, 1, True), table.times.get(shape, ())
+    if (not table.curve.key or not table.learn or plain not in table.seeded
+            or len(seen) < MIN_REPEATS):
         return False
-    stored = table.seeded[plain] * table.prior(plain, table.curve.context)
-    seen = [statistics.median(times) for shape, times in table.times.items()
-            if shape[0] == rows and len(times) >= MIN_REPEATS]
-    if not seen or stored <= DRIFT * min(seen):
+    stored, paid = table.seeded[plain] * table.prior(plain, table.curve.context), \
+        statistics.median(seen)
+    if stored <= DRIFT * paid:
         return False
     table.unseed()
-    path = disk.batch_file(table.curve.key)
+    return _mark_stale(
+        disk.batch_file(table.curve.key), "batch", table.curve.key,
+        {"rows": rows, "plain_paid": paid}, lambda doc: True,
+        lambda doc, path: f"the stored batch prices price a plain step of {rows} rows at "
+        f"{1000 * stored:.1f} ms; passes of {rows} rows take {1000 * paid:.1f} ms here (they "
+        f"were timed on a busy machine): set aside, timed again by the next `mtpkit tune "
+        f"--max-batch` ({path})")
+
+
+def _mark_stale(path: Path, kind: str, key: dict[str, Any], why: dict[str, Any],
+                still: Callable[[dict[str, Any]], bool],
+                line: Callable[[dict[str, Any], Path], str]) -> bool:
+    """Mark the stored document `path` stale (`why`, and when), once per process and only
+    where it is still the one judged (its key, not marked yet, `still` true of it); one line
+    on stderr says so. Whether it was marked."""
     if path in _STALE:
         return False
     _STALE.add(path)
-    doc = disk.read(path, "batch")
-    if doc is None or doc["key"] != table.curve.key or "stale" in doc:
+    doc = disk.read(path, kind)
+    if doc is None or doc["key"] != key or "stale" in doc or not still(doc):
         return False
-    paid = min(seen)
-    disk.write(path, {**doc, "stale": {"rows": rows, "plain_paid": paid, "at": time.time()}},
-               "batch")
-    disk.say(f"the stored batch prices price a plain step of {rows} rows at "
-             f"{1000 * stored:.1f} ms; passes of {rows} rows take {1000 * paid:.1f} ms here "
-             f"(they were timed on a busy machine): set aside, timed again by the next "
-             f"`mtpkit tune --max-batch` ({path})")
+    disk.write(path, {**doc, "stale": {**why, "at": time.time()}}, kind)
+    disk.say(line(doc, path))
     return True
 
 
