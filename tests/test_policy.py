@@ -25,6 +25,7 @@ from mtpkit.decoder.tuning import costs
 from mtpkit.decoder.tuning.curve import MAX_ROWS, CostCurve
 from mtpkit.decoder.tuning.policy import (
     OPTIMISM,
+    CostTable,
     DepthPolicy,
     Offer,
     decide,
@@ -168,6 +169,34 @@ def test_an_untimed_shape_takes_the_nearest_timed_shapes_correction() -> None:
     assert table.correction((1, 7, False)) == pytest.approx(1.4, rel=0.05)
     assert table.correction((1, 1, True)) == pytest.approx(1.0), "plain: nothing timed piped"
     assert set(table.summary()) == {"1x2", "1x9"}
+
+
+def test_rounds_paid_at_one_context_do_not_price_another() -> None:
+    """A curve measured at one context prices every context alike, so the table's corrections
+    carry what a longer context costs: depth-3 rounds that paid 1.5x the curve over a long
+    stretch at 16K (where they beat plain steps) must not price 64K's rounds, which pay 5x: two
+    of those turn the policy plain there, while 16K keeps speculating (the H200's bench_context
+    read auto at 0.52x plain at 64K when one median mixed them)."""
+    table = CostTable(CostCurve([0.010, 0.010, 0.0105, 0.011], plain=0.007, draft=0.0,
+                                estimate=True))
+    offer = Offer(head=[0.67, 0.40, 0.27])
+    d3, plain = (1, 4, False), (1, 1, True)
+    for _ in range(30):
+        table.tick(1)
+        table.observe(d3, 1.5 * table.prior(d3, 16384), 16384)
+        table.tick(1)
+        table.observe(plain, 1.2 * table.prior(plain, 16384), 16384)
+    assert decide([offer], table, 3, 16384).depth > 0
+    assert decide([offer], table, 3, 65536).depth > 0, "64K untimed: 16K's price, nearest band"
+    for _ in range(2):
+        table.tick(1)
+        table.observe(d3, 5 * table.prior(d3, 65536), 65536)
+    assert decide([offer], table, 3, 65536).depth == 0
+    assert decide([offer], table, 3, 16384).depth > 0
+    assert table.correction(d3, 16384) == pytest.approx(1.5, rel=0.05)
+    assert table.correction(d3, 65536) > 2
+    assert table.correction(plain, 65536) == pytest.approx(1.2), "plain: its nearest band"
+    assert table.summary()["1x4"] == pytest.approx(table.correction(d3, 65536))
 
 
 def test_an_untried_depth_is_explored_by_optimism_and_a_dear_price_taken_again() -> None:

@@ -16,11 +16,13 @@ What a round costs comes from one table (`CostTable`) keyed by its pass's shape:
 priced at the rows' context (decoder/tuning/curve.py) is its prior, and what rounds pay here corrects
 it: per shape, the median of its last paid/prior ratios, weighed by their decayed count against
 PRIOR_WEIGHT for what `tune` timed of that shape or, without, what the nearest shape timed alike
-says. Untried costs are explored by optimism: every shape is priced cheaper by
-OPTIMISM / sqrt(1 + n), n the decayed count of its timings here, so a shape nobody has timed
-lately gets tried where its price is near the best, and a price taken too dear once is taken
-again as that timing fades. The choice depends only on past rounds and on drafts already made,
-never on the verify pass, so every round stays exact.
+says. Ratios count in the context band they were paid in (`band`: octaves of context): a curve
+measured at one context prices a 64K round as a 512-token one, and what such rounds pay must
+not be averaged with what 16K rounds paid. Untried costs are explored by optimism: every shape
+is priced cheaper by OPTIMISM / sqrt(1 + n), n the decayed count of its timings here, so a
+shape nobody has timed lately gets tried where its price is near the best, and a price taken
+too dear once is taken again as that timing fades. The choice depends only on past rounds and
+on drafts already made, never on the verify pass, so every round stays exact.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 
 from mtpkit.decoder.options import Source
-from mtpkit.decoder.tuning.curve import CostCurve
+from mtpkit.decoder.tuning.curve import CONTEXT, CostCurve
 
 DECAY = 0.97  # evidence kept per round: about the last 30 rounds weigh in (acceptance and the
 # confidence in a cost alike)
@@ -50,6 +52,12 @@ Shape = tuple[int, int, bool]  # a pass: (rows, positions per row, pipelined)
 def tracker_key(source: Source, match: int = 0) -> str:
     """The tracker of a source; a lookup's by the length of the match it drafts from."""
     return f"lookup:{min(max(match, 1), LONG_MATCH)}" if source == Source.LOOKUP else str(source)
+
+
+def band(context: int) -> int:
+    """The context band a timing counts in: octaves above the curve's first context (a
+    pass's attention grows with its keys, so a ratio holds for contexts near its own)."""
+    return max(0, round(math.log2(max(context, 1) / CONTEXT)))
 
 
 def memory() -> int:
@@ -104,12 +112,13 @@ class CostTable:
 
     curve: CostCurve
     ratios: dict[Shape, deque] = field(default_factory=dict)  # paid / prior, the last memory()
+    bands: dict[Shape, deque] = field(default_factory=dict)  # the context band of each ratio
     times: dict[Shape, deque] = field(default_factory=dict)  # paid seconds, as timed
     confidence: dict[Shape, tuple[float, int]] = field(default_factory=dict)  # (n, clock then)
     clock: dict[int, int] = field(default_factory=dict)  # passes run, by rows
     compiled: set[Hashable] = field(default_factory=set)  # pass shapes a round has run here
     seeded: dict[Shape, float] = field(default_factory=dict)  # corrections timed elsewhere
-    _medians: dict[Shape, float] = field(default_factory=dict)  # of `ratios`, as asked
+    _medians: dict[tuple[Shape, int], float] = field(default_factory=dict)  # by band, as asked
     _nearest: dict[Shape, Shape | None] = field(default_factory=dict)  # until a new shape
 
     @property
@@ -140,36 +149,47 @@ class CostTable:
                 tokens - len(verify))
         return seconds * (saving if piped else 1.0)
 
-    def correction(self, shape: Shape) -> float:
-        """paid / prior: the median of the shape's own timings, weighed by their decayed count
-        against PRIOR_WEIGHT for what `tune` timed of it or, without, what the nearest shape
-        timed alike (pipelined or not; the fewest rows, then positions, apart) says, else 1:
+    def correction(self, shape: Shape, context: int = 0) -> float:
+        """paid / prior at `context`: the median of the shape's own timings in its band,
+        weighed by their decayed count against PRIOR_WEIGHT for what `tune` timed of it or,
+        without, what the shape paid in the nearest band timed or, never timed, what the nearest
+        shape timed alike (pipelined or not; the fewest rows, then positions, apart) says, else 1:
         a timing long past, or one alone, gives way to what its neighbours pay now."""
-        n = self.timings(shape) if shape in self.ratios else 0.0
+        at = band(context)
+        bands = self.bands.get(shape, ())
+        own = sum(b == at for b in bands)
+        n = self.timings(shape) * own / len(bands) if own else 0.0
         base = self.seeded.get(shape)
-        if base is None:
+        if base is None and bands and not own:
+            base = self._median(shape, at)
+        elif base is None:
             if shape not in self._nearest:
                 rows, width, piped = shape
                 self._nearest[shape] = min(
                     (s for s in (*self.ratios, *self.seeded) if s[2] == piped and s != shape),
                     default=None, key=lambda s: (abs(s[0] - rows), abs(s[1] - width), s))
             near = self._nearest[shape]
-            base = 1.0 if near is None else self._median(near)
-        return (n * self._median(shape) + PRIOR_WEIGHT * base) / (n + PRIOR_WEIGHT) if n \
+            base = 1.0 if near is None else self._median(near, at)
+        return (n * self._median(shape, at) + PRIOR_WEIGHT * base) / (n + PRIOR_WEIGHT) if n \
             else base
 
-    def _median(self, shape: Shape) -> float:
+    def _median(self, shape: Shape, at: int) -> float:
+        """The median of the shape's ratios in band `at`, else in the nearest band timed (the
+        longer on a tie), else what `tune` timed of it."""
         if shape not in self.ratios:
             return self.seeded[shape]
-        if shape not in self._medians:
-            self._medians[shape] = statistics.median(self.ratios[shape])
-        return self._medians[shape]
+        bands = self.bands[shape]
+        nearest = min(bands, key=lambda b: (abs(b - at), -b))
+        if (shape, nearest) not in self._medians:
+            self._medians[(shape, nearest)] = statistics.median(
+                r for r, b in zip(self.ratios[shape], bands, strict=True) if b == nearest)
+        return self._medians[(shape, nearest)]
 
     def seconds(self, shape: Shape, context: int = 0, drafting: float = 0.0) -> float:
         """What a round of this pass `shape` is expected to cost at `context`, its drafts
         priced at `drafting` seconds by the prior (corrected with the pass: both are paid
         as one round's time)."""
-        return (self.prior(shape, context) + drafting) * self.correction(shape)
+        return (self.prior(shape, context) + drafting) * self.correction(shape, context)
 
     def timings(self, shape: Shape) -> float:
         """The decayed count of this shape's timings here."""
@@ -183,7 +203,7 @@ class CostTable:
     def pricer(self, shape: Shape, context: int, optimism: bool) -> Callable[[float], float]:
         """`seconds` (or `optimistic`) of `shape` as a function of the drafting, its terms
         computed once (the policy asks several plans of one shape)."""
-        prior, factor = self.prior(shape, context), self.correction(shape)
+        prior, factor = self.prior(shape, context), self.correction(shape, context)
         if optimism:
             factor /= 1 + OPTIMISM / math.sqrt(1 + self.timings(shape))
         return lambda drafting: (prior + drafting) * factor
@@ -203,7 +223,8 @@ class CostTable:
                 self._nearest.clear()
             self.ratios.setdefault(shape, deque(maxlen=memory())).append(
                 seconds / (self.prior(shape, context) + drafting))
-            self._medians.pop(shape, None)
+            self.bands.setdefault(shape, deque(maxlen=memory())).append(band(context))
+            self._medians = {k: v for k, v in self._medians.items() if k[0] != shape}
 
     def seed(self, shape: Shape, times: Iterable[float], drafting: float = 0.0) -> None:
         """Timings taken elsewhere (`tune`'s, from disk), at the curve's own context: what the
@@ -228,9 +249,11 @@ class CostTable:
         return new
 
     def summary(self) -> dict[str, float]:
-        """Each timed shape's correction, named "rows x width" (+ " piped"), for statistics."""
-        return {f"{r}x{w}{' piped' if p else ''}": self.correction((r, w, p))
-                for r, w, p in sorted({*self.ratios, *self.seeded})}
+        """Each timed shape's correction where it was last timed, named "rows x width"
+        (+ " piped"), for statistics."""
+        return {f"{r}x{w}{' piped' if p else ''}": self.correction(
+            (r, w, p), CONTEXT << self.bands[(r, w, p)][-1] if (r, w, p) in self.bands else 0)
+            for r, w, p in sorted({*self.ratios, *self.seeded})}
 
 
 @dataclass(frozen=True)
