@@ -9,7 +9,7 @@ blocks of 6 (5 drafts).
 1. Greedy identity with stock mlx-lm's greedy decoding at depths 1, 3 and the block (5), with
    drafts kept and rejected; the drafter's context after every kind of round equals the one a
    fresh prefill of the committed text gives (bounded shapes, Qwen3.5 / Qwen3-Next targets
-   with both rollbacks too); a batch row and a prompt from the prefix cache rebuild it.
+   with both rollbacks too), in a batch's rows and restored from the prefix cache too.
 2. Forced rejections: drafts scripted wrong at 30% of positions; every round keeps exactly
    what its script implies.
 3. The sampled law in every round state (test_exactness's Markov target and stratified
@@ -392,18 +392,31 @@ def test_a_dflash_session_is_prefilled_alone() -> None:
     assert plain.prefills_with_others(PROMPT) and not drafting.prefills_with_others(PROMPT)
 
 
-def test_a_prompt_from_the_prefix_cache_rebuilds_the_context() -> None:
-    """A restored prompt was never run by this session: the context is rebuilt from the text
-    at the first proposal, and the tokens and the drafts are a fresh run's."""
+def test_a_prompt_from_the_prefix_cache_restores_the_context(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefix cache entry of a DFlash session holds the drafter's context beside the
+    trunk's caches: a prompt restored from it, whole or cut back to a shorter shared prefix,
+    drafts from the context as a fresh run does (its tokens and kept drafts), with no rebuild
+    through the trunk."""
     runner = dflash_runner()
     prefix = PrefixCache(1 << 26)
     first = runner.generate(PROMPT, 32, depth=3, draft="model", prefix=prefix)
+    longer = runner.generate(PROMPT + first.tokens[:8], 8, depth=3, draft="model",
+                             prefix=prefix)
+    rebuilt = rebuilds(monkeypatch)
     again = runner.generate(PROMPT + first.tokens[:4], 28, depth=3, draft="model",
                             prefix=prefix)
+    cut = runner.generate(PROMPT + first.tokens[:6] + [7, 7], 20, depth=3, draft="model",
+                          prefix=prefix)
+    assert rebuilt == [], "restored, not rebuilt"
     fresh = runner.generate(PROMPT + first.tokens[:4], 28, depth=3, draft="model")
-    assert again.cached_tokens >= len(PROMPT) and fresh.cached_tokens == 0
+    fresh_cut = runner.generate(PROMPT + first.tokens[:6] + [7, 7], 20, depth=3, draft="model")
+    assert longer.cached_tokens >= len(PROMPT)
+    assert len(PROMPT) < again.cached_tokens < len(PROMPT) + 8, "the longer entry, cut back"
+    assert len(PROMPT) + 4 < cut.cached_tokens < len(PROMPT) + 8, "the longer entry, cut back"
     assert again.tokens == fresh.tokens == first.tokens[4:]
     assert again.stats.accepted == fresh.stats.accepted and sum(again.stats.accepted) > 0
+    assert cut.tokens == fresh_cut.tokens and cut.stats.accepted == fresh_cut.stats.accepted
 
 
 # -- 2. forced rejections --------------------------------------------------------------------

@@ -7,7 +7,9 @@ keyed by the prompt's token ids. An entry holds what a started Session holds for
 (`Session.export_state`; `restore_state` puts it back): the
 trunk's caches (attention KV, GatedDeltaNet states in ArraysCache) and, for sessions drafting
 with the MTP head, the head's cache over the prompt's (hidden, next token) pairs and the prompt's
-hiddens (the last one is owed to the head with the request's next token). A session restored
+hiddens (the last one is owed to the head with the request's next token); for sessions drafting
+with DFlash, the drafter's context keys and values (trimmed as attention KV). Each kind of
+session has its own trie (`Session.kind`). A session restored
 from an entry continues as one that prefilled the whole prompt; the context lookup index is
 rebuilt from the ids. Attention KV can be trimmed, so an entry also serves a prompt that leaves it
 part way; recurrent states only serve prompts that extend the whole entry.
@@ -31,7 +33,6 @@ from typing import Any
 from mlx_lm.models.cache import LRUPromptCache
 
 MAX_ENTRIES = 1 << 16  # the byte bound is the real one
-KINDS = ("trunk", "head")  # trie partitions: sessions drafting with the head need its state too
 FOLLOW_UP = [{"role": "assistant", "content": "x"}, {"role": "user", "content": "x"}]
 
 

@@ -34,7 +34,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3 import ModelArgs, TransformerBlock
 
 from mtpkit.decoder.cache.batch_cache import RowKVCache
-from mtpkit.decoder.cache.caches import leaves
+from mtpkit.decoder.cache.caches import FrozenKV, freeze, leaves
 from mtpkit.decoder.drafters.draft_model import PREFILL_STEP, STEP_REPS, STEP_TEXT
 from mtpkit.decoder.drafters.drafts import Draft
 from mtpkit.decoder.model.trunk import LayerTap, Trunk
@@ -313,6 +313,25 @@ class DFlashProposer:
                         [p for ps in self.parts.values() for p in ps])
         finally:
             self.rebuilding = None
+
+    def export(self, positions: int) -> list[FrozenKV]:
+        """The drafter's context over the trunk's first `positions` positions, for the prefix
+        cache beside the trunk's export (views of its caches, trimmed as the trunk's are):
+        every position captured so far is fed first (rebuilt where some are missing)."""
+        if not self._complete(positions):
+            self.rebuild(positions)
+        features = self.features(positions)
+        if features is not None:
+            self.pair.feed(self.stores, features)
+        return [freeze(s) for s in self.stores]
+
+    def restore(self, frozen: list[FrozenKV], cached: int) -> None:
+        """The context an `export` left, cut back to the `cached` positions the trunk's
+        restored caches hold (a mismatch leaves a gap: the first proposal rebuilds)."""
+        self.stores = [f.thaw(s) for f, s in zip(frozen, self.pair.drafter.make_stores(),
+                                                   strict=True)]
+        self.parts, self.pending, self.base = {}, [], cached
+        self.gap = any(s.offset != cached for s in self.stores)
 
     def propose(self, depth: int) -> Draft | None:
         """min(depth, block_size - 1) drafts after the last committed token, from one drafter

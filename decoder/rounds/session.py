@@ -35,7 +35,7 @@ from mtpkit.decoder.cache.caches import (
     trimmable,
     trims_after,
 )
-from mtpkit.decoder.cache.prefix import KINDS, PrefixCache
+from mtpkit.decoder.cache.prefix import PrefixCache
 from mtpkit.decoder.cache.shapes import PaddedKVCache, bounded_by_default, padded, pieces
 from mtpkit.decoder.cache.state import commit_recorded, rewind
 from mtpkit.decoder.drafters.assistant import final_normed
@@ -288,7 +288,7 @@ class Session:
         if self.prefix is None:
             yield (yield from self._first(ids))
             return
-        kind = KINDS[bool(self.mtp_cache)]
+        kind = self.kind
         state, cached = self.prefix.fetch(kind, ids)
         if state is not None and not thawable(state[:len(self.cache)], cached, self.kv):
             state, cached = None, 0
@@ -304,22 +304,34 @@ class Session:
             if hidden is not None:
                 self.owe(hidden, ids[at + 1:mark + 1])
             self.taken(ids[at:mark])
-            self.prefix.insert(kind, ids[:mark], self.export_state())
+            self.prefix.insert(kind, ids[:mark], self.export_state(mark))
             at = mark
         last = yield from self._first(ids[at:])
         self.stats.prompt_tokens = len(ids) - cached
         self.stats.prefill_s += spent
-        self.prefix.insert(kind, ids, self.export_state())
+        self.prefix.insert(kind, ids, self.export_state(len(ids)))
         yield last
 
+    @property
+    def kind(self) -> str:
+        """The prefix cache's partition (decoder/cache/prefix.py) this session's exports go to,
+        by what they hold beside the trunk's caches: "head" (the head's state), "dflash" (the
+        drafter's context) or "trunk" (nothing)."""
+        if self.mtp_cache:
+            return "head"
+        return "dflash" if isinstance(self.model, DFlashProposer) else "trunk"
+
     def restore_state(self, state: list[Any], ids: list[int], cached: int) -> None:
-        """Caches, lookup index and owed head pair as an export of the prompt's first `cached`
-        tokens left them (decoder/cache/caches.py thaws each cache)."""
+        """Caches, lookup index, owed head pair and a DFlash drafter's context as an export of
+        the prompt's first `cached` tokens left them (decoder/cache/caches.py thaws each
+        cache)."""
         n, m = len(self.cache), len(self.mtp_cache)
         self.cache[:] = [f.thaw(c) for c, f in zip(self.cache, state[:n], strict=True)]
         self.mtp_cache[:] = [f.thaw(c) for c, f in zip(self.mtp_cache, state[n:n + m],
                                                         strict=True)]
         quantize(self.cache, self.kv)  # float keys restored up to the switch: it is here
+        if isinstance(self.model, DFlashProposer):
+            self.model.restore(state[n:], cached)
         self.taken(ids[:cached])
         if m:
             hidden = state[-1]
@@ -327,12 +339,15 @@ class Session:
             self._exported = [hidden.hidden[:, :cached - 1]]
             self.owed = (hidden.hidden[:, cached - 1:cached], mx.array([[ids[cached]]]))
 
-    def export_state(self) -> list[Any]:
-        """The state the prompt so far left, frozen (decoder/cache/caches.py: views, not copies): the
-        trunk's caches, and for head sessions the head's cache, fed every pair but the last
-        (the first round's draft takes that one, with the next token), and every prompt
-        position's hidden. Evaluated here: the next session may run on another thread."""
+    def export_state(self, positions: int) -> list[Any]:
+        """The state the prompt's first `positions` tokens left, frozen (decoder/cache/caches.py:
+        views, not copies): the trunk's caches, and for head sessions the head's cache, fed
+        every pair but the last (the first round's draft takes that one, with the next token),
+        and every prompt position's hidden; for DFlash sessions the drafter's context.
+        Evaluated here: the next session may run on another thread."""
         frozen: list[Any] = [freeze(c) for c in self.cache]
+        if isinstance(self.model, DFlashProposer):
+            frozen += self.model.export(positions)
         if self.mtp_cache:
             assert self.owed is not None and self.head is not None
             hidden = self.owed[0]
@@ -370,7 +385,7 @@ class Session:
         if (len(ids) > PREFILL_STEP or not all(type(c) in ATTENTION for c in self.cache)
                 or isinstance(self.model, DFlashProposer)):
             return False
-        return self.prefix is None or not self.prefix.cached(KINDS[bool(self.mtp_cache)], ids)
+        return self.prefix is None or not self.prefix.cached(self.kind, ids)
 
     def prefilled(self, ids: list[int], hidden: mx.array, logits: mx.array,
                   seconds: float) -> int:
@@ -382,7 +397,7 @@ class Session:
         first = self._commit_first(ids, hidden, logits)
         if self.prefix is not None:
             self.prefix.missed()
-            self.prefix.insert(KINDS[bool(self.mtp_cache)], ids, self.export_state())
+            self.prefix.insert(self.kind, ids, self.export_state(len(ids)))
         return first
 
     def taken(self, tokens: list[int]) -> None:
