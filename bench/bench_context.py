@@ -22,7 +22,9 @@ bench_gpu's default context), and any of them with a quantized KV cache as `ARM:
 default; ours only where the decoder has it, else the arm is skipped and said). Ratios per
 context: each arm over mlx-lm and over our plain with the same KV cache (medians, and per run
 where paired), TTFT and peak memory over mlx-lm's, and each depth's speedup over its speedup at
-the first context. Greedy tokens are checked equal across arms with the same KV cache.
+the first context. Greedy tokens are checked equal across arms with the same KV cache. auto's
+rows also keep, per run, the depths it chose, the cost scales it priced by and its rounds'
+timeline (`rounds`: when each ended, tokens by then, depth, drafts kept).
 
 Progress and an ETA go to stderr. JSON: `--out DIR` / context-<trunk>.json.
 
@@ -246,9 +248,11 @@ def run_ours(runner: Any, arm: Arm, ids: list[int], tokens: int, drop: int, draf
     row = {"tokens": out, "ttft_s": stats.ttft_s, "prefill_s": stats.prefill_s,
            "decode_tps": steady_tps(times, drop), "peak_gb": stats.peak_memory_bytes / 1e9,
            "acceptance_by_depth": stats.acceptance_by_depth}
-    if arm.mode == "auto":  # what auto chose, and the paid/predicted scales it chose by
+    if arm.mode == "auto":  # what auto chose, the paid/predicted scales it chose by, and
+        # when each round ended (where a plain stretch was left and at what cost)
         row["depths"] = {str(d): n for d, n in stats.depths.items()}
         row["cost_scale"] = dict(stats.cost_scale)
+        row["rounds"] = stats.rounds()
     return row
 
 
@@ -426,6 +430,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]], arms: list[Arm],
         if arm.mode == "auto":
             row["depths"] = [g["depths"] for g in got]
             row["cost_scale"] = [g["cost_scale"] for g in got]
+            row["rounds"] = [g["rounds"] for g in got]
         rows[arm.name] = row
     for arm in arms:
         row, tps = rows[arm.name], [g["decode_tps"] for g in runs[arm.name]]
