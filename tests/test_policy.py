@@ -175,8 +175,8 @@ def test_rounds_paid_at_one_context_do_not_price_another() -> None:
     """A curve measured at one context prices every context alike, so the table's corrections
     carry what a longer context costs: depth-3 rounds that paid 1.5x the curve over a long
     stretch at 16K (where they beat plain steps) must not price 64K's rounds, which pay 5x: two
-    of those turn the policy plain there, while 16K keeps speculating (the H200's bench_context
-    read auto at 0.52x plain at 64K when one median mixed them)."""
+    of those turn the policy plain there, while 16K keeps speculating (one median per shape
+    mixed them and kept 64K speculating)."""
     table = CostTable(CostCurve([0.010, 0.010, 0.0105, 0.011], plain=0.007, draft=0.0,
                                 estimate=True))
     offer = Offer(head=[0.67, 0.40, 0.27])
@@ -219,7 +219,7 @@ def test_an_untried_depth_is_explored_by_optimism_and_a_dear_price_taken_again()
     assert sum(policy.rate(d) for d in tried) / len(tried) > 0.97 * best, "at little cost"
     never = next(d for d in range(1, 9) if d not in tried)
     untried = (1, timed.width(never + 1), False)
-    assert table.optimistic(untried) < table.seconds(untried) / (1 + 0.5 * OPTIMISM)
+    assert table.pricer(untried, 0, True)(0.0) < table.seconds(untried) / (1 + 0.5 * OPTIMISM)
     # a depth that wins, timed once at 3x (a stalled host): plain steps run while that
     # timing fades, then the depth is taken again, and kept
     steep = replace(timed, verify=[1.0 + 0.3 * t for t in range(16)])

@@ -196,13 +196,10 @@ class CostTable:
         n, then = self.confidence.get(shape, (0.0, 0))
         return n * DECAY ** (self.clock.get(shape[0], 0) - then)
 
-    def optimistic(self, shape: Shape, context: int = 0, drafting: float = 0.0) -> float:
-        """The price the policy compares: `seconds`, cheaper by OPTIMISM / sqrt(1 + n)."""
-        return self.pricer(shape, context, True)(drafting)
-
     def pricer(self, shape: Shape, context: int, optimism: bool) -> Callable[[float], float]:
-        """`seconds` (or `optimistic`) of `shape` as a function of the drafting, its terms
-        computed once (the policy asks several plans of one shape)."""
+        """`seconds` of `shape` as a function of the drafting (with `optimism`: cheaper by
+        OPTIMISM / sqrt(1 + n), the price the policy compares), its terms computed once (the
+        policy asks several plans of one shape)."""
         prior, factor = self.prior(shape, context), self.correction(shape, context)
         if optimism:
             factor /= 1 + OPTIMISM / math.sqrt(1 + self.timings(shape))
