@@ -175,7 +175,7 @@ def ideal(table: Any, rows: int, plain_step: float | None = None) -> dict[str, A
 
 def oracle_bench(args: argparse.Namespace) -> dict:
     import mlx.core as mx
-    from bench_gpu import SUCCESSOR, llama8b
+    from bench_gpu import SUCCESSOR, llama8b, stock
 
     from mtpkit.decoder.cache.shapes import bounded_by_default
     from mtpkit.decoder.model.kernels import cuda_available
@@ -201,6 +201,7 @@ def oracle_bench(args: argparse.Namespace) -> dict:
         most = max(int(s) for s in args.streams.split(","))
         runner.batch_costs(most, told=batch_lines())
     plain_runner = Runner(trunk, None, None)
+    baseline = stock(model)  # mlx-lm's arm runs its own layers, not our kernel twins
     out: dict[str, Any] = {"curve": runner._costs.to_dict(), "rates": RATES, "streams": {}}
     if trunk.passes is not None:  # batch pass shapes tune found faster untraced (rows, width)
         out["untraced"] = sorted(f"{r},{w}" for (r, w), s in trunk.passes.stock_rows.items() if s)
@@ -211,7 +212,7 @@ def oracle_bench(args: argparse.Namespace) -> dict:
         # policy's round timings at this size learned, as a running server has them
         ours(runner, prompts, args.tokens, "auto")
         ours(plain_runner, prompts, args.tokens, 0)
-        theirs(model, prompts, args.tokens)
+        theirs(baseline, prompts, args.tokens)
         arms: dict[str, list[dict]] = {"mtp_auto": [], "plain": [], "mlx_lm": []}
         if n == 1:
             arms["single_auto"] = []
@@ -222,7 +223,7 @@ def oracle_bench(args: argparse.Namespace) -> dict:
             arms["mtp_auto"].append(row | {"prices_before_ms": before})
             row, plain_tokens = ours(plain_runner, prompts, args.tokens, 0)
             arms["plain"].append(row)
-            row, base_tokens = theirs(model, prompts, args.tokens)
+            row, base_tokens = theirs(baseline, prompts, args.tokens)
             arms["mlx_lm"].append(row)
             same &= mtp_tokens == plain_tokens == base_tokens
             if n == 1:

@@ -48,7 +48,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_decode import _timed, steady_tps  # noqa: E402
-from bench_gpu import RATES, SUCCESSOR, Oracle, llama8b, qwen35_9b  # noqa: E402
+from bench_gpu import RATES, SUCCESSOR, Oracle, llama8b, qwen35_9b, stock  # noqa: E402
 from common import RESULTS, summary  # noqa: E402
 
 from mtpkit.verify.record import machine  # noqa: E402
@@ -118,6 +118,7 @@ class Setup:
         self.runner, self.prompt, self.draft = runner, prompt, draft
         self.oracle, self.successor = oracle, successor
         self.prefix: Any = None  # --prefix: the prompt's state, prefilled once per context
+        self.stock = stock(runner.trunk.model)  # mlx-lm's arms: its own layers, not our twins
 
     def walk(self, ids: list[int], n: int) -> list[int]:
         """The oracle trunk's greedy continuation: a walk through its successor permutation
@@ -259,7 +260,7 @@ def run_ours(runner: Any, arm: Arm, ids: list[int], tokens: int, drop: int, draf
 def run_arm(setup: Setup, arm: Arm, ids: list[int], args: argparse.Namespace, run: int
             ) -> dict[str, Any]:
     if arm.mode == "mlx_lm":
-        return run_mlx_lm(setup.runner.trunk.model, ids, args.tokens, args.drop, arm.kv_bits,
+        return run_mlx_lm(setup.stock, ids, args.tokens, args.drop, arm.kv_bits,
                           args.kv_start, args.sampling, run)
     prefix = setup.prefix if not arm.kv_bits else None
     return run_ours(setup.runner, arm, ids, args.tokens, args.drop, setup.draft, args.kv_start,

@@ -59,6 +59,22 @@ def llama8b(bits: int | None, small: bool = False):
     return oracle_ready(Model, args, bits)
 
 
+def stock(model):
+    """A second model over the same arrays whose quantized layers are mlx-lm's own classes.
+    Our verify-kernel twins (decoder/model/rows.py) replace a trunk's layers in place, so
+    mlx-lm's arms given the model our trunk wraps would run our kernel (and our one-matrix
+    batch products), not stock mlx-lm; they run this copy."""
+    import mlx.nn as nn
+
+    quantized = {path: m for path, m in model.named_modules() if hasattr(m, "scales")}
+    copy = type(model)(model.args)  # (its random weights stay lazy: replaced before any eval)
+    nn.quantize(copy, class_predicate=lambda path, _m: (
+        {"group_size": quantized[path].group_size, "bits": quantized[path].bits,
+         "mode": quantized[path].mode} if path in quantized else False))
+    copy.update(model.parameters())
+    return copy
+
+
 def qwen35_9b(bits: int | None, small: bool = False):
     """A Qwen3.5-9B-shaped hybrid (three GatedDeltaNet layers to one attention layer, 248,320
     tokens) with random weights, as llama8b; the family that ships MTP heads."""

@@ -109,6 +109,90 @@ def run(runner, prompts, tokens, depth, label, shapes=False):
     return [r.stats for r in requests]
 
 
+def _plain_ms(runner, prompts, tokens, pipelined=None):
+    """Median ms per plain step of every row (scheduler steps that ran all rows)."""
+    from mtpkit.decoder.rounds.batch import Batch
+    from mtpkit.decoder.rounds.scheduler import Scheduler
+
+    batch = Batch(runner.trunk, runner.head)
+    if pipelined is not None:
+        batch.pipelined = pipelined
+    sch = Scheduler(batch, len(prompts), runner.table())
+    for p in prompts:
+        sch.add(runner.prepare(p, tokens, depth=0))
+    per_token = []
+    while sch:
+        t0 = time.perf_counter()
+        events = sch.step()
+        dt = (time.perf_counter() - t0) * 1000
+        made = sum(len(e.tokens) for e in events)
+        if sch.rows == len(prompts) and made >= len(prompts):
+            per_token.append(dt * len(prompts) / made)
+    return statistics.median(per_token)
+
+
+def variants(runner, baseline, model, n, tokens, reps):
+    """Our batched plain step under each configuration that might cost it (traced or not,
+    pipelined or not, the verify kernel or MLX's matmul for n-row products) beside mlx-lm's
+    BatchGenerator (stock, and on `model`, whose layers are our twins), interleaved: median ms
+    per step, each configuration's runs listed."""
+    import mlx.core as mx
+
+    from mtpkit.decoder.model.rows import _KernelTwin
+
+    vocab = runner.trunk.args.vocab_size
+    prompts = [[(13 * i + 7 + 101 * s) % vocab for i in range(bb.PROMPT)] for s in range(n)]
+    passes = runner.trunk.passes
+    twins = [m for _, m in runner.trunk.text.named_modules() if isinstance(m, _KernelTwin)]
+    rows0 = [t.kernel_rows for t in twins]
+    # a trace keeps the products it saw: one compiled function per linear configuration
+    fns = {True: passes._rows, False: mx.compile(passes._forward_rows)} if passes else {}
+
+    def configure(traced, kernel):
+        if passes is not None:
+            passes.stock_everywhere = not traced
+            passes._rows = fns[kernel]
+        for t, r in zip(twins, rows0, strict=True):
+            t.kernel_rows = r if kernel else frozenset(r - {n})
+
+    arms = {"traced piped": (True, True, None), "traced sync": (True, True, False),
+            "untraced piped": (False, True, None), "untraced sync": (False, True, False),
+            "traced piped, MLX matmul": (True, False, None),
+            "untraced piped, MLX matmul": (False, False, None)}
+    got = {name: [] for name in [*arms, "mlx-lm", "mlx-lm on our twins"]}
+    for rep in range(reps + 1):
+        for name, (traced, kernel, piped) in arms.items():
+            configure(traced, kernel)
+            mx.reset_peak_memory()
+            ms = _plain_ms(runner, prompts, tokens if rep else 16, piped)
+            if rep:
+                got[name].append(round(ms, 2))
+        configure(True, True)
+        for name, m in (("mlx-lm", baseline), ("mlx-lm on our twins", model)):
+            t = _theirs_ms(m, prompts, tokens if rep else 16)
+            if rep:
+                got[name].append(round(t, 2))
+    for name, runs in got.items():
+        print(f"{n} rows {name}: median {statistics.median(runs):.2f} ms {runs}", flush=True)
+
+
+def _theirs_ms(model, prompts, tokens):
+    from mlx_lm.generate import BatchGenerator
+
+    n = len(prompts)
+    gen = BatchGenerator(model, max_tokens=tokens, completion_batch_size=n,
+                         prefill_batch_size=n)
+    gen.insert(prompts, [tokens] * n)
+    steps = []
+    t0 = time.perf_counter()
+    while responses := gen.next_generated():
+        now = time.perf_counter()
+        steps.append((len(responses), (now - t0) * 1000))
+        t0 = now
+    gen.close()
+    return statistics.median([ms for k, ms in steps[1:] if k == n])
+
+
 def theirs(model, prompts, tokens, label):
     from mlx_lm.generate import BatchGenerator
 
@@ -162,7 +246,7 @@ def real(args: argparse.Namespace) -> None:
 
 def main() -> None:
     import mlx.core as mx
-    from bench_gpu import SUCCESSOR, llama8b
+    from bench_gpu import SUCCESSOR, llama8b, stock
 
     from mtpkit.decoder.cache.shapes import bounded_by_default
     from mtpkit.decoder.model.kernels import cuda_available
@@ -186,6 +270,8 @@ def main() -> None:
                         help="no traced passes (to tell their share of a step)")
     parser.add_argument("--stock-linears", action="store_true",
                         help="MLX's quantized matmul for every row count, not the verify kernel")
+    parser.add_argument("--variants", type=int, default=0, metavar="RUNS",
+                        help="only the plain step under each configuration, RUNS runs each")
     args = parser.parse_args()
     if args.bundle:
         return real(args)
@@ -208,13 +294,18 @@ def main() -> None:
         runner.batch_costs(8, told=batch_lines())
         if trunk.passes is not None:
             print("untraced:", sorted(k for k, s in trunk.passes.stock_rows.items() if s))
+    baseline = stock(model)  # mlx-lm's arms run its own layers, not our kernel twins
+    if args.variants:
+        for n in (8, 4):
+            variants(runner, baseline, model, n, 128, args.variants)
+        return
     for n in (4, 8):
         prompts = [[(13 * i + 7 + 101 * s) % vocab for i in range(bb.PROMPT)] for s in range(n)]
         for depth in depths:
             run(runner, prompts, 256, depth if depth == "auto" else int(depth),
                 f"{n} rows depth {depth}", args.shapes)
         if args.mlx_lm:
-            theirs(model, prompts, 256, f"{n} rows mlx-lm")
+            theirs(baseline, prompts, 256, f"{n} rows mlx-lm")
         mx.clear_cache()
 
 
