@@ -80,15 +80,19 @@ class _KernelTwin:
     def _product(self, x: mx.array) -> mx.array:
         """x @ W.T: 2..MAX_ROWS rows through the kernel at its row counts (CUDA), anything else
         through MLX's op as one (rows, K) matrix: given a batch of sequences (B, T, K), MLX's
-        CUDA op runs B products, each reading the whole weight."""
-        rows, k = x.size // x.shape[-1], x.shape[-1]
-        if self._fits and rows in self.kernel_rows and kernels.few_rows(x):
+        CUDA op runs B products, each reading the whole weight. One row (a plain step) takes
+        MLX's op as the stock layer calls it, with no more host work: plain decoding builds
+        every step's graph in Python, and a pipelined step is only as fast as that build."""
+        k = x.shape[-1]
+        rows = x.size // k
+        if rows > 1 and self._fits and rows in self.kernel_rows and kernels.few_rows(x):
             return kernels.rows_matmul(x, self.weight, self.scales, self.biases, self.bits,
                                        self.group_size)
-        y = mx.quantized_matmul(x.reshape(rows, k), self["weight"], scales=self["scales"],
-                                biases=self.get("biases"), transpose=True,
-                                group_size=self.group_size, bits=self.bits, mode=self.mode)
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        y = mx.quantized_matmul(x if rows == 1 else x.reshape(rows, k), self["weight"],
+                                scales=self["scales"], biases=self.get("biases"),
+                                transpose=True, group_size=self.group_size, bits=self.bits,
+                                mode=self.mode)
+        return y if rows == 1 else y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 class KernelQuantizedLinear(_KernelTwin, nn.QuantizedLinear):
