@@ -104,7 +104,7 @@ def ours(trunk, prompts: list[list[int]], bounded: bool | None, width: int = 1):
 
 def main() -> None:
     import mlx.core as mx
-    from bench_gpu import llama8b
+    from bench_gpu import llama8b, stock
 
     from mtpkit.decoder.model.kernels import cuda_available
     from mtpkit.decoder.model.rows import use_kernel_linears
@@ -124,12 +124,13 @@ def main() -> None:
     if cuda_available() and not args.stock:
         use_kernel_linears(trunk.text)
     vocab = trunk.args.vocab_size
+    baseline = stock(model)  # mlx-lm's arm runs its own layers, not our kernel twins
     out = {}
     for n in [int(r) for r in args.rows.split(",")]:
         prompts = [[(13 * i + 7 + 101 * s) % vocab for i in range(args.prompt)]
                    for s in range(n)]
         first = mx.array([p[-1] for p in prompts], mx.int32)
-        arms = {"mlx-lm": lambda prompts=prompts: theirs(model, prompts)}
+        arms = {"mlx-lm": lambda prompts=prompts: theirs(baseline, prompts)}
         for width in [int(w) for w in args.widths.split(",")]:
             for traced in (True, False):
                 for bounded in (None, False) if args.exact else (None,):
