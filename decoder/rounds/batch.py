@@ -42,7 +42,14 @@ from mtpkit.decoder.model.head import MTPHead
 from mtpkit.decoder.model.trunk import Trunk
 from mtpkit.decoder.options import Source
 from mtpkit.decoder.rounds import acceptance
-from mtpkit.decoder.rounds.session import SOURCE_NAMES, STREAM, RoundOutcome, Session, judge
+from mtpkit.decoder.rounds.session import (
+    SOURCE_NAMES,
+    STREAM,
+    RoundOutcome,
+    Session,
+    judge,
+    pipelined,
+)
 from mtpkit.decoder.sampling import Candidates, candidates, greedy
 
 
@@ -357,8 +364,9 @@ class Batch:
     def plain_steps(self, count: int, stop: Callable[[], bool] | None = None
                     ) -> Iterator[tuple[list[int], float]]:
         """`count` plain steps of every row, each next pass queued before the last one's
-        tokens are read (as Session.plain_steps does for one sequence, mlx-lm's
-        BatchGenerator for many): the host builds step t+1 while the device runs step t.
+        tokens are read (session.pipelined, the loop Session.plain_steps runs for one
+        sequence; mlx-lm's BatchGenerator does the same): the host builds step t+1 while the
+        device runs step t.
         Yields every row's token and the seconds the step cost here (not the consumer's);
         headed rows owe the head their hiddens. When `stop()` turns true after a step, the
         one already queued is the last. Only where host and device work overlap (a GPU:
@@ -380,30 +388,21 @@ class Batch:
             mx.async_eval(picks)
             return hidden, picks
 
-        begin = time.perf_counter()
-        hidden, y = step(mx.array([[s.last] for s in self.rows]))
+        hiddens, steps = [], []
 
-        def following() -> tuple[mx.array, mx.array]:  # the step after y's
-            return step(y[:, None].astype(mx.int32))
-
-        hiddens, steps, n = [], [], 0
-        while n < count:
-            queued = following() if self.pipelined and n + 1 < count else None
-            got = y.tolist()
+        def take(hidden: mx.array, picks: mx.array) -> list[int]:
+            got = picks.tolist()
             hiddens.append(hidden)
             steps.append(got)
             for session, token in zip(self.rows, got, strict=True):
                 session.last = token
                 session.taken([token])
-            yield got, time.perf_counter() - begin
-            begin = time.perf_counter()
-            n += 1
-            if stop is not None and n + 1 < count and stop():
-                count = n + 1 if queued is not None else n  # the queued step is the last
-            if queued is not None:
-                hidden, y = queued
-            elif n < count:
-                hidden, y = following()
+            return got
+
+        for _, got, seconds in pipelined(step, mx.array([[s.last] for s in self.rows]),
+                                         lambda y: y[:, None].astype(mx.int32), count, take,
+                                         stop, self.pipelined):
+            yield got, seconds
         for b, session in enumerate(self.rows):
             if self.headed[b]:
                 session.owe(mx.concatenate([h[b:b + 1] for h in hiddens], axis=1),

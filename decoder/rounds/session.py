@@ -217,50 +217,45 @@ class Session:
     # -- plain ------------------------------------------------------------------------------
 
     def plain_steps(self, count: int, stop: Callable[[], bool] | None = None) -> Iterator[int]:
-        """Decode `count` tokens after the last committed one, each next forward already queued
-        on its own stream (as mlx-lm's generate_step does), so reading a token overlaps the next
-        step's work. In a speculative session the trunk hiddens are owed to the head. When
-        `stop()` turns true after a token, the one already queued is the last."""
+        """Decode `count` tokens after the last committed one, pipelined (`pipelined`). In a
+        speculative session the trunk hiddens are owed to the head. When `stop()` turns true
+        after a token, the one already queued is the last."""
         if count <= 0:
             return
         self.pipelined = True
         owe = bool(self.mtp_cache)
         hiddens, tokens = [], []
-        begin, busy = time.perf_counter(), 0.0  # time spent here, not in the consumer
-        with mx.stream(STREAM):
-            hidden, logits = self.trunk(mx.array([[self.last]]), self.cache, logits_for=1)
-            quantize(self.cache, self.kv)
-            y = self.sample(logits[:, -1])
-        mx.async_eval(y)
-        n = 0
-        while n < count:
-            nxt = None
-            if n + 1 < count:
-                with mx.stream(STREAM):
-                    nxt_hidden, logits = self.trunk(y[None], self.cache, logits_for=1)
-                    quantize(self.cache, self.kv)
-                    nxt = self.sample(logits[:, -1])
-                mx.async_eval(nxt)
+
+        def step(last: mx.array) -> tuple[mx.array, mx.array]:
+            with mx.stream(STREAM):
+                hidden, logits = self.trunk(last, self.cache, logits_for=1)
+                quantize(self.cache, self.kv)
+                y = self.sample(logits[:, -1])
+            mx.async_eval(y)
+            return hidden, y
+
+        def take(hidden: mx.array, y: mx.array) -> int:
             token = int(y.item())
             if owe:
                 hiddens.append(hidden)
                 tokens.append(token)
             self.taken([token])
             self.last = token
-            busy += time.perf_counter() - begin
-            self.plain_paid = (busy, n + 1)  # as paid so far: the consumer may stop here
+            return token
+
+        busy, n, resumed = 0.0, 0, time.perf_counter()  # time spent here, not in the consumer
+        emitted = None  # the hidden of the step that emitted the last token
+        for hidden, token, seconds in pipelined(step, mx.array([[self.last]]),
+                                                lambda y: y[None], count, take, stop):
+            busy, n, emitted = busy + seconds, n + 1, hidden
+            self.plain_paid = (busy, n)  # as paid so far: the consumer may stop here
             yield token
-            begin = time.perf_counter()
-            n += 1
-            if stop is not None and n + 1 < count and stop():
-                count = n + 1  # the queued step is the last
-            if nxt is not None:
-                y, hidden = nxt, nxt_hidden
+            resumed = time.perf_counter()
         if owe and tokens:
             self.owe(mx.concatenate(hiddens, axis=1), tokens)
-        if n:
-            self.keep_hidden(hidden, 0)  # the step that emitted the last token
-        self.plain_paid = (busy + time.perf_counter() - begin, n)
+        if emitted is not None:
+            self.keep_hidden(emitted, 0)
+        self.plain_paid = (busy + time.perf_counter() - resumed, n)
         self.pipelined = False
 
     def plain(self, ids: list[int], max_tokens: int) -> Iterator[int]:
@@ -528,6 +523,34 @@ class Session:
             if (draft := proposer.propose(depth)) is not None:
                 return self.round(draft)
         return self.round(self.head_draft(0))
+
+
+def pipelined(step: Callable[[mx.array], tuple[mx.array, mx.array]], first: mx.array,
+              follow: Callable[[mx.array], mx.array], count: int,
+              take: Callable[[mx.array, mx.array], Any], stop: Callable[[], bool] | None = None,
+              ahead: bool = True) -> Iterator[tuple[mx.array, Any, float]]:
+    """`count` plain steps of one sequence or of a batch's rows, written once: `step(tokens)`
+    queues a step ((hidden, picks), the picks evaluating asynchronously), `follow(picks)` makes
+    the next step's tokens, `take(hidden, picks)` reads and commits them. With `ahead`, each
+    next step is queued before the current one is taken (as mlx-lm's generate_step and
+    BatchGenerator do), so the host's read and its work overlap the device's next step. Yields
+    (hidden, what take returned, seconds spent here since the last yield). When stop() turns
+    true after a step, the one already queued is the last."""
+    begin = time.perf_counter()
+    hidden, picks = step(first)
+    n = 0
+    while n < count:
+        queued = step(follow(picks)) if ahead and n + 1 < count else None
+        taken = take(hidden, picks)
+        yield hidden, taken, time.perf_counter() - begin
+        begin = time.perf_counter()
+        n += 1
+        if stop is not None and n + 1 < count and stop():
+            count = n + 1 if queued is not None else n  # a queued step is the last
+        if queued is not None:
+            hidden, picks = queued
+        elif n < count:
+            hidden, picks = step(follow(picks))
 
 
 def judge(draft: Draft, logits: mx.array, params: SamplingParams) -> mx.array:
