@@ -11,6 +11,7 @@ If the two sessions' steps run alike and auto is slower, the policy's path costs
 boundaries, probes); if the speculative session's steps are slower, the session does.
 
     python bench/prof_auto_plain.py --context 16384 --runs 3
+    python bench/prof_auto_plain.py --small --context 1024 --runs 3   # steps of a few ms
 """
 
 from __future__ import annotations
@@ -51,9 +52,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--drop", type=int, default=16)
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--small", action="store_true", help="a small trunk (a CPU check)")
+    ap.add_argument("--small", action="store_true",
+                    help="a small trunk: a CPU check, or on a GPU steps of a few ms (where "
+                         "bench_families' 4-layer trunks saw auto's plain steps fall behind)")
     args = ap.parse_args()
-    setup = oracle_setup("llama8b", args.small, not args.small)
+    from mtpkit.decoder.cache.shapes import bounded_by_default
+
+    setup = oracle_setup("llama8b", args.small, bounded_by_default())  # traced where load traces
     ids = setup.prompt(args.context)
     rows: dict[str, list[float]] = {}
     for run in range(args.runs):

@@ -43,7 +43,6 @@ from mtpkit.decoder.model.trunk import Trunk
 from mtpkit.decoder.options import Source
 from mtpkit.decoder.rounds import acceptance
 from mtpkit.decoder.rounds.session import (
-    SOURCE_NAMES,
     STREAM,
     RoundOutcome,
     Session,
@@ -336,12 +335,7 @@ class Batch:
     def _outcome(self, b: int, outcome: RoundOutcome) -> RoundOutcome:
         """Row b's session takes what its round committed (its context index, last token,
         acceptance counts)."""
-        session = self.rows[b]
-        session.taken(outcome.committed)
-        session.last = outcome.committed[-1]
-        if outcome.depth > 0:
-            session.stats.count_round(SOURCE_NAMES[outcome.source], outcome.depth,
-                                      outcome.kept, outcome.kept == outcome.depth)
+        self.rows[b].commit(outcome.committed, outcome.depth, outcome.kept, outcome.source)
         return outcome
 
     def _pass(self, tokens: mx.array, real: mx.array, width: int) -> tuple[mx.array, mx.array]:
@@ -395,8 +389,7 @@ class Batch:
             hiddens.append(hidden)
             steps.append(got)
             for session, token in zip(self.rows, got, strict=True):
-                session.last = token
-                session.taken([token])
+                session.commit([token])
             return got
 
         for _, got, seconds in pipelined(step, mx.array([[s.last] for s in self.rows]),

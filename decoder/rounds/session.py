@@ -239,8 +239,7 @@ class Session:
             if owe:
                 hiddens.append(hidden)
                 tokens.append(token)
-            self.taken([token])
-            self.last = token
+            self.commit([token])
             return token
 
         busy, n, resumed = 0.0, 0, time.perf_counter()  # time spent here, not in the consumer
@@ -362,14 +361,14 @@ class Session:
 
     def _commit_first(self, ids: list[int], hidden: mx.array | None, logits: mx.array) -> int:
         """The token after the prefilled `ids` (logits (1, V)), the head owed their pairs."""
-        self.last = int(self.sample(logits).item())
+        token = int(self.sample(logits).item())
         if hidden is not None:
             self.keep_hidden(hidden, hidden.shape[1] - 1)
         if self.mtp_cache:
             assert hidden is not None
-            self.owe(hidden, [*ids[1:], self.last])
-        self.taken([*ids, self.last])
-        return self.last
+            self.owe(hidden, [*ids[1:], token])
+        self.commit([*ids, token])
+        return token
 
     def prefills_with_others(self, ids: list[int]) -> bool:
         """Whether this prompt may be prefilled in one pass with other sessions' prompts
@@ -394,6 +393,17 @@ class Session:
             self.prefix.missed()
             self.prefix.insert(self.kind, ids, self.export_state(len(ids)))
         return first
+
+    def commit(self, tokens: list[int], depth: int = 0, kept: int = 0,
+               source: Source = Source.HEAD) -> None:
+        """Committed tokens into this sequence's state, wherever they were decoded (a lone
+        round or plain step, a batch's row, the prompt's first token): every drafter that keeps
+        text sees them (`taken`), the next step starts from the last, and a verified round of
+        `depth` drafts, `kept` of them kept, is counted."""
+        self.taken(tokens)
+        self.last = tokens[-1]
+        if depth > 0:
+            self.stats.count_round(SOURCE_NAMES[source], depth, kept, kept == depth)
 
     def taken(self, tokens: list[int]) -> None:
         """Committed text, as every drafter that keeps some sees it: the context index grows;
@@ -507,11 +517,8 @@ class Session:
         if self.mtp_cache:
             self.owe(hidden[:, :kept + 1], committed)
         self.keep_hidden(hidden, kept)
-        self.taken(committed)
-        self.last = token
+        self.commit(committed, depth, kept, draft.source)
         paid = time.perf_counter() - start
-        if depth > 0:
-            self.stats.count_round(SOURCE_NAMES[draft.source], depth, kept, kept == depth)
         return RoundOutcome(committed, depth, kept, draft.source, draft.drafted, draft.match,
                             paid, width, owed)
 
