@@ -394,6 +394,13 @@ class Runner:
         eos = set(self.tokenizer.eos_token_ids) if self.tokenizer is not None else set()
         return Request(ids, session, max_tokens, eos, policy if deepest > 0 else None, stop)
 
+    def scheduler(self, most: int, table: CostTable | None = None,
+                  solo: bool = True) -> Scheduler:
+        """The engine for sequences decoded together (decoder/rounds/scheduler.py over
+        rounds/batch.py), up to `most` at once, built here only: `stream_batch`, `serve`'s worker
+        and `tune --max-batch` all run this one. table, solo: Scheduler's."""
+        return Scheduler(Batch(self.trunk, self.head), most, table, solo)
+
     def stream_batch(self, prompts: Sequence[Prompt], max_tokens: int = 256,
                      max_batch: int = 8, each: Sequence[dict[str, Any]] | None = None,
                      **options: Any) -> Iterator[tuple[int, Piece]]:
@@ -403,7 +410,7 @@ class Runner:
         Result. `options` apply to every prompt, `each[i]` (max_tokens included) to prompt i
         only."""
         most = batch_option(max_batch, self.kv, self.unbatchable)
-        scheduler = Scheduler(Batch(self.trunk, self.head), most)
+        scheduler = self.scheduler(most)
         asks = [options | {"max_tokens": max_tokens} | (dict(each[i]) if each else {})
                 for i in range(len(prompts))]
         requests = [self.prepare(p, **a) for p, a in zip(prompts, asks, strict=True)]

@@ -14,8 +14,7 @@ from typing import Any
 from mtpkit.decoder.cache.caches import exportable, trimmable
 from mtpkit.decoder.cache.prefix import FOLLOW_UP, PrefixCache, turn_end
 from mtpkit.decoder.options import DecodeOptions, OptionError, batch_option
-from mtpkit.decoder.rounds.batch import Batch
-from mtpkit.decoder.rounds.scheduler import Event, Scheduler
+from mtpkit.decoder.rounds.scheduler import Event
 from mtpkit.decoder.rounds.scheduler import Request as Batched
 from mtpkit.decoder.runner import NO_TEMPLATE, Depth, Piece, Result, Runner
 from mtpkit.loaders.findings import UserError
@@ -95,8 +94,7 @@ class Service:
                                lambda: prefix.nbytes if prefix else 0,
                                lambda: len(prefix) if prefix else 0,
                                lambda: len(self.queue.batch))
-        batcher = (lambda: Scheduler(Batch(runner.trunk, runner.head), self.max_batch)
-                   ) if self.max_batch > 1 else None
+        batcher = (lambda: runner.scheduler(self.max_batch)) if self.max_batch > 1 else None
         # the line of requests, and the worker serving it
         self.queue = Worker(max_queue, self.max_batch, batcher, self.metrics.rows_per_pass.observe)
 

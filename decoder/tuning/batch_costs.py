@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from mtpkit.decoder.cache.caches import is_recurrent
-from mtpkit.decoder.rounds.batch import Batch
 from mtpkit.decoder.rounds.scheduler import Request, Scheduler
 from mtpkit.decoder.tuning import store as disk
 from mtpkit.decoder.tuning.policy import CostTable, Shape, memory
@@ -54,6 +53,9 @@ class Preparing(Protocol):
 
     def prepare(self, prompt: list[int], max_tokens: int, *, depth: Depth, draft: str
                 ) -> Request: ...
+
+    def scheduler(self, most: int, table: CostTable | None = None,
+                  solo: bool = True) -> Scheduler: ...
 
 
 def key(shape: Shape) -> int:
@@ -147,7 +149,7 @@ def _time(runner: Preparing, sizes: list[int], paid: Paid, told: Told | None, do
     order = shapes(max_depth)
     for size in sizes:
         table = CostTable(curve)
-        scheduler = Scheduler(Batch(runner.trunk, runner.head), size, table, solo=False)
+        scheduler = runner.scheduler(size, table, solo=False)
         finished: list[bool] = []
 
         def timed(size: int = size, table: CostTable = table) -> Paid:
