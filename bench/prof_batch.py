@@ -69,11 +69,8 @@ def _log_passes() -> None:
 def run(runner, prompts, tokens, depth, label, shapes=False):
     """Decode `prompts` together twice (the first warms up) and print where the second's time
     went; returns its requests' statistics."""
-    from mtpkit.decoder.rounds.batch import Batch
-    from mtpkit.decoder.rounds.scheduler import Scheduler
-
     for _warm in (True, False):
-        sch = Scheduler(Batch(runner.trunk, runner.head), len(prompts), runner.table())
+        sch = runner.scheduler(len(prompts), runner.table())
         requests = [runner.prepare(p, tokens, depth=depth) for p in prompts]
         for request in requests:
             sch.add(request)
@@ -111,13 +108,9 @@ def run(runner, prompts, tokens, depth, label, shapes=False):
 
 def _plain_ms(runner, prompts, tokens, pipelined=None):
     """Median ms per plain step of every row (scheduler steps that ran all rows)."""
-    from mtpkit.decoder.rounds.batch import Batch
-    from mtpkit.decoder.rounds.scheduler import Scheduler
-
-    batch = Batch(runner.trunk, runner.head)
+    sch = runner.scheduler(len(prompts), runner.table())
     if pipelined is not None:
-        batch.pipelined = pipelined
-    sch = Scheduler(batch, len(prompts), runner.table())
+        sch.batch.pipelined = pipelined
     for p in prompts:
         sch.add(runner.prepare(p, tokens, depth=0))
     per_token = []
@@ -163,7 +156,6 @@ def variants(runner, baseline, model, n, tokens, reps):
     for rep in range(reps + 1):
         for name, (traced, kernel, piped) in arms.items():
             configure(traced, kernel)
-            mx.reset_peak_memory()
             ms = _plain_ms(runner, prompts, tokens if rep else 16, piped)
             if rep:
                 got[name].append(round(ms, 2))
@@ -176,40 +168,37 @@ def variants(runner, baseline, model, n, tokens, reps):
         print(f"{n} rows {name}: median {statistics.median(runs):.2f} ms {runs}", flush=True)
 
 
-def _theirs_ms(model, prompts, tokens):
+def _their_steps(model, prompts, tokens) -> tuple[list[tuple[int, float]], float]:
+    """mlx-lm's BatchGenerator over `prompts` at once: (rows answered, ms) per call, and the
+    wall seconds."""
     from mlx_lm.generate import BatchGenerator
 
     n = len(prompts)
     gen = BatchGenerator(model, max_tokens=tokens, completion_batch_size=n,
                          prefill_batch_size=n)
+    start = time.perf_counter()
     gen.insert(prompts, [tokens] * n)
-    steps = []
+    steps: list[tuple[int, float]] = []
     t0 = time.perf_counter()
     while responses := gen.next_generated():
         now = time.perf_counter()
         steps.append((len(responses), (now - t0) * 1000))
         t0 = now
+    wall = time.perf_counter() - start
     gen.close()
-    return statistics.median([ms for k, ms in steps[1:] if k == n])
+    return steps, wall
+
+
+def _theirs_ms(model, prompts, tokens):
+    """Median ms of mlx-lm's steps that ran every row."""
+    steps, _ = _their_steps(model, prompts, tokens)
+    return statistics.median([ms for k, ms in steps[1:] if k == len(prompts)])
 
 
 def theirs(model, prompts, tokens, label):
-    from mlx_lm.generate import BatchGenerator
-
+    n = len(prompts)
     for _warm in (True, False):
-        n = len(prompts)
-        gen = BatchGenerator(model, max_tokens=tokens, completion_batch_size=n,
-                             prefill_batch_size=n)
-        start = time.perf_counter()
-        gen.insert(prompts, [tokens] * n)
-        steps: list[tuple[int, float]] = []
-        t0 = time.perf_counter()
-        while responses := gen.next_generated():
-            now = time.perf_counter()
-            steps.append((len(responses), (now - t0) * 1000))
-            t0 = now
-        wall = time.perf_counter() - start
-        gen.close()
+        steps, wall = _their_steps(model, prompts, tokens)
     full = [ms for k, ms in steps[1:] if k == n]
     print(label, f"{n * tokens / wall:.1f} tok/s wall {wall:.2f}s; first call {steps[0][1]:.0f} "
           f"ms; {len(full)} steps of {n} rows: median {statistics.median(full):.2f} ms, total "
