@@ -12,6 +12,9 @@ boundaries, probes); if the speculative session's steps are slower, the session 
 
     python bench/prof_auto_plain.py --context 16384 --runs 3
     python bench/prof_auto_plain.py --small --context 1024 --runs 3   # steps of a few ms
+
+`--profile N`: one more auto and one more plain arm under cProfile, the N functions with most
+own time each (where a plain-deciding auto spends host time a plain session does not).
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ def main() -> None:
     ap.add_argument("--small", action="store_true",
                     help="a small trunk: a CPU check, or on a GPU steps of a few ms (where "
                          "bench_families' 4-layer trunks saw auto's plain steps fall behind)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="then profile one auto and one plain arm: the N dearest functions")
     args = ap.parse_args()
     from mtpkit.decoder.cache.shapes import bounded_by_default
 
@@ -78,6 +83,23 @@ def main() -> None:
         paired = statistics.median(g / p for g, p in zip(got, plain, strict=True))
         print(f"{name:20s} median {statistics.median(got):7.1f} ({min(got):.1f}-{max(got):.1f}) "
               f"tok/s, {paired:.2f}x plain paired")
+    for name in ("auto", "plain") if args.profile else ():
+        profiled(setup, ids, args, name)
+
+
+def profiled(setup, ids: list[int], args: argparse.Namespace, name: str) -> None:
+    """One `name` arm under cProfile: its tok/s (profiled) and its dearest functions by own time."""
+    import cProfile
+    import pstats
+
+    setup.ready(ids, args.tokens, args.runs)
+    profile = cProfile.Profile()
+    profile.enable()
+    row = run_ours(setup.runner, Arm(name), ids, args.tokens, args.drop, setup.draft, 0, {},
+                   args.runs)
+    profile.disable()
+    print(f"\nprofiled {name}: {row['decode_tps']:.1f} tok/s {row.get('depths', '')}")
+    pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(args.profile)
 
 
 if __name__ == "__main__":

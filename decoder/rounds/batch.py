@@ -43,7 +43,6 @@ from mtpkit.decoder.model.trunk import Trunk
 from mtpkit.decoder.options import Source
 from mtpkit.decoder.rounds import acceptance
 from mtpkit.decoder.rounds.session import (
-    STREAM,
     RoundOutcome,
     Session,
     judge,
@@ -373,12 +372,11 @@ class Batch:
         sampled = [b for b, s in enumerate(self.rows) if not s.params.greedy]
 
         def step(tokens: mx.array) -> tuple[mx.array, mx.array]:
-            with mx.stream(STREAM):
-                hidden, logits = self._pass(tokens, ones, 1)
-                self._settle(ones, 1, 0)
-                picks = greedy(logits[:, -1])
-                for b in sampled:
-                    picks = _put(picks, b, self.rows[b].sample(logits[b:b + 1, -1]))
+            hidden, logits = self._pass(tokens, ones, 1)
+            self._settle(ones, 1, 0)
+            picks = greedy(logits[:, -1])
+            for b in sampled:
+                picks = _put(picks, b, self.rows[b].sample(logits[b:b + 1, -1]))
             mx.async_eval(picks)
             return hidden, picks
 

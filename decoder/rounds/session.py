@@ -227,10 +227,9 @@ class Session:
         hiddens, tokens = [], []
 
         def step(last: mx.array) -> tuple[mx.array, mx.array]:
-            with mx.stream(STREAM):
-                hidden, logits = self.trunk(last, self.cache, logits_for=1)
-                quantize(self.cache, self.kv)
-                y = self.sample(logits[:, -1])
+            hidden, logits = self.trunk(last, self.cache, logits_for=1)
+            quantize(self.cache, self.kv)
+            y = self.sample(logits[:, -1])
             mx.async_eval(y)
             return hidden, y
 
@@ -542,12 +541,25 @@ def pipelined(step: Callable[[mx.array], tuple[mx.array, mx.array]], first: mx.a
     next step is queued before the current one is taken (as mlx-lm's generate_step and
     BatchGenerator do), so the host's read and its work overlap the device's next step. Yields
     (hidden, what take returned, seconds spent here since the last yield). When stop() turns
-    true after a step, the one already queued is the last."""
+    true after a step, the one already queued is the last.
+
+    Every step, `follow` included, runs on STREAM: an op of one step on another stream (the
+    default one) makes each step wait across streams, which on MLX's CUDA backend cost a
+    plain step a fifth of its speed (docs/long-context.md, "Decode")."""
+
+    def queue(tokens: mx.array) -> tuple[mx.array, mx.array]:
+        with mx.stream(STREAM):
+            return step(tokens)
+
+    def then(picks: mx.array) -> tuple[mx.array, mx.array]:
+        with mx.stream(STREAM):
+            return step(follow(picks))
+
     begin = time.perf_counter()
-    hidden, picks = step(first)
+    hidden, picks = queue(first)
     n = 0
     while n < count:
-        queued = step(follow(picks)) if ahead and n + 1 < count else None
+        queued = then(picks) if ahead and n + 1 < count else None
         taken = take(hidden, picks)
         yield hidden, taken, time.perf_counter() - begin
         begin = time.perf_counter()
@@ -557,7 +569,7 @@ def pipelined(step: Callable[[mx.array], tuple[mx.array, mx.array]], first: mx.a
         if queued is not None:
             hidden, picks = queued
         elif n < count:
-            hidden, picks = step(follow(picks))
+            hidden, picks = then(picks)
 
 
 def judge(draft: Draft, logits: mx.array, params: SamplingParams) -> mx.array:
