@@ -591,3 +591,36 @@ def test_a_quantized_router_in_the_sidecar_loads_and_drafts_like_the_float_one(
     assert not isinstance(gate, nn.QuantizedLinear) and gate.weight.dtype != mx.uint32
     plain = runner.generate("def f(x):", 24, depth=0)
     assert runner.generate("def f(x):", 24, depth=2).tokens == plain.tokens
+
+
+def test_a_pipelined_step_and_its_input_are_made_on_the_decode_stream() -> None:
+    """Every op of a plain step, the next step's input included, is made on the decode stream
+    (session.STREAM): an input made on the default stream made each step wait across streams
+    (on MLX's CUDA backend a fifth of a plain step's speed: docs/long-context.md). Session's and
+    Batch's plain steps both run through `pipelined`, which owns the stream."""
+    from mtpkit.decoder.rounds.session import STREAM, pipelined
+
+    with mx.stream(STREAM):
+        decode = str(mx.default_stream(mx.default_device()))  # (streams compare by identity)
+    outside = str(mx.default_stream(mx.default_device()))
+    assert decode != outside
+    made: list[tuple[str, str]] = []
+
+    def step(tokens: mx.array) -> tuple[mx.array, mx.array]:
+        made.append(("step", str(mx.default_stream(mx.default_device()))))
+        return tokens, tokens + 1
+
+    def follow(picks: mx.array) -> mx.array:
+        made.append(("follow", str(mx.default_stream(mx.default_device()))))
+        return picks[None]
+
+    def take(hidden: mx.array, picks: mx.array) -> int:
+        made.append(("take", str(mx.default_stream(mx.default_device()))))
+        return int(picks.reshape(-1)[0].item())
+
+    for ahead in (True, False):
+        made.clear()
+        got = [t for _, t, _ in pipelined(step, mx.array([[1]]), follow, 4, take, ahead=ahead)]
+        assert got == [2, 3, 4, 5]
+        assert {s for kind, s in made if kind != "take"} == {decode}, made
+        assert [kind for kind, _ in made].count("follow") == 3

@@ -118,7 +118,7 @@ class CostTable:
     clock: dict[int, int] = field(default_factory=dict)  # passes run, by rows
     compiled: set[Hashable] = field(default_factory=set)  # pass shapes a round has run here
     seeded: dict[Shape, float] = field(default_factory=dict)  # corrections timed elsewhere
-    _medians: dict[tuple[Shape, int], float] = field(default_factory=dict)  # by band, as asked
+    _medians: dict[tuple[Shape, int], float] = field(default_factory=dict)  # by band asked
     _nearest: dict[Shape, Shape | None] = field(default_factory=dict)  # until a new shape
 
     @property
@@ -157,7 +157,7 @@ class CostTable:
         a timing long past, or one alone, gives way to what its neighbours pay now."""
         at = band(context)
         bands = self.bands.get(shape, ())
-        own = sum(b == at for b in bands)
+        own = bands.count(at)
         n = self.timings(shape) * own / len(bands) if own else 0.0
         base = self.seeded.get(shape)
         if base is None and bands and not own:
@@ -178,12 +178,12 @@ class CostTable:
         longer on a tie), else what `tune` timed of it."""
         if shape not in self.ratios:
             return self.seeded[shape]
-        bands = self.bands[shape]
-        nearest = min(bands, key=lambda b: (abs(b - at), -b))
-        if (shape, nearest) not in self._medians:
-            self._medians[(shape, nearest)] = statistics.median(
+        if (shape, at) not in self._medians:  # (a shape's bands change only when it is timed)
+            bands = self.bands[shape]
+            nearest = min(bands, key=lambda b: (abs(b - at), -b))
+            self._medians[(shape, at)] = statistics.median(
                 r for r, b in zip(self.ratios[shape], bands, strict=True) if b == nearest)
-        return self._medians[(shape, nearest)]
+        return self._medians[(shape, at)]
 
     def seconds(self, shape: Shape, context: int = 0, drafting: float = 0.0) -> float:
         """What a round of this pass `shape` is expected to cost at `context`, its drafts
