@@ -724,6 +724,30 @@ def test_a_batch_of_plain_rows_steps_pipelined(monkeypatch: pytest.MonkeyPatch,
     assert len(steps) > 20 and max(steps) == 3
 
 
+def test_a_batchs_plain_steps_reach_every_rows_drafters(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tokens a batch's plain steps commit are every row's text, as a lone session's are: each
+    row's context index holds its prompt and everything it decoded (where rounds are dear
+    enough that the rows decode plainly throughout, in batched plain steps)."""
+    from mtpkit.decoder.rounds.batch import Batch
+    from mtpkit.decoder.rounds.scheduler import Scheduler
+    from mtpkit.decoder.tuning.policy import CostTable
+
+    runner = tiny_runner(vocab=6)
+    steps = _pipelined_seen(monkeypatch, ahead=False)
+    monkeypatch.setattr(CostTable, "pricer", _what_if(lambda width: 0.01 * width ** 3))
+    prompts = [[1, 2, 3, 1, 2], [5, 4, 3, 5], [2, 2, 1, 2]]
+    scheduler = Scheduler(Batch(runner.trunk, runner.head), 3)
+    requests = [runner.prepare(p, max_tokens=24, depth="auto", draft="lookup") for p in prompts]
+    for request in requests:
+        scheduler.add(request)
+    while scheduler:
+        scheduler.step()
+    assert max(steps) == 3, "the rows decoded in batched plain steps"
+    for request in requests:
+        assert request.session.lookup is not None
+        assert request.session.lookup.tokens == request.ids + request.tokens
+
+
 @pytest.mark.parametrize("ahead", [False, True])
 def test_a_waiting_request_waits_for_the_step_in_flight_only_on_a_cpu(ahead: bool) -> None:
     """A plain stretch queues its next step before reading the last only where host and device
