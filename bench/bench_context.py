@@ -497,7 +497,9 @@ def report(out: dict[str, Any], arms: list[Arm]) -> None:
                         "speedup_over_first_context", "speedup_over_float_cache",
                         "ttft_s_over_mlx_lm", "peak_gb_over_mlx_lm"):
                 if got.get(key) is not None and not key.endswith(arm.name):
-                    parts.append(f"{key} {got[key]:.2f}")
+                    paired = got.get(f"{key}_paired")  # per run: what a noisy host allows
+                    parts.append(f"{key} {got[key]:.2f}" + (
+                        f" (paired {paired:.2f})" if paired is not None else ""))
             if "acceptance_by_depth" in got:
                 parts.append("accept " + "/".join(f"{a:.2f}" for a in got["acceptance_by_depth"]))
             if got["greedy_tokens_identical"] is False or got["greedy_as_expected"] is False:
