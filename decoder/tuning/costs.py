@@ -79,11 +79,12 @@ CHUNK = 4 * GRAIN  # prefill tokens per timed pass on the way to a longer contex
 FARTHER = 4  # a context cut short by the budget is measured if this many times the first one's
 # and twice the last (the policy extrapolates its slope: a short one timed on a busy CPU misprices)
 RETRY_SHARE = 0.25  # of the budget, the least a re-measurement may take beyond the budget
-VERSION = 6  # bump when what is measured changes (2: bounded, checked, smoothed curves;
+VERSION = 7  # bump when what is measured changes (2: bounded, checked, smoothed curves;
 # 3: with what judges them; 4: at longer contexts too: a curve of one context priced a 64K
 # round as a 512-token one, so older curves are measured again, not read as flat; 5: the
 # first context prefilled in pieces: a first pass that compiled could cut a curve to 64 tokens;
-# 6: in pairs of equal pieces, the second pricing: each new piece size compiles on a GPU)
+# 6: in pairs of equal pieces, the second pricing: each new piece size compiles on a GPU;
+# 7: plain steps on one stream: a GPU's stored plain step was a fifth too dear, within DRIFT)
 DRIFT = 1.5  # two timings of one thing this far apart: the slower ran on a busy machine, or (a
 # first pass) built something: then each width is warmed up first (a GPU)
 
