@@ -31,22 +31,22 @@ from bench_context import Arm, oracle_setup, run_ours  # noqa: E402
 from bench_decode import steady_tps  # noqa: E402
 
 
-def session_steps(setup, ids: list[int], tokens: int, drop: int, speculative: bool) -> float:
-    """Decode tok/s of a started session's pipelined plain steps."""
+def session_steps(trunk, head, ids: list[int], tokens: int, drop: int,
+                  bounded: bool | None = None) -> tuple[float, list[int]]:
+    """Decode tok/s of a started session's pipelined plain steps (with a `head`, a speculative
+    session's: hiddens owed to the head), and its tokens, the prompt's next one first."""
     import mlx.core as mx
 
     from mtpkit.decoder.rounds.session import Session
     from mtpkit.decoder.sampling import SamplingParams
 
-    runner = setup.runner
     mx.clear_cache()
-    session = Session(runner.trunk, runner.head if speculative else None, SamplingParams(),
-                      1 if speculative else 0)
-    session.start(ids)
-    times = []
-    for _ in session.plain_steps(tokens - 1):
+    session = Session(trunk, head, SamplingParams(), 0 if head is None else 1, bounded=bounded)
+    out, times = [session.start(ids)], []
+    for token in session.plain_steps(tokens - 1):
         times.append(time.perf_counter())
-    return steady_tps(times, drop)
+        out.append(token)
+    return steady_tps(times, drop), out
 
 
 def main() -> None:
@@ -74,7 +74,8 @@ def main() -> None:
                                0, {}, run)
                 tps, extra = row["decode_tps"], row.get("depths", "")
             else:
-                tps = session_steps(setup, ids, args.tokens, args.drop, name.startswith("spec"))
+                head = setup.runner.head if name.startswith("spec") else None
+                tps, _ = session_steps(setup.runner.trunk, head, ids, args.tokens, args.drop)
                 extra = ""
             rows.setdefault(name, []).append(tps)
             print(f"run {run + 1} {name:20s} {tps:7.1f} tok/s {extra}", flush=True)

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_context import Arm, oracle_setup, run_mlx_lm, run_ours  # noqa: E402
 from bench_decode import steady_tps  # noqa: E402
 from bench_gpu import stock  # noqa: E402
+from prof_auto_plain import session_steps  # noqa: E402
 
 ARMS = ("mlx-lm", "mlx-lm-loop", "mlx-lm-2streams", "mlx-lm-twins", "ours", "session", "session-stock",
         "session-unbounded")
@@ -78,23 +79,6 @@ def least_loop(model, ids: list[int], tokens: int, drop: int, streams: bool = Fa
     return tps, out
 
 
-def session_tps(trunk, ids: list[int], tokens: int, drop: int, bounded: bool | None
-                ) -> tuple[float, list[int]]:
-    """A depth-0 Session's plain decoding, timed per token."""
-    import mlx.core as mx
-
-    from mtpkit.decoder.rounds.session import Session
-    from mtpkit.decoder.sampling import SamplingParams
-
-    mx.clear_cache()
-    session = Session(trunk, None, SamplingParams(), 0, bounded=bounded)
-    times, out = [], []
-    for token in session.plain(ids, tokens):
-        times.append(time.perf_counter())
-        out.append(token)
-    return steady_tps(times, drop), out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--context", type=int, default=1024)
@@ -129,8 +113,8 @@ def main() -> None:
                 tps, out = row["decode_tps"], row["tokens"]
             else:
                 trunk = stock_trunk if name == "session-stock" else setup.runner.trunk
-                tps, out = session_tps(trunk, ids, args.tokens, args.drop,
-                                       False if name == "session-unbounded" else None)
+                tps, out = session_steps(trunk, None, ids, args.tokens, args.drop,
+                                         False if name == "session-unbounded" else None)
             same = "" if walk is None or out == walk else "  TOKENS DIFFER"
             print(f"{'warm-up' if not run else f'run {run}'} {name:24s} {tps:7.1f} tok/s{same}",
                   flush=True)
