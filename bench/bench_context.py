@@ -76,16 +76,22 @@ def commit() -> str:
 
 
 class Arm:
-    """One arm: a mode (mlx_lm, plain, dK, auto) and an optional KV quantization (bits)."""
+    """One arm: a mode (mlx_lm, plain, dK, auto), an optional KV quantization (`:kvN`) and,
+    for ours, `:b1`: the request decoded as a batch of one (the scheduler with no solo path:
+    Batch's pipelined plain steps and speculative rounds) rather than by Runner.stream."""
 
     def __init__(self, spec: str) -> None:
-        mode, _, kv = spec.partition(":")
+        mode, *tags = spec.split(":")
         if mode not in ("mlx_lm", "plain", "auto") and not (mode[:1] == "d" and mode[1:].isdigit()):
-            raise SystemExit(f"unknown arm {spec!r}: mlx_lm, plain, dK, auto, optionally :kvN")
-        if kv and not (kv.startswith("kv") and kv[2:] in ("2", "3", "4", "6", "8")):
-            raise SystemExit(f"unknown KV quantization {kv!r} in {spec!r}: kv4, kv8, ...")
+            raise SystemExit(f"unknown arm {spec!r}: mlx_lm, plain, dK, auto, optionally :kvN, :b1")
+        kv = [t for t in tags if t != "b1"]
+        if len(kv) > 1 or kv and not (kv[0].startswith("kv") and kv[0][2:] in ("2", "3", "4", "6", "8")):
+            raise SystemExit(f"unknown tag in {spec!r}: kv4, kv8, ..., b1")
         self.name, self.mode = spec, mode
-        self.kv_bits = int(kv[2:]) if kv else None
+        self.kv_bits = int(kv[0][2:]) if kv else None
+        self.one_row = "b1" in tags
+        if self.one_row and (mode == "mlx_lm" or self.kv_bits):
+            raise SystemExit(f"{spec!r}: :b1 is for our arms with a float cache")
 
     @property
     def depth(self) -> int | str | None:
@@ -114,7 +120,7 @@ class Setup:
     and the reference tokens greedy decoding must give (None: the arms are compared instead)."""
 
     def __init__(self, runner: Any, prompt: Callable[[int], list[int]], draft: str,
-                 oracle: Oracle | None = None, successor: Any = None) -> None:
+                 oracle: Any = None, successor: Any = None) -> None:
         self.runner, self.prompt, self.draft = runner, prompt, draft
         self.oracle, self.successor = oracle, successor
         self.prefix: Any = None  # --prefix: the prompt's state, prefilled once per context
@@ -134,15 +140,22 @@ class Setup:
         expected greedy tokens (oracle trunks) or None."""
         if self.oracle is None:
             return None
-        import numpy as np
-
         walk = self.walk(ids, tokens + 8)
-        self.oracle.ref = ids + walk
-        self.oracle.rng = np.random.default_rng(run)
+        if isinstance(self.oracle, Oracle):
+            import numpy as np
+
+            self.oracle.ref = ids + walk
+            self.oracle.rng = np.random.default_rng(run)
+        else:  # bench_batch's BatchOracle: it walks the successors itself
+            import mlx.core as mx
+
+            self.oracle.key = mx.random.key(run)
         return walk[:tokens]
 
 
-def oracle_setup(trunk: str, small: bool, traced: bool) -> Setup:
+def oracle_setup(trunk: str, small: bool, traced: bool, rows: bool = False) -> Setup:
+    """rows: bench_batch's BatchOracle (drafts on the device, any number of rows: what `:b1`
+    arms need) for every arm, rather than bench_gpu's host-side walk."""
     from mtpkit.decoder.model.rows import use_kernel_linears
     from mtpkit.decoder.model.trunk import Trunk
     from mtpkit.decoder.runner import Runner
@@ -153,16 +166,21 @@ def oracle_setup(trunk: str, small: bool, traced: bool) -> Setup:
     use_kernel_linears(base.trunk.text)
     base.trunk.use_traced(traced)
     vocab = base.trunk.args.vocab_size
-    oracle = Oracle([], vocab, RATES, seed=0)
-    runner = Runner(base.trunk, oracle, None)
-    oracle.ref = list(range(vocab))  # (the curve's own passes: any drafts will do)
+    if rows:
+        from bench_batch import BatchOracle
+
+        runner = Runner(base.trunk, BatchOracle(SUCCESSOR[id(model)], RATES, seed=0), None)
+    else:
+        oracle = Oracle([], vocab, RATES, seed=0)
+        runner = Runner(base.trunk, oracle, None)
+        oracle.ref = list(range(vocab))  # (the curve's own passes: any drafts will do)
     log("measuring the cost curve --depth auto decides by (bench_gpu's context)")
     runner._costs = measure(runner)
 
     def prompt(length: int) -> list[int]:
         return [(13 * i + 7) % vocab for i in range(length)]
 
-    return Setup(runner, prompt, "head", oracle, SUCCESSOR[id(model)])
+    return Setup(runner, prompt, "head", runner.head, SUCCESSOR[id(model)])
 
 
 def rewrite_prompt(tokenizer: Any, length: int, source: str, name: str) -> list[int]:
@@ -227,20 +245,32 @@ def run_ours(runner: Any, arm: Arm, ids: list[int], tokens: int, drop: int, draf
 
     result = None
 
+    options = dict(depth=arm.depth, prefix=prefix, seed=seed,
+                   draft=draft if arm.depth != 0 else None, **sampling)
+
     def batches() -> Iterator[list[int]]:
         nonlocal result
-        for piece in runner.stream(ids, tokens, depth=arm.depth, prefix=prefix, seed=seed,
-                                   draft=draft if arm.depth != 0 else None, **sampling):
+        for piece in runner.stream(ids, tokens, **options):
             if piece.result is not None:
                 result = piece.result
             elif piece.tokens:
                 yield piece.tokens
 
+    def one_row() -> Iterator[list[int]]:  # a batch of one: the scheduler without its solo path
+        nonlocal result
+        scheduler = runner.scheduler(1, solo=False)
+        request = runner.prepare(ids, tokens, **options)
+        scheduler.add(request)
+        for event in scheduler.run():
+            if event.tokens:
+                yield event.tokens
+        result = request
+
     mx.clear_cache()
     if arm.kv_bits:
         runner.quantize_kv(arm.kv_bits, KV_GROUP, kv_start)
     try:
-        out, times = _timed(batches())
+        out, times = _timed(one_row() if arm.one_row else batches())
     finally:
         if arm.kv_bits:
             runner.quantize_kv(None)
@@ -540,6 +570,9 @@ def main() -> None:
     ap.add_argument("--sampling", default="0", help="temperature,top_p,top_k of every arm "
                     "(e.g. 0.6,0.95,20: coding tools' settings; each run seeded by its index), or "
                     "0: greedy")
+    ap.add_argument("--oracle", choices=["walk", "rows"], default="walk",
+                    help="oracle trunks' drafter: bench_gpu's host-side walk, or bench_batch's "
+                    "BatchOracle on the device (any rows; `:b1` arms need it)")
     ap.add_argument("--small", action="store_true", help="scaled-down oracle trunks (CPU check)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
@@ -568,7 +601,7 @@ def main() -> None:
     else:
         traced = gpu if args.traced == "auto" else args.traced == "1"
         log(f"building the {args.trunk} trunk (random weights, 4-bit)")
-        setup = oracle_setup(args.trunk, args.small, traced)
+        setup = oracle_setup(args.trunk, args.small, traced, args.oracle == "rows")
     log(f"ready in {time.perf_counter() - started:.0f} s")
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"context-{args.trunk}{'-small' if args.small else ''}.json"

@@ -65,13 +65,18 @@ def stock(model):
     mlx-lm's arms given the model our trunk wraps would run our kernel (and our one-matrix
     batch products), not stock mlx-lm; they run this copy."""
     import mlx.nn as nn
+    from mlx.utils import tree_flatten
 
-    quantized = {path: m for path, m in model.named_modules() if hasattr(m, "scales")}
+    def own(path: str) -> str:  # a path without our trunk's wrappers (a recurrent mixer's
+        # recorder, its linears' taps: decoder/cache/recording.py)
+        return ".".join(p for p in path.split(".") if p not in ("inner", "tapped"))
+
+    quantized = {own(path): m for path, m in model.named_modules() if hasattr(m, "scales")}
     copy = type(model)(model.args)  # (its random weights stay lazy: replaced before any eval)
     nn.quantize(copy, class_predicate=lambda path, _m: (
         {"group_size": quantized[path].group_size, "bits": quantized[path].bits,
          "mode": quantized[path].mode} if path in quantized else False))
-    copy.update(model.parameters())
+    copy.load_weights([(own(k), v) for k, v in tree_flatten(model.parameters())])
     return copy
 
 
