@@ -38,9 +38,8 @@ from mtpkit.decoder.options import (
     kv_option,
 )
 from mtpkit.decoder.rounds.batch import Batch
-from mtpkit.decoder.rounds.controller import Controller
 from mtpkit.decoder.rounds.scheduler import Event, Request, Scheduler
-from mtpkit.decoder.rounds.session import Session, Stopped, generate_ids
+from mtpkit.decoder.rounds.session import Session
 from mtpkit.decoder.sharded import distributed, sharding
 from mtpkit.decoder.stats import Stats
 from mtpkit.decoder.tuning import batch_costs
@@ -346,32 +345,19 @@ class Runner:
         request = self.prepare(prompt, max_tokens, temperature=temperature, top_p=top_p,
                                top_k=top_k, min_p=min_p, depth=depth, seed=seed, draft=draft,
                                prefix=prefix, stop=stop, checkpoints=checkpoints)
-        session, policy = request.session, request.policy
-        controller = Controller(session, policy) if policy is not None else None
-        ids, eos = request.ids, request.eos
-        detok = self.tokenizer.detokenizer if self.tokenizer is not None else None
-        tokens: list[int] = []
-        try:
-            for batch in generate_ids(session, ids, max_tokens, eos, controller):
-                tokens += batch
-                text = ""
-                if detok is not None:
-                    for t in batch:
-                        detok.add_token(t)
-                    text = detok.last_segment
-                yield Piece(text, batch)
-                if stop is not None and stop():
-                    break
-        except Stopped:
-            pass  # stop() turned true between prefill chunks: nothing was generated
-        tail = ""
-        if detok is not None:
-            detok.finalize()
-            tail = detok.last_segment
-        text = self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
-        reason = "length" if len(tokens) >= max_tokens else "stop"
-        cached = session.cached_tokens
-        yield Piece(tail, [], Result(tokens, text, session.stats, reason, cached))
+        pieces = self.texts(request)
+        if max_tokens <= 0:
+            request.finish = "length"
+            yield from pieces(Event(request, [], True))
+            return
+        scheduler = self.scheduler(1)
+        scheduler.add(request)
+        for event in scheduler.run():
+            yield from pieces(event)
+            if not event.done and stop is not None and stop():  # asked after each piece
+                request.finish = "cancelled"
+                yield from pieces(Event(request, [], True))
+                return
 
     def prepare(self, prompt: Prompt, max_tokens: int = 256, temperature: float = 0.0,
                 top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, depth: Depth = "auto",
@@ -396,10 +382,13 @@ class Runner:
 
     def scheduler(self, most: int, table: CostTable | None = None,
                   solo: bool = True) -> Scheduler:
-        """The engine for sequences decoded together (decoder/rounds/scheduler.py over
-        rounds/batch.py), up to `most` at once, built here only: `stream_batch`, `serve`'s worker
-        and `tune --max-batch` all run this one. table, solo: Scheduler's."""
-        return Scheduler(Batch(self.trunk, self.head), most, table, solo)
+        """The engine for sequences, one or many (decoder/rounds/scheduler.py over
+        rounds/batch.py), up to `most` at once, built here only: `stream`, `stream_batch`,
+        `serve`'s worker and `tune --max-batch` all run this one. table, solo: Scheduler's; a
+        lone request may run as a batch of one where this runner's rows batch exactly."""
+        return Scheduler(Batch(self.trunk, self.head), most, table, solo,
+                         one_row=(self.kv is None and "shard" not in self.load_options
+                                  and self.batchable))
 
     def stream_batch(self, prompts: Sequence[Prompt], max_tokens: int = 256,
                      max_batch: int = 8, each: Sequence[dict[str, Any]] | None = None,

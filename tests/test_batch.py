@@ -239,7 +239,9 @@ def test_a_batched_row_emits_the_target_law_in_every_round_state(
     runner = tiny_runner(vocab=MV, draft_vocab=draft_vocab, head_norm=head_norm, markov=True,
                          logit_scale=MARKOV_LOGITS)
     law = transition_law(runner, params)
-    rounds = _pipelined_seen(monkeypatch, "spec_rounds")
+    # (not pipelined: this backend's synchronous rounds throughout; queued ahead as on a GPU,
+    # the row left alone would go on as a batch of one, pipelined)
+    rounds = _pipelined_seen(monkeypatch, "spec_rounds", ahead=pipelined)
     stat, df = 0.0, 0
     for depth in (2, 3, 4):
         tokens, outcomes = _batch_rounds(runner, depth, pipelined, seed=depth, **options(params))
@@ -1049,3 +1051,34 @@ def test_a_request_arriving_mid_round_is_prefilled_between_the_rounds_stages(
     while scheduler:
         scheduler.step()
     assert [r.tokens for r in requests] == [a.tokens for a in alone]
+
+
+@pytest.mark.parametrize("family", ["tiny", "qwen3_5"])
+def test_a_lone_request_at_a_fixed_depth_runs_as_a_batch_of_one_where_rounds_pipeline(
+        runners: Callable[[str], Runner], monkeypatch: pytest.MonkeyPatch, family: str) -> None:
+    """Where rounds pipeline (a GPU), Runner.stream decodes a lone request at a fixed depth
+    drafting from the head as a batch of one (Batch.spec_rounds), with the tokens, draws and
+    acceptance counts of the lone session: greedy and seeded sampled. Under auto, with context
+    drafts and on a trunk with recurrent layers (a batch replays every verified position) it
+    stays on its own session."""
+    runner = tiny_runner(vocab=6) if family == "tiny" else runners(family)
+    prompt = PROMPTS[3]
+    asks: list[dict[str, Any]] = [{"depth": 3}, {"depth": 2, "temperature": 0.9, "seed": 5},
+                                  {"depth": "auto", "draft": "head"},
+                                  {"depth": 3, "draft": "both"}]
+    alone = [runner.generate(prompt, 48, **a) for a in asks]  # this backend: no pipelining
+    rounds = _pipelined_seen(monkeypatch, "spec_rounds")
+    pipelined = []
+    for ask, want in zip(asks, alone, strict=True):
+        before = len(rounds)
+        got = runner.generate(prompt, 48, **ask)
+        assert got.tokens == want.tokens, ask
+        if ask["depth"] != "auto":  # (auto's choices follow this machine's timings)
+            _same(want, got)
+        assert not rounds[before:] or max(rounds[before:]) == 1
+        pipelined.append(len(rounds) - before)
+    if family == "tiny":
+        assert pipelined[0] >= 5 and pipelined[1] >= 5, pipelined
+        assert pipelined[2:] == [0, 0], "auto and context drafts decode solo"
+    else:
+        assert pipelined == [0, 0, 0, 0], "a recurrent trunk decodes solo"

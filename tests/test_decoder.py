@@ -386,6 +386,25 @@ def test_seeded_runs_are_reproducible(tiny: Runner) -> None:
     assert b == tiny.generate(TINY_PROMPT, 40, temperature=1.0, depth=0, seed=7).tokens
 
 
+def test_a_generations_peak_memory_covers_its_prefill() -> None:
+    """The peak a generation reports includes its prompt's prefill (Runner.stream runs the
+    scheduler, which resets the peak once a prefill is done so a batch's mates do not count it:
+    the prefilled request keeps it)."""
+    runner = tiny_runner(vocab=512, hidden=64)
+    prompt = [(7 * i + 3) % 512 for i in range(1500)]
+    session = Session(runner.trunk, runner.head, SamplingParams(), 0)
+    mx.eval(runner.trunk.model.parameters())
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    session.start(prompt)
+    prefill = mx.get_peak_memory()
+    del session
+    mx.clear_cache()
+    for depth in (0, 2):
+        result = runner.generate(prompt, 3, depth=depth)
+        assert result.stats.peak_memory_bytes >= 0.9 * prefill, (depth, prefill)
+
+
 def test_text_chat_stream_and_stats(built: Callable[..., Path]) -> None:
     runner = mtpkit.load(built("qwen3_5"))
     assert runner.tokenizer is not None

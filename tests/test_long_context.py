@@ -40,9 +40,10 @@ from test_exactness import (
 
 import mtpkit
 from fixtures.decoder_models import OracleHead, tiny_runner
+from fixtures.drive import generate_ids
 from mtpkit.decoder.cache.caches import is_recurrent
 from mtpkit.decoder.rounds import session as session_module
-from mtpkit.decoder.rounds.session import Session, generate_ids
+from mtpkit.decoder.rounds.session import Session
 from mtpkit.decoder.runner import Runner
 from mtpkit.decoder.sampling import SamplingParams
 

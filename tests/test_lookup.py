@@ -15,13 +15,14 @@ import pytest
 
 import mtpkit
 from fixtures.decoder_models import tiny_runner
+from fixtures.drive import generate_ids
 from fixtures.laws import exact_joint, pvalue
 from mtpkit.decoder.drafters.drafts import Draft
 from mtpkit.decoder.drafters.drafts import chain as chained_draft
 from mtpkit.decoder.drafters.lookup import MAX_NGRAM, ContextIndex
 from mtpkit.decoder.options import Source
 from mtpkit.decoder.rounds.controller import CHAIN_MIN_NGRAM, Controller
-from mtpkit.decoder.rounds.session import Session, generate_ids
+from mtpkit.decoder.rounds.session import Session
 from mtpkit.decoder.runner import MAX_AUTO_DEPTH, Runner
 from mtpkit.decoder.sampling import SamplingParams
 from mtpkit.decoder.tuning.curve import CostCurve

@@ -17,8 +17,9 @@ import pytest
 
 import mtpkit
 from fixtures.decoder_models import OracleHead
+from fixtures.drive import generate_ids
 from mtpkit.decoder.rounds.controller import Controller
-from mtpkit.decoder.rounds.session import Session, generate_ids
+from mtpkit.decoder.rounds.session import Session
 from mtpkit.decoder.runner import Runner
 from mtpkit.decoder.sampling import SamplingParams
 from mtpkit.decoder.tuning import costs

@@ -13,6 +13,7 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 import mtpkit
+from fixtures.drive import generate_ids
 from mtpkit.decoder.cache.shapes import (
     STEP,
     PaddedKVCache,
@@ -21,7 +22,7 @@ from mtpkit.decoder.cache.shapes import (
     padded,
     pieces,
 )
-from mtpkit.decoder.rounds.session import Session, generate_ids
+from mtpkit.decoder.rounds.session import Session
 from mtpkit.decoder.runner import Runner
 from mtpkit.decoder.sampling import SamplingParams
 

@@ -15,8 +15,9 @@ from test_exactness import ALPHA, markov_statistic
 from test_shapes import PROMPT, verify_passes
 
 import mtpkit
+from fixtures.drive import generate_ids
 from mtpkit.decoder.model.trunk import Trunk
-from mtpkit.decoder.rounds.session import Session, generate_ids
+from mtpkit.decoder.rounds.session import Session
 from mtpkit.decoder.runner import Runner
 from mtpkit.decoder.sampling import SamplingParams
 

@@ -81,9 +81,11 @@ class Scheduler:
     batch at the next clean point, and the newcomer's prefill starts."""
 
     def __init__(self, batch: Batch, max_batch: int, paid: CostTable | None = None,
-                 solo: bool = True) -> None:
+                 solo: bool = True, one_row: bool = False) -> None:
         """paid: the runner's cost table (decoder/tuning/policy.py), which auto rows are priced by
-        (default: the first auto request's)."""
+        (default: the first auto request's). solo: a lone request may decode on its own
+        session; one_row: it may decode as a batch of one where that pays (`_solo`; only
+        where the runner's rows batch exactly: Runner.batchable)."""
         self.batch, self.max_batch = batch, max_batch
         self.paid = paid
         self.decider: Callable[[list[Request]], int] | None = None  # overrides the policy's
@@ -92,7 +94,7 @@ class Scheduler:
         self.filling: tuple[Request, Iterator[int | None]] | None = None
         self.active: list[Request] = []
         self.rows = 0  # rows the last step's round verified (0: none)
-        self.allow_solo = solo
+        self.allow_solo, self.one_row = solo, one_row
         self.solo: tuple[Request, Iterator[list[int]], Controller | None] | None = None
         self.stretch: Iterator[tuple[list[int], float]] | None = None  # pipelined plain steps
         self.entering: list[Request] = []  # first token sent; join the batch next step
@@ -104,7 +106,9 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         """Queue a request (prepared by Runner.prepare); the first under auto brings its cost
-        table where none was given."""
+        table where none was given. Into an idle scheduler, its peak memory counts from here."""
+        if not self:
+            mx.reset_peak_memory()
         request.started = time.perf_counter()
         if request.policy is not None and self.paid is None:
             self.paid = request.policy.costs
@@ -139,6 +143,22 @@ class Scheduler:
         return events
 
     # -- alone ------------------------------------------------------------------------------
+
+    def _solo(self, request: Request) -> bool:
+        """Whether a lone request decodes on its own session rather than as a batch of one.
+        A batch of one runs pipelined speculative rounds (Batch.spec_rounds: the next round
+        queued before the last one's verdicts are read), which a lone session's synchronous
+        rounds cannot; so a request at a fixed depth drafting from the head alone goes into the
+        batch where rounds pipeline. Not: under auto (the lone controller chooses and learns
+        each round), with context drafts or a draft model (the session drafts them), with a
+        quantized KV cache (a batch holds float rows), or with recurrent layers (a batch
+        replays all of a round's positions to roll a row back, a lone session only those kept:
+        decoder/cache/recording.py)."""
+        session = request.session
+        return not (self.one_row and self.batch.pipelined and request.policy is None
+                    and session.depth > 0 and session.head is not None
+                    and session.lookup is None and session.model is None
+                    and session.kv is None and not self.batch.trunk.recorders)
 
     def _start_solo(self, request: Request) -> None:
         session, policy = request.session, request.policy
@@ -227,8 +247,16 @@ class Scheduler:
         if first is None:
             return []  # more chunks to go: the others' round first
         self.filling = None
-        mx.reset_peak_memory()
+        self._prefilled([request])
         return self._commit(request, [first], joining=True)
+
+    def _prefilled(self, requests: list[Request]) -> None:
+        """The peak of a prefill counts for the requests it prefilled, not for their mates
+        (their peaks count from here)."""
+        peak = mx.get_peak_memory()
+        for request in requests:
+            request.stats.peak_memory_bytes = max(request.stats.peak_memory_bytes, peak)
+        mx.reset_peak_memory()
 
     def _together(self) -> list[Request]:
         """The requests at the head of the line, in arrival order and while the batch has room,
@@ -249,7 +277,7 @@ class Scheduler:
             self.waiting.popleft()
         self._filled = True
         firsts = prefill_together([r.session for r in requests], [r.ids for r in requests])
-        mx.reset_peak_memory()
+        self._prefilled(requests)
         events = []
         for request, first in zip(requests, firsts, strict=True):
             events += self._commit(request, [first], joining=True, alone=False)
@@ -513,8 +541,8 @@ class Scheduler:
         if joining and request.finish is None:
             # (max_batch 1 never has a mate: solo, on the session's own caches, which a
             # quantized KV cache needs: decoder/options.py batch_option)
-            if alone and self.allow_solo and (self.max_batch == 1
-                                              or not (self.active or self.waiting)):
+            if alone and self.allow_solo and self._solo(request) and (
+                    self.max_batch == 1 or not (self.active or self.waiting)):
                 self._start_solo(request)
             else:
                 self.entering.append(request)
@@ -526,7 +554,8 @@ class Scheduler:
             self.batch.leave(gone)
             self.active = [r for i, r in enumerate(self.active) if i not in gone]
             if (len(self.active) == 1 and self.allow_solo and not self.waiting
-                    and self.filling is None and not self.entering):  # the last one left: solo again
+                    and self.filling is None and not self.entering
+                    and self._solo(self.active[0])):  # the last one left: solo again
                 self.batch.part()
                 self._start_solo(self.active.pop())
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -83,14 +83,6 @@ class RoundOutcome:
 class Stopped(Exception):
     """stop() turned true between prefill chunks: the generation ends before its first token
     (a long prompt's prefill would otherwise hold the decoder after its client went away)."""
-
-
-class Controls(Protocol):
-    """What generate_ids asks of a controller (decoder/rounds/controller.py)."""
-
-    def rounds(self, left: Callable[[], int]) -> Iterator[list[int]]: ...
-
-    def report(self, stats: Stats) -> None: ...
 
 
 class Session:
@@ -582,47 +574,3 @@ def judge(draft: Draft, logits: mx.array, params: SamplingParams) -> mx.array:
     p = candidates(logits[:depth + 1], params)
     rule = mx.concatenate([draft.rule[:depth], draft.rule[-p.width:]])
     return acceptance.accept_sampled(draft.tokens[0, 1:], draft.q, p, rule)
-
-
-def generate_ids(session: Session, ids: list[int], max_tokens: int, eos: set[int],
-                 controller: Controls | None = None) -> Iterator[list[int]]:
-    """Drive a session: yield committed token batches, stop at EOS (not yielded) or max_tokens,
-    and time the generation (TTFT, prefill, decode window, peak memory). With a controller
-    (`--depth auto`) it decides every round; else every round drafts the session's depth."""
-    stats = session.stats
-    mx.reset_peak_memory()
-    start = time.perf_counter()
-    first_at = None
-    if max_tokens <= 0:
-        return
-
-    def left() -> int:
-        return max_tokens - stats.generated_tokens
-
-    def batches() -> Iterator[list[int]]:
-        if session.depth == 0:
-            yield from ([t] for t in session.plain(ids, max_tokens))
-            return
-        yield [session.start(ids)]
-        if controller is not None:
-            yield from controller.rounds(left)
-        while True:
-            yield session.next_round(min(session.depth, left() - 1)).committed
-
-    for batch in batches():
-        now = time.perf_counter()
-        if first_at is None:
-            first_at = now
-            stats.ttft_s = now - start
-        stop = next((i for i, t in enumerate(batch) if t in eos), None)
-        batch = batch[:stop][:max_tokens - stats.generated_tokens]
-        stats.generated_tokens += len(batch)
-        stats.decode_window_s = now - first_at
-        stats.peak_memory_bytes = mx.get_peak_memory()
-        if batch:
-            yield batch
-        if controller is not None:
-            controller.report(stats)
-        if stop is not None or stats.generated_tokens >= max_tokens:
-            return
-
