@@ -434,6 +434,8 @@ def test_a_batchs_passes_are_corrected_against_their_price_at_its_keys() -> None
     assert [r.tokens for r in rows] == plain
     table = runner.paid
     assert table is not None and table.ratios, "the batch's passes were observed"
+    for row in rows:  # each row's statistics say what it was priced by, its batch's shapes
+        assert any(name.startswith("2x") for name in row.stats.cost_scale), row.stats.cost_scale
     for shape, ratios in table.ratios.items():
         priced = [t / r for t, r in zip(table.times[shape], ratios, strict=True)]
         short, dear = table.prior(shape, 0), table.prior(shape, 1300)

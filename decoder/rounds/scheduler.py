@@ -538,6 +538,8 @@ class Scheduler:
         request.finish = ("stop" if stop is not None else "length" if request.left <= 0
                           else "cancelled" if request.stop is not None and request.stop()
                           else None)
+        if request.finish is not None and request.policy is not None:  # what it was priced by
+            stats.cost_scale = (self.paid or request.policy.costs).summary()
         if joining and request.finish is None:
             # (max_batch 1 never has a mate: solo, on the session's own caches, which a
             # quantized KV cache needs: decoder/options.py batch_option)
