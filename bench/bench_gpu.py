@@ -67,9 +67,10 @@ def stock(model):
     import mlx.nn as nn
     from mlx.utils import tree_flatten
 
-    def own(path: str) -> str:  # a path without our trunk's wrappers (a recurrent mixer's
-        # recorder, its linears' taps: decoder/cache/recording.py)
-        return ".".join(p for p in path.split(".") if p not in ("inner", "tapped"))
+    from mtpkit.decoder.cache.recording import unwrapped_name
+
+    def own(path: str) -> str:  # a path without our trunk's recorders and taps (a hybrid's)
+        return unwrapped_name(path + ".")[:-1]
 
     quantized = {own(path): m for path, m in model.named_modules() if hasattr(m, "scales")}
     copy = type(model)(model.args)  # (its random weights stay lazy: replaced before any eval)

@@ -6,6 +6,7 @@ import os
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -643,3 +644,18 @@ def test_a_pipelined_step_and_its_input_are_made_on_the_decode_stream() -> None:
         assert got == [2, 3, 4, 5]
         assert {s for kind, s in made if kind != "take"} == {decode}, made
         assert [kind for kind, _ in made].count("follow") == 3
+
+
+def test_best_depth_is_the_fastest_depth_or_plain_when_none_beats_it() -> None:
+    """`compare.best_depth` (docs/python-api.md): the depth of the largest speedup, 0 where no
+    depth beats plain decoding."""
+    from types import SimpleNamespace
+
+    from mtpkit.decoder.compare import best_depth
+
+    def swept(*speedups: float) -> dict[int, Any]:
+        return {d: SimpleNamespace(speedup=s) for d, s in enumerate(speedups, start=1)}
+
+    assert best_depth(swept(1.2, 1.6, 1.4)) == 2
+    assert best_depth(swept(0.9, 0.7)) == 0
+    assert best_depth(swept(1.0)) == 0
