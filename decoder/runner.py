@@ -385,10 +385,12 @@ class Runner:
         """The engine for sequences, one or many (decoder/rounds/scheduler.py over
         rounds/batch.py), up to `most` at once, built here only: `stream`, `stream_batch`,
         `serve`'s worker and `tune --max-batch` all run this one. table, solo: Scheduler's; a
-        lone request may run as a batch of one where this runner's rows batch exactly."""
+        lone request may run as a batch of one where this runner's rows batch exactly, with
+        float caches, unsharded, and no recurrent layer (a batch replays all of a round's
+        positions to roll a row back, a lone session only those kept: cache/recording.py)."""
         return Scheduler(Batch(self.trunk, self.head), most, table, solo,
                          one_row=(self.kv is None and "shard" not in self.load_options
-                                  and self.batchable))
+                                  and not self.trunk.recorders and self.batchable))
 
     def stream_batch(self, prompts: Sequence[Prompt], max_tokens: int = 256,
                      max_batch: int = 8, each: Sequence[dict[str, Any]] | None = None,

@@ -151,14 +151,11 @@ class Scheduler:
         rounds cannot; so a request at a fixed depth drafting from the head alone goes into the
         batch where rounds pipeline. Not: under auto (the lone controller chooses and learns
         each round), with context drafts or a draft model (the session drafts them), with a
-        quantized KV cache (a batch holds float rows), or with recurrent layers (a batch
-        replays all of a round's positions to roll a row back, a lone session only those kept:
-        decoder/cache/recording.py)."""
+        quantized KV cache, sharded or with recurrent layers (Runner.scheduler's `one_row`)."""
         session = request.session
         return not (self.one_row and self.batch.pipelined and request.policy is None
                     and session.depth > 0 and session.head is not None
-                    and session.lookup is None and session.model is None
-                    and session.kv is None and not self.batch.trunk.recorders)
+                    and session.lookup is None and session.model is None)
 
     def _start_solo(self, request: Request) -> None:
         session, policy = request.session, request.policy
@@ -170,16 +167,7 @@ class Scheduler:
         def wanted() -> bool:  # another request waits: end the plain stretch
             return bool(self.waiting) and self.max_batch > 1
 
-        def steps() -> Iterator[list[int]]:
-            if session.depth == 0:
-                yield from ([t] for t in session.plain_steps(left(), wanted))
-            elif controller is not None:
-                controller.interrupt = wanted
-                yield from controller.rounds(left)
-            while True:
-                yield session.next_round(min(session.depth, left() - 1)).committed
-
-        self.solo = (request, steps(), controller)
+        self.solo = (request, solo_steps(session, left, controller, wanted), controller)
 
     def _solo_step(self) -> list[Event]:
         request, steps, controller = self.solo  # type: ignore[misc]
@@ -560,6 +548,20 @@ class Scheduler:
                     and self._solo(self.active[0])):  # the last one left: solo again
                 self.batch.part()
                 self._start_solo(self.active.pop())
+
+
+def solo_steps(session: Session, left: Callable[[], int], controller: Controller | None = None,
+               wanted: Callable[[], bool] | None = None) -> Iterator[list[int]]:
+    """A lone session's steps after its first token, each what it committed: pipelined plain
+    steps at depth 0 (until `wanted()`), the controller's rounds under auto, else rounds at the
+    session's depth; `left()` tokens still to make."""
+    if session.depth == 0:
+        yield from ([t] for t in session.plain_steps(left(), wanted))
+    elif controller is not None:
+        controller.interrupt = wanted
+        yield from controller.rounds(left)
+    while True:
+        yield session.next_round(min(session.depth, left() - 1)).committed
 
 
 def _context(request: Request, width: int) -> tuple[list[int], int]:
