@@ -969,6 +969,44 @@ def test_a_depth_chosen_at_a_stretchs_check_runs_next_pipelined(
     assert second == 2, stretches
 
 
+def test_an_untried_shapes_stretch_asks_the_policy_after_every_round(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a pipelined stretch's pass shape has been timed fewer than SPEC_ROUNDS times, the
+    policy is asked after every round: where its price turns (here from round 3 on) the
+    stretch ends at once rather than at the SPEC_ROUNDS check, and the new depth runs next.
+    A stretch's first round (it paid the restart) is not timed. Tokens stay the plain greedy
+    ones."""
+    from mtpkit.decoder.rounds.batch import Batch
+    from mtpkit.decoder.rounds.scheduler import SPEC_ROUNDS
+    from mtpkit.decoder.tuning.policy import CostTable
+
+    base = tiny_runner(vocab=6)
+    prompts = [[1, 2, 3, 4], [5, 4, 3], [2, 2, 1]]
+    oracle, plain = _oracle_batch(base, prompts, [7, 8, 9], 200)
+    _pipelined_seen(monkeypatch, "spec_rounds")
+    late = [False]
+    monkeypatch.setattr(CostTable, "pricer", _what_if(
+        lambda width: 0.01 if width <= (3 if late[0] else 2) else 1.0))
+    stretches: list[list[int]] = []  # per pipelined stretch: its depth, then its rounds
+    spec = Batch.spec_rounds
+
+    def rounds(self: Batch, depth: int, count: int, stop: Any = None, done: Any = None) -> Any:
+        stretches.append([depth, 0])
+        for out in spec(self, depth, count, stop, done):
+            stretches[-1][1] += 1
+            late[0] = late[0] or sum(n for _, n in stretches) == 3
+            yield out
+
+    monkeypatch.setattr(Batch, "spec_rounds", rounds)
+    results = oracle.generate_batch(prompts, each=[{"depth": "auto", "draft": "head",
+                                                    "max_tokens": 200}] * 3)
+    assert [r.tokens for r in results] == plain
+    (first, n), (second, _), *_ = stretches
+    assert first == 1 and 3 <= n <= 4 < SPEC_ROUNDS, stretches
+    assert second == 2, stretches
+    assert len(oracle.table().times[(3, 2, True)]) == n - 1, stretches
+
+
 def _what_if(price: Callable[[int], float]) -> Callable[..., Callable[[float], float]]:
     """CostTable.pricer replaced by what-if prices by pass width (drafts free, no optimism)."""
     def pricer(self: Any, shape: Any, context: int, optimism: bool) -> Callable[[float], float]:

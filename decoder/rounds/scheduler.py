@@ -34,7 +34,7 @@ from mtpkit.decoder.tuning.costs import check_batch, check_plain
 from mtpkit.decoder.tuning.policy import CostTable, DepthPolicy, Offer, decide
 
 SPEC_ROUNDS = 16  # pipelined speculative rounds between two of the policy's choices (each
-# asks every row's context: not every round)
+# asks every row's context: not every round), once the stretch's shape has been timed as often
 
 
 @dataclass
@@ -98,7 +98,8 @@ class Scheduler:
         self.solo: tuple[Request, Iterator[list[int]], Controller | None] | None = None
         self.stretch: Iterator[tuple[list[int], float]] | None = None  # pipelined plain steps
         self.entering: list[Request] = []  # first token sent; join the batch next step
-        self.spec: Iterator[list[RoundOutcome]] | None = None  # pipelined speculative rounds
+        self.spec: Iterator[tuple[int, list[RoundOutcome]]] | None = None  # pipelined
+        # speculative rounds, numbered
         self.arrivals: Callable[[], None] | None = None  # mid-round joins: `take_arrivals`
         self.early: Callable[[list[Event]], None] | None = None
         self._filled = False  # a prefill chunk ran this step (one a step)
@@ -285,11 +286,16 @@ class Scheduler:
         self._leave()
         return events
 
-    def _settled(self, outcomes: list[RoundOutcome], pipelined: bool = False) -> list[Event]:
+    def _settled(self, outcomes: list[RoundOutcome], pipelined: bool = False,
+                 timed: bool = True) -> list[Event]:
         """A round's outcomes learnt and committed (a row done earlier in a pipelined stretch
-        takes no more)."""
-        if self.paid is not None:
+        takes no more). Not `timed`: a stretch's first round, which also paid the restart (its
+        host work not overlapped, a shape perhaps compiled): the clock ticks, no price is
+        learnt."""
+        if self.paid is not None and timed:
             self._observe(outcomes, pipelined)
+        elif self.paid is not None:
+            self.paid.tick(len(outcomes))
         events = []
         for request, outcome in zip(list(self.active), outcomes, strict=True):
             if request.finish is None:
@@ -312,16 +318,18 @@ class Scheduler:
     def _start_spec(self, asks: list[Ask]) -> bool:
         """Speculative rounds pipelined (Batch.spec_rounds) where every row drafts the same
         depth from the head (under auto: the policy's choice). Every SPEC_ROUNDS rounds the
-        policy chooses again and the stretch goes on while it picks this depth (a restart
-        costs a round the host cannot overlap); once a row is done, until every row is (a done
-        row stays until then: `_wanted`). With a row at a fixed depth, no round can reach a
-        row's max_tokens (its last rounds draft fewer, as alone: its seeded text is the same
-        batched); under auto a row's surplus past its max_tokens is dropped (its depth is
-        the batch's choice anyway, and what it commits is exact at any depth), so the
-        batch's last tokens come pipelined too. Rows then draft from the
-        head only; a row at a fixed depth with a context index keeps synchronous rounds (it
-        drafts from its context where its text offers, as alone). Only where the host's work
-        overlaps the device's (a GPU: batch.overlaps)."""
+        policy chooses again, after every round while the stretch's pass shape has been timed
+        fewer times than that (an untried shape's price is a guess the policy explores on:
+        its first rounds correct it), and the stretch goes on while it picks this depth (a
+        restart costs a round the host cannot overlap); once a row is done, until every row
+        is (a done row stays until then: `_wanted`). With a row at a fixed depth, no round can
+        reach a row's max_tokens (its last rounds draft fewer, as alone: its seeded text is the
+        same batched); under auto a row's surplus past its max_tokens is dropped (its depth is
+        the batch's choice anyway, and what it commits is exact at any depth), so the batch's
+        last tokens come pipelined too. Rows then draft from the head only; a row at a fixed
+        depth with a context index keeps synchronous rounds (it drafts from its context where
+        its text offers, as alone). Only where the host's work overlaps the device's (a GPU:
+        batch.overlaps)."""
         depth = asks[0].depth
         if (not self.batch.pipelined or depth < 1
                 or any(a.context or a.depth != depth for a in asks)
@@ -334,6 +342,7 @@ class Scheduler:
         if rounds < 2:
             return False
         auto_rows = [r for r in self.active if r.policy is not None]
+        shape = (len(self.active), depth + 1, True)
         read = 0
 
         def stop() -> bool:  # after each round read: the one queued is the last?
@@ -341,15 +350,20 @@ class Scheduler:
             read += 1
             if self._wanted():
                 return True
-            if (read + 1 < SPEC_ROUNDS or not auto_rows
-                    or any(r.finish is not None for r in self.active)):
+            if (not auto_rows or any(r.finish is not None for r in self.active)
+                    or read + 1 < SPEC_ROUNDS and self._timed(shape)):
                 return False
             read = 0
             return self._chosen_otherwise(auto_rows, depth)
 
-        self.spec = self.batch.spec_rounds(depth, rounds, stop,
-                                           lambda b: self.active[b].finish is not None)
+        self.spec = enumerate(self.batch.spec_rounds(
+            depth, rounds, stop, lambda b: self.active[b].finish is not None))
         return True
+
+    def _timed(self, shape: tuple[int, int, bool]) -> bool:
+        """Whether a pass `shape` has been timed here SPEC_ROUNDS times (decayed): the policy's
+        price of it is then its own, no longer a guess."""
+        return self.paid is None or self.paid.timings(shape) >= SPEC_ROUNDS
 
     def _chosen_otherwise(self, auto_rows: list[Request], depth: int) -> bool:
         """The policy's choice at a pipelined stretch's check: whether it is not `depth` again
@@ -367,13 +381,13 @@ class Scheduler:
         done leave)."""
         assert self.spec is not None
         try:
-            outcomes = next(self.spec)
+            read, outcomes = next(self.spec)
         except StopIteration:
             self.spec = None
             self._leave()
             return None
         self.rows = len(self.active)
-        return self._settled(outcomes, pipelined=True)
+        return self._settled(outcomes, pipelined=True, timed=read > 0)
 
     def _start_stretch(self, asks: list[Ask]) -> bool:
         """Plain steps pipelined (Batch.plain_steps) where every row decodes plain for a
