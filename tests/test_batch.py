@@ -626,19 +626,17 @@ def test_plain_is_priced_by_pipelined_steps_once_timed() -> None:
 
 
 def test_a_pipelined_round_is_priced_as_pipelined_passes_paid() -> None:
-    """Where a round would run pipelined its prior is the synchronous pass's less what
-    pipelining hides of a plain step (the curve's one-row pass less its plain step: host time,
-    the same at any width), and it takes
+    """Where a round would run pipelined its prior is the synchronous pass's scaled by what
+    pipelining saves a plain step (the curve's plain step over its one-row pass), and it takes
     the correction of the nearest pipelined shape timed (plain steps before any round ran
     pipelined), never the synchronous rounds'; so depths are compared as the batch would run
     them."""
     from mtpkit.decoder.tuning.curve import CostCurve
     from mtpkit.decoder.tuning.policy import CostTable, decide
 
-    curve = CostCurve([0.01] * 8 + [0.02] * 8, 0.006, 0.0, estimate=True)
+    curve = CostCurve([0.01] * 16, 0.006, 0.0, estimate=True)
     table = CostTable(curve)
-    assert table.prior((4, 2, True)) == pytest.approx(0.01 - 0.004)
-    assert table.prior((4, 3, True)) == pytest.approx(0.02 - 0.004), "not 0.6 of the pass"
+    assert table.prior((4, 2, True)) == pytest.approx(0.01 * 0.6)
     offers = [_keen(curve, 1, kept=0.75, depth=1).offer() for _ in range(4)]
     for _ in range(20):
         table.tick(4)

@@ -255,7 +255,7 @@ def test_one_policy_decides_a_lone_row_and_a_batch() -> None:
     assert plan.depth >= 2 and plan.sources == ("head", "head", "lookup")
     table = policy.costs
     assert table.prior((3, 4, False)) == pytest.approx(curve.verify[11])  # 12 tokens
-    assert table.prior((3, 1, True)) == pytest.approx(curve.verify[2] - (0.01 - 0.009))
+    assert table.prior((3, 1, True)) == pytest.approx(curve.verify[2] * 0.009 / 0.01)
     assert table.prior((8, 4, False)) > curve.verify[-1], "beyond the curve: extended"
     useless = trained(curve, [0.0] * 4)
     assert decide([useless.offer()] * 3, table, 8).depth == 0

@@ -132,16 +132,14 @@ class CostTable:
     def prior(self, shape: Shape, context: int = 0) -> float:
         """The curve's price of a pass at `context`: a pipelined plain step for (1, 1, True),
         else the verify pass over rows x width tokens (one row pads to a cheaper width),
-        pipelined passes less what pipelining hides of a plain step (its one-row pass less
-        its pipelined step): the host's share of a pass, which does not grow with the
-        device's work (a wider pass, attention over more keys). A pipelined step is never
+        pipelined passes by what pipelining saves a plain step. A pipelined step is never
         priced over the synchronous pass of as many tokens (the same work, its host part
         overlapped): a curve that says so was timed busy."""
         rows, width, piped = shape
         curve = self.curve.at(context)
-        hidden = max(curve.verify[0] - curve.plain, 0.0) if piped else 0.0
+        saving = min(curve.plain / curve.verify[0], 1.0)
         if rows == 1 and width == 1 and piped:
-            return curve.verify[0] - hidden
+            return curve.verify[0] * saving
         tokens = curve.width(width) if rows == 1 else rows * width
         verify = curve.verify
         if tokens <= len(verify):
@@ -149,7 +147,7 @@ class CostTable:
         else:  # beyond the curve: its mean slope (attention and matmuls grow with the tokens)
             seconds = verify[-1] + (verify[-1] - verify[0]) / max(len(verify) - 1, 1) * (
                 tokens - len(verify))
-        return seconds - hidden
+        return seconds * (saving if piped else 1.0)
 
     def correction(self, shape: Shape, context: int = 0) -> float:
         """paid / prior at `context`: the median of the shape's own timings in its band,
