@@ -1012,6 +1012,36 @@ def test_an_untried_shapes_stretch_asks_the_policy_after_every_round(
     assert len(oracle.table().times[(3, 2, True)]) == n - 1, stretches
 
 
+def test_a_pipelined_round_pays_the_consumers_time_it_ran_beside(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pipelined round is queued before the last one is read, so it runs while the consumer
+    (the scheduler, a server) works: it paid the time from read to read, the consumer's
+    included, as a pipelined plain step does (`pipelined`)."""
+    import time
+
+    from mtpkit.decoder.rounds.batch import Batch
+
+    base = tiny_runner(vocab=6)
+    prompts = [[1, 2, 3, 4], [5, 4, 3]]
+    oracle, plain = _oracle_batch(base, prompts, [7, 8], 60)
+    _pipelined_seen(monkeypatch, "spec_rounds")
+    stretches: list[list[float]] = []  # what each round of each stretch paid
+    spec = Batch.spec_rounds
+
+    def rounds(self: Batch, depth: int, count: int, stop: Any = None, done: Any = None) -> Any:
+        stretches.append([])
+        for out in spec(self, depth, count, stop, done):
+            stretches[-1].append(out[0].paid_s)
+            yield out
+            time.sleep(0.05)
+
+    monkeypatch.setattr(Batch, "spec_rounds", rounds)
+    results = oracle.generate_batch(prompts, each=[{"depth": 2, "max_tokens": 60}] * 2)
+    assert [r.tokens for r in results] == plain
+    later = [p for paid in stretches for p in paid[1:]]  # (a stretch's first: after nothing)
+    assert len(later) >= 10 and min(later) >= 0.05, stretches
+
+
 def _what_if(price: Callable[[int], float]) -> Callable[..., Callable[[float], float]]:
     """CostTable.pricer replaced by what-if prices by pass width (drafts free, no optimism)."""
     def pricer(self: Any, shape: Any, context: int, optimism: bool) -> Callable[[float], float]:

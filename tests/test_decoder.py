@@ -646,6 +646,35 @@ def test_a_pipelined_step_and_its_input_are_made_on_the_decode_stream() -> None:
         assert [kind for kind, _ in made].count("follow") == 3
 
 
+def test_a_pipelined_step_pays_the_consumers_time_it_ran_beside() -> None:
+    """A step queued before the last read runs on the device while the consumer works, so
+    what it paid is the time from read to read, the consumer's included (a consumer slower
+    than the device sets the pace: --depth auto priced pipelined shapes at a tenth of what
+    they took when this was left out). A step not queued ahead ran after the consumer was
+    done: its seconds leave the consumer out."""
+    import time
+
+    from mtpkit.decoder.rounds.session import pipelined
+
+    def step(tokens: mx.array) -> tuple[mx.array, mx.array]:
+        return tokens, tokens + 1
+
+    def take(hidden: mx.array, picks: mx.array) -> int:
+        return int(picks.reshape(-1)[0].item())
+
+    consumer = 0.05
+    for ahead in (True, False):
+        paid = []
+        for _, _, seconds in pipelined(step, mx.array([[1]]), lambda p: p[None], 4, take,
+                                       ahead=ahead):
+            paid.append(seconds)
+            time.sleep(consumer)
+        if ahead:  # the last step was queued before the third read; the first after nothing
+            assert min(paid[1:]) >= consumer, paid
+        else:
+            assert max(paid) < consumer, paid
+
+
 def test_best_depth_is_the_fastest_depth_or_plain_when_none_beats_it() -> None:
     """`compare.best_depth` (docs/python-api.md): the depth of the largest speedup, 0 where no
     depth beats plain decoding."""

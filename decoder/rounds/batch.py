@@ -264,7 +264,8 @@ class Batch:
         row's count a device array) and its pass starts at each row's emitted token; no
         tail is trimmed (that needs the verdicts), so rejected positions stay as holes. Each
         row drafts, judges, keeps and commits as in `round`. Yields every row's outcome
-        (paid: the seconds between reads); when stop() turns true, the round already queued
+        (paid: the seconds from the last read, the consumer's work between included: the queued
+        round ran beside it); when stop() turns true, the round already queued
         is the last. A row whose generation is `done(b)` takes nothing more (its session's
         counts stay as its result reported them)."""
         assert self.cache is not None and all(self.headed) and depth > 0 and count > 0
@@ -297,12 +298,13 @@ class Batch:
         while n < count:
             queued = queue(current[2], current[1]) if n + 1 < count else None
             committed, kept = self._read(current[0].tolist(), width)
-            paid = time.perf_counter() - begin  # the consumer's time between reads is not
+            read = time.perf_counter()
+            paid = read - begin  # as `pipelined` counts a step: from the last read
             outcomes = [RoundOutcome(committed[b], depth, kept[b], Source.HEAD, depth, 0, paid,
                                      width, owed[b]) for b in range(rows)]
             yield [o if done is not None and done(b) else self._outcome(b, o)
                    for b, o in enumerate(outcomes)]
-            begin = time.perf_counter()
+            begin = read if queued is not None else time.perf_counter()
             owed = [k + 1 for k in kept]
             n += 1
             if stop is not None and n + 1 < count and stop():

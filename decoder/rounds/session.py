@@ -233,7 +233,7 @@ class Session:
             self.commit([token])
             return token
 
-        busy, n, resumed = 0.0, 0, time.perf_counter()  # time spent here, not in the consumer
+        busy, n, resumed = 0.0, 0, time.perf_counter()  # as `pipelined` counts a step
         emitted = None  # the hidden of the step that emitted the last token
         for hidden, token, seconds in pipelined(step, mx.array([[self.last]]),
                                                 lambda y: y[None], count, take, stop):
@@ -532,8 +532,11 @@ def pipelined(step: Callable[[mx.array], tuple[mx.array, mx.array]], first: mx.a
     the next step's tokens, `take(hidden, picks)` reads and commits them. With `ahead`, each
     next step is queued before the current one is taken (as mlx-lm's generate_step and
     BatchGenerator do), so the host's read and its work overlap the device's next step. Yields
-    (hidden, what take returned, seconds spent here since the last yield). When stop() turns
-    true after a step, the one already queued is the last.
+    (hidden, what take returned, seconds the step paid): from the last read to this one where
+    it was queued before that read (the consumer's work between ran beside it on the device,
+    and a consumer slower than the device is what the step costs), else the seconds spent
+    here since the last yield. When stop() turns true after a step, the one already queued is
+    the last.
 
     Every step, `follow` included, runs on STREAM: an op of one step on another stream (the
     default one) makes each step wait across streams, which on MLX's CUDA backend cost a
@@ -553,8 +556,9 @@ def pipelined(step: Callable[[mx.array], tuple[mx.array, mx.array]], first: mx.a
     while n < count:
         queued = then(picks) if ahead and n + 1 < count else None
         taken = take(hidden, picks)
-        yield hidden, taken, time.perf_counter() - begin
-        begin = time.perf_counter()
+        read = time.perf_counter()
+        yield hidden, taken, read - begin
+        begin = read if queued is not None else time.perf_counter()
         n += 1
         if stop is not None and n + 1 < count and stop():
             count = n + 1 if queued is not None else n  # a queued step is the last
