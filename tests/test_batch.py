@@ -1016,7 +1016,7 @@ def test_a_pipelined_round_pays_the_consumers_time_it_ran_beside(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A pipelined round is queued before the last one is read, so it runs while the consumer
     (the scheduler, a server) works: it paid the time from read to read, the consumer's
-    included, as a pipelined plain step does (`pipelined`)."""
+    included, as a pipelined plain step does (`pipelined`), averaged over the stretch so far."""
     import time
 
     from mtpkit.decoder.rounds.batch import Batch
@@ -1026,6 +1026,7 @@ def test_a_pipelined_round_pays_the_consumers_time_it_ran_beside(
     oracle, plain = _oracle_batch(base, prompts, [7, 8], 60)
     _pipelined_seen(monkeypatch, "spec_rounds")
     stretches: list[list[float]] = []  # what each round of each stretch paid
+    pause = [0.05]  # the consumer's work after each round
     spec = Batch.spec_rounds
 
     def rounds(self: Batch, depth: int, count: int, stop: Any = None, done: Any = None) -> Any:
@@ -1033,13 +1034,31 @@ def test_a_pipelined_round_pays_the_consumers_time_it_ran_beside(
         for out in spec(self, depth, count, stop, done):
             stretches[-1].append(out[0].paid_s)
             yield out
-            time.sleep(0.05)
+            time.sleep(pause[0])
 
     monkeypatch.setattr(Batch, "spec_rounds", rounds)
     results = oracle.generate_batch(prompts, each=[{"depth": 2, "max_tokens": 60}] * 2)
     assert [r.tokens for r in results] == plain
-    later = [p for paid in stretches for p in paid[1:]]  # (a stretch's first: after nothing)
-    assert len(later) >= 10 and min(later) >= 0.05, stretches
+    # (a stretch's first round ran after nothing; each later one beside the consumer's 0.05 s)
+    assert sum(len(paid) for paid in stretches) >= 10, stretches
+    assert all(paid[-1] * len(paid) >= 0.05 * (len(paid) - 1) for paid in stretches), stretches
+
+    # a read that waits for the next round too (here: every other read stalls) leaves that
+    # round free to read: each round is priced at its stretch's mean, not at nothing
+    reads = [0]
+    read = Batch._read
+
+    def stalling(self: Batch, *args: Any) -> Any:
+        reads[0] += 1
+        time.sleep(0.04 if reads[0] % 2 else 0.0)
+        return read(self, *args)
+
+    monkeypatch.setattr(Batch, "_read", stalling)
+    pause[0] = 0.0
+    stretches.clear()
+    assert [r.tokens for r in oracle.generate_batch(
+        prompts, each=[{"depth": 2, "max_tokens": 60}] * 2)] == plain
+    assert all(p >= 0.015 for paid in stretches for p in paid[1:]), stretches
 
 
 def _what_if(price: Callable[[int], float]) -> Callable[..., Callable[[float], float]]:

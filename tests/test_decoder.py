@@ -651,7 +651,9 @@ def test_a_pipelined_step_pays_the_consumers_time_it_ran_beside() -> None:
     what it paid is the time from read to read, the consumer's included (a consumer slower
     than the device sets the pace: --depth auto priced pipelined shapes at a tenth of what
     they took when this was left out). A step not queued ahead ran after the consumer was
-    done: its seconds leave the consumer out."""
+    done: its seconds leave the consumer out. What is yielded is the run's mean so far: a
+    read that waits for more than its own step (here `take` stalls on every other step) makes
+    the next one free, and neither is what a step costs."""
     import time
 
     from mtpkit.decoder.rounds.session import pipelined
@@ -669,10 +671,18 @@ def test_a_pipelined_step_pays_the_consumers_time_it_ran_beside() -> None:
                                        ahead=ahead):
             paid.append(seconds)
             time.sleep(consumer)
-        if ahead:  # the last step was queued before the third read; the first after nothing
-            assert min(paid[1:]) >= consumer, paid
+        if ahead:  # three of the four steps ran beside a consumer
+            assert paid[-1] * 4 >= 3 * consumer, paid
         else:
-            assert max(paid) < consumer, paid
+            assert paid[-1] < consumer / 4, paid
+
+    def stalling(hidden: mx.array, picks: mx.array) -> int:
+        token = take(hidden, picks)
+        time.sleep(0.04 if token % 2 == 0 else 0.0)  # steps 1, 3: 0.04 s; steps 2, 4: none
+        return token
+
+    paid = [s for _, _, s in pipelined(step, mx.array([[1]]), lambda p: p[None], 4, stalling)]
+    assert all(s >= 0.015 for s in paid[1:]), paid  # (each step's own: 0.04, 0, 0.04, 0)
 
 
 def test_best_depth_is_the_fastest_depth_or_plain_when_none_beats_it() -> None:

@@ -233,19 +233,16 @@ class Session:
             self.commit([token])
             return token
 
-        busy, n, resumed = 0.0, 0, time.perf_counter()  # as `pipelined` counts a step
-        emitted = None  # the hidden of the step that emitted the last token
-        for hidden, token, seconds in pipelined(step, mx.array([[self.last]]),
-                                                lambda y: y[None], count, take, stop):
-            busy, n, emitted = busy + seconds, n + 1, hidden
-            self.plain_paid = (busy, n)  # as paid so far: the consumer may stop here
+        n, emitted = 0, None  # emitted: the hidden of the step that emitted the last token
+        for hidden, token, mean in pipelined(step, mx.array([[self.last]]),
+                                             lambda y: y[None], count, take, stop):
+            n, emitted = n + 1, hidden
+            self.plain_paid = (mean * n, n)  # as paid so far: the consumer may stop here
             yield token
-            resumed = time.perf_counter()
         if owe and tokens:
             self.owe(mx.concatenate(hiddens, axis=1), tokens)
         if emitted is not None:
             self.keep_hidden(emitted, 0)
-        self.plain_paid = (busy + time.perf_counter() - resumed, n)
         self.pipelined = False
 
     def plain(self, ids: list[int], max_tokens: int) -> Iterator[int]:
@@ -532,11 +529,12 @@ def pipelined(step: Callable[[mx.array], tuple[mx.array, mx.array]], first: mx.a
     the next step's tokens, `take(hidden, picks)` reads and commits them. With `ahead`, each
     next step is queued before the current one is taken (as mlx-lm's generate_step and
     BatchGenerator do), so the host's read and its work overlap the device's next step. Yields
-    (hidden, what take returned, seconds the step paid): from the last read to this one where
-    it was queued before that read (the consumer's work between ran beside it on the device,
-    and a consumer slower than the device is what the step costs), else the seconds spent
-    here since the last yield. When stop() turns true after a step, the one already queued is
-    the last.
+    (hidden, what take returned, the seconds a step of this run has paid so far, on average).
+    A step paid from the last read to its own where it was queued before that read (the
+    consumer's work between ran beside it on the device, and a consumer slower than the device
+    is what a step costs), else the seconds spent here since the last yield; the mean, since a
+    read may wait for more than its own step (one step then reads long and the next free).
+    When stop() turns true after a step, the one already queued is the last.
 
     Every step, `follow` included, runs on STREAM: an op of one step on another stream (the
     default one) makes each step wait across streams, which on MLX's CUDA backend cost a
@@ -550,14 +548,15 @@ def pipelined(step: Callable[[mx.array], tuple[mx.array, mx.array]], first: mx.a
         with mx.stream(STREAM):
             return step(follow(picks))
 
-    begin = time.perf_counter()
+    spent, begin = 0.0, time.perf_counter()
     hidden, picks = queue(first)
     n = 0
     while n < count:
         queued = then(picks) if ahead and n + 1 < count else None
         taken = take(hidden, picks)
         read = time.perf_counter()
-        yield hidden, taken, read - begin
+        spent += read - begin
+        yield hidden, taken, spent / (n + 1)
         begin = read if queued is not None else time.perf_counter()
         n += 1
         if stop is not None and n + 1 < count and stop():
