@@ -937,19 +937,16 @@ def test_auto_rows_done_mid_stretch_stay_until_it_ends(monkeypatch: pytest.Monke
     assert len(starts) == 1 and len(dead) > 16, (starts, len(dead))
 
 
-def test_a_depth_chosen_at_a_stretchs_check_runs_next_pipelined(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every SPEC_ROUNDS rounds of a pipelined stretch the policy chooses again: where the
-    costs it prices by change (here: what-if prices that make depth 2 pay from round 20 on),
-    the stretch ends at that check and the new depth runs next, pipelined. Tokens stay the
-    plain greedy ones."""
+def _stretches(monkeypatch: pytest.MonkeyPatch, turn: int, tokens: int
+               ) -> tuple[Runner, list[list[int]]]:
+    """Three auto rows of an oracle batch decoded with pipelined rounds, under what-if prices
+    by pass width that make depth 1 pay, then depth 2 from round `turn` on: the runner, and
+    each pipelined stretch's depth and rounds. Tokens are checked to be the plain greedy ones."""
     from mtpkit.decoder.rounds.batch import Batch
-    from mtpkit.decoder.rounds.scheduler import SPEC_ROUNDS
     from mtpkit.decoder.tuning.policy import CostTable
 
-    base = tiny_runner(vocab=6)
     prompts = [[1, 2, 3, 4], [5, 4, 3], [2, 2, 1]]
-    oracle, plain = _oracle_batch(base, prompts, [7, 8, 9], 400)
+    oracle, plain = _oracle_batch(tiny_runner(vocab=6), prompts, [7, 8, 9], tokens)
     _pipelined_seen(monkeypatch, "spec_rounds")
     late = [False]
     monkeypatch.setattr(CostTable, "pricer", _what_if(
@@ -961,16 +958,27 @@ def test_a_depth_chosen_at_a_stretchs_check_runs_next_pipelined(
         stretches.append([depth, 0])
         for out in spec(self, depth, count, stop, done):
             stretches[-1][1] += 1
-            if sum(n for _, n in stretches) == 20:
-                late[0] = True
+            late[0] = late[0] or sum(n for _, n in stretches) == turn
             yield out
 
     monkeypatch.setattr(Batch, "spec_rounds", rounds)
     results = oracle.generate_batch(prompts, each=[{"depth": "auto", "draft": "head",
-                                                    "max_tokens": 400}] * 3)
+                                                    "max_tokens": tokens}] * 3)
     assert [r.tokens for r in results] == plain
+    return oracle, stretches
+
+
+def test_a_depth_chosen_at_a_stretchs_check_runs_next_pipelined(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once a pipelined stretch's shape has been timed SPEC_ROUNDS times, the policy chooses
+    again every SPEC_ROUNDS rounds: where the costs it prices by change (what-if prices that
+    make depth 2 pay from round 40 on, past the ~23 rounds the shape takes to be timed), the
+    stretch ends at the next check, not at once, and the new depth runs next, pipelined."""
+    from mtpkit.decoder.rounds.scheduler import SPEC_ROUNDS
+
+    _, stretches = _stretches(monkeypatch, 40, 400)
     (first, n), (second, _), *_ = stretches
-    assert first == 1 and 20 <= n <= 21 + SPEC_ROUNDS, stretches  # (ended at a check)
+    assert first == 1 and 42 <= n <= 41 + SPEC_ROUNDS, stretches  # (ended at a check)
     assert second == 2, stretches
 
 
@@ -979,33 +987,10 @@ def test_an_untried_shapes_stretch_asks_the_policy_after_every_round(
     """While a pipelined stretch's pass shape has been timed fewer than SPEC_ROUNDS times, the
     policy is asked after every round: where its price turns (here from round 3 on) the
     stretch ends at once rather than at the SPEC_ROUNDS check, and the new depth runs next.
-    A stretch's first round (it paid the restart) is not timed. Tokens stay the plain greedy
-    ones."""
-    from mtpkit.decoder.rounds.batch import Batch
+    A stretch's first round (it paid the restart) is not timed."""
     from mtpkit.decoder.rounds.scheduler import SPEC_ROUNDS
-    from mtpkit.decoder.tuning.policy import CostTable
 
-    base = tiny_runner(vocab=6)
-    prompts = [[1, 2, 3, 4], [5, 4, 3], [2, 2, 1]]
-    oracle, plain = _oracle_batch(base, prompts, [7, 8, 9], 200)
-    _pipelined_seen(monkeypatch, "spec_rounds")
-    late = [False]
-    monkeypatch.setattr(CostTable, "pricer", _what_if(
-        lambda width: 0.01 if width <= (3 if late[0] else 2) else 1.0))
-    stretches: list[list[int]] = []  # per pipelined stretch: its depth, then its rounds
-    spec = Batch.spec_rounds
-
-    def rounds(self: Batch, depth: int, count: int, stop: Any = None, done: Any = None) -> Any:
-        stretches.append([depth, 0])
-        for out in spec(self, depth, count, stop, done):
-            stretches[-1][1] += 1
-            late[0] = late[0] or sum(n for _, n in stretches) == 3
-            yield out
-
-    monkeypatch.setattr(Batch, "spec_rounds", rounds)
-    results = oracle.generate_batch(prompts, each=[{"depth": "auto", "draft": "head",
-                                                    "max_tokens": 200}] * 3)
-    assert [r.tokens for r in results] == plain
+    oracle, stretches = _stretches(monkeypatch, 3, 200)
     (first, n), (second, _), *_ = stretches
     assert first == 1 and 3 <= n <= 4 < SPEC_ROUNDS, stretches
     assert second == 2, stretches

@@ -293,9 +293,8 @@ class Batch:
             return read, pairs, token[:, 0]
 
         owed = [0 if s.owed is None else s.owed[1].shape[1] for s in self.rows]
-        spent, begin = 0.0, time.perf_counter()
+        n, spent, begin = 0, 0.0, time.perf_counter()
         current = queue(mx.array([s.last for s in self.rows]), None)
-        n = 0
         while n < count:
             queued = queue(current[2], current[1]) if n + 1 < count else None
             committed, kept = self._read(current[0].tolist(), width)
@@ -306,7 +305,7 @@ class Batch:
                                      width, owed[b]) for b in range(rows)]
             yield [o if done is not None and done(b) else self._outcome(b, o)
                    for b, o in enumerate(outcomes)]
-            begin = read if queued is not None else time.perf_counter()
+            begin = read  # (the next round, if any, was queued before this read)
             owed = [k + 1 for k in kept]
             n += 1
             if stop is not None and n + 1 < count and stop():
