@@ -45,6 +45,7 @@ from mtpkit.decoder.rounds import acceptance
 from mtpkit.decoder.rounds.session import (
     RoundOutcome,
     Session,
+    StretchClock,
     judge,
     pipelined,
 )
@@ -264,11 +265,10 @@ class Batch:
         row's count a device array) and its pass starts at each row's emitted token; no
         tail is trimmed (that needs the verdicts), so rejected positions stay as holes. Each
         row drafts, judges, keeps and commits as in `round`. Yields every row's outcome
-        (paid: what a round of this stretch has cost so far, on average, each from the last
-        read, the consumer's work between included: the queued round ran beside it); when
-        stop() turns true, the round already queued
-        is the last. A row whose generation is `done(b)` takes nothing more (its session's
-        counts stay as its result reported them)."""
+        (paid: what a round of this stretch has cost so far, on average: StretchClock);
+        when stop() turns true, the round already queued is the last. A row whose
+        generation is `done(b)` takes nothing more (its session's counts stay as its result
+        reported them)."""
         assert self.cache is not None and all(self.headed) and depth > 0 and count > 0
         rows, width = len(self.rows), depth + 1
         asks = [Ask(depth=depth)] * rows
@@ -293,19 +293,17 @@ class Batch:
             return read, pairs, token[:, 0]
 
         owed = [0 if s.owed is None else s.owed[1].shape[1] for s in self.rows]
-        n, spent, begin = 0, 0.0, time.perf_counter()
+        n, clock = 0, StretchClock()
         current = queue(mx.array([s.last for s in self.rows]), None)
         while n < count:
             queued = queue(current[2], current[1]) if n + 1 < count else None
             committed, kept = self._read(current[0].tolist(), width)
-            read = time.perf_counter()
-            spent += read - begin  # as `pipelined` counts steps: from the last read, averaged
-            paid = spent / (n + 1)
+            paid = clock.read()
             outcomes = [RoundOutcome(committed[b], depth, kept[b], Source.HEAD, depth, 0, paid,
                                      width, owed[b]) for b in range(rows)]
             yield [o if done is not None and done(b) else self._outcome(b, o)
                    for b, o in enumerate(outcomes)]
-            begin = read  # (the next round, if any, was queued before this read)
+            clock.resume(True)  # (the next round, if any, was queued before this read)
             owed = [k + 1 for k in kept]
             n += 1
             if stop is not None and n + 1 < count and stop():
@@ -364,8 +362,8 @@ class Batch:
         sequence; mlx-lm's BatchGenerator does the same): the host builds step t+1 while the
         device runs step t.
         Yields every row's token and what a step of this stretch has cost so far, on average
-        (`pipelined`); headed rows owe the head their hiddens. When `stop()` turns true after a step, the
-        one already queued is the last. Only where host and device work overlap (a GPU:
+        (`pipelined`); headed rows owe the head their hiddens. When `stop()` turns true after
+        a step, the one already queued is the last. Only where host and device work overlap (a GPU:
         `overlaps`); on a CPU each step is built after the last is read, so a request that
         arrives waits for the step in flight only, not for one queued behind it too."""
         if count <= 0:

@@ -289,9 +289,10 @@ class Scheduler:
     def _settled(self, outcomes: list[RoundOutcome], pipelined: bool = False,
                  timed: bool = True) -> list[Event]:
         """A round's outcomes learnt and committed (a row done earlier in a pipelined stretch
-        takes no more). Not `timed`: a stretch's first round, which also paid the restart (its
-        host work not overlapped, a shape perhaps compiled): the clock ticks, no price is
-        learnt."""
+        takes no more). Not `timed`: a stretch's first round, whose read may also have
+        waited for the restart (host work not overlapped, a shape perhaps compiled) and for
+        the round queued behind it: the clock ticks, no price is learnt (the rounds after it
+        are priced at the stretch's mean, which spreads that)."""
         if self.paid is not None and timed:
             self._observe(outcomes, pipelined)
         elif self.paid is not None:

@@ -520,6 +520,30 @@ class Session:
         return self.round(self.head_draft(0))
 
 
+class StretchClock:
+    """What the steps of a pipelined stretch paid, on average so far (`pipelined`'s steps and
+    Batch.spec_rounds' rounds): a step read after it was queued behind the last read paid
+    from that read to its own (the consumer's work between ran beside it on the device, and a
+    consumer slower than the device is what a step costs), else the seconds from `resume` to
+    its read; the mean, since a read may wait for more than its own step (one step then
+    reads long and the next free)."""
+
+    def __init__(self) -> None:
+        self.spent, self.steps = 0.0, 0
+        self.begin = self.last = time.perf_counter()
+
+    def read(self) -> float:
+        """A step was read: the stretch's mean so far."""
+        self.last = time.perf_counter()
+        self.spent, self.steps = self.spent + self.last - self.begin, self.steps + 1
+        return self.spent / self.steps
+
+    def resume(self, overlapped: bool) -> None:
+        """The consumer is done with the last step; `overlapped`: the next was queued before
+        that step was read (it ran beside the consumer)."""
+        self.begin = self.last if overlapped else time.perf_counter()
+
+
 def pipelined(step: Callable[[mx.array], tuple[mx.array, mx.array]], first: mx.array,
               follow: Callable[[mx.array], mx.array], count: int,
               take: Callable[[mx.array, mx.array], Any], stop: Callable[[], bool] | None = None,
@@ -529,12 +553,8 @@ def pipelined(step: Callable[[mx.array], tuple[mx.array, mx.array]], first: mx.a
     the next step's tokens, `take(hidden, picks)` reads and commits them. With `ahead`, each
     next step is queued before the current one is taken (as mlx-lm's generate_step and
     BatchGenerator do), so the host's read and its work overlap the device's next step. Yields
-    (hidden, what take returned, the seconds a step of this run has paid so far, on average).
-    A step paid from the last read to its own where it was queued before that read (the
-    consumer's work between ran beside it on the device, and a consumer slower than the device
-    is what a step costs), else the seconds spent here since the last yield; the mean, since a
-    read may wait for more than its own step (one step then reads long and the next free).
-    When stop() turns true after a step, the one already queued is the last.
+    (hidden, what take returned, what a step of this run has paid so far, on average:
+    `StretchClock`). When stop() turns true after a step, the one already queued is the last.
 
     Every step, `follow` included, runs on STREAM: an op of one step on another stream (the
     default one) makes each step wait across streams, which on MLX's CUDA backend cost a
@@ -548,16 +568,14 @@ def pipelined(step: Callable[[mx.array], tuple[mx.array, mx.array]], first: mx.a
         with mx.stream(STREAM):
             return step(follow(picks))
 
-    spent, begin = 0.0, time.perf_counter()
+    clock = StretchClock()
     hidden, picks = queue(first)
     n = 0
     while n < count:
         queued = then(picks) if ahead and n + 1 < count else None
         taken = take(hidden, picks)
-        read = time.perf_counter()
-        spent += read - begin
-        yield hidden, taken, spent / (n + 1)
-        begin = read if queued is not None else time.perf_counter()
+        yield hidden, taken, clock.read()
+        clock.resume(queued is not None)
         n += 1
         if stop is not None and n + 1 < count and stop():
             count = n + 1 if queued is not None else n  # a queued step is the last
