@@ -284,6 +284,8 @@ def run_ours(runner: Any, arm: Arm, ids: list[int], tokens: int, drop: int, draf
         row["depths"] = {str(d): n for d, n in stats.depths.items()}
         row["cost_scale"] = dict(stats.cost_scale)
         row["rounds"] = stats.rounds()
+        row["paid_ms"] = {f"{r}x{w}{' piped' if p else ''}": round(1000 * statistics.median(t), 2)
+                          for (r, w, p), t in sorted(runner.table().times.items()) if t}
     return row
 
 
@@ -462,6 +464,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]], arms: list[Arm],
             row["depths"] = [g["depths"] for g in got]
             row["cost_scale"] = [g["cost_scale"] for g in got]
             row["rounds"] = [g["rounds"] for g in got]
+            row["paid_ms"] = [g["paid_ms"] for g in got]
         rows[arm.name] = row
     for arm in arms:
         row, tps = rows[arm.name], [g["decode_tps"] for g in runs[arm.name]]

@@ -1046,6 +1046,46 @@ def test_a_pipelined_round_pays_the_consumers_time_it_ran_beside(
     assert all(p >= 0.015 for paid in stretches for p in paid[1:]), stretches
 
 
+def test_a_pipelined_round_is_not_priced_at_its_shapes_compile(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first pass of each shape may compile as it is queued (a trace, kernels, a cuDNN
+    graph: host time, once per shape); here every new shape's pass stalls 0.2 s as it is
+    built. A round is priced at what rounds of its shape pay, that left out: priced at the
+    stretch's mean with it, a stretch of a few rounds after a compile took a shape for several
+    times its cost and auto kept away from it."""
+    import time
+
+    from mtpkit.decoder.cache.caches import extent
+    from mtpkit.decoder.rounds.batch import Batch
+
+    prompts = [[1, 2, 3, 4], [5, 4, 3]]
+    oracle, plain = _oracle_batch(tiny_runner(vocab=6), prompts, [7, 8], 400)
+    _pipelined_seen(monkeypatch, "spec_rounds")
+    built: set[tuple[int, ...]] = set()
+    real_pass, spec = Batch._pass, Batch.spec_rounds
+
+    def compiling(self: Batch, tokens: Any, real: Any, width: int) -> Any:
+        shape = (len(self.rows), width, extent(self.cache or []))
+        if shape not in built:
+            built.add(shape)
+            time.sleep(0.2)
+        return real_pass(self, tokens, real, width)
+
+    paid: list[float] = []
+
+    def rounds(self: Batch, depth: int, count: int, stop: Any = None, done: Any = None) -> Any:
+        for out in spec(self, depth, count, stop, done):
+            paid.append(out[0].paid_s)
+            yield out
+
+    monkeypatch.setattr(Batch, "_pass", compiling)
+    monkeypatch.setattr(Batch, "spec_rounds", rounds)
+    results = oracle.generate_batch(prompts, each=[{"depth": 2, "max_tokens": 400}] * 2)
+    assert [r.tokens for r in results] == plain
+    assert len(built) >= 2 and len(paid) >= 10, (built, paid)
+    assert max(paid) < 0.05, paid
+
+
 def _what_if(price: Callable[[int], float]) -> Callable[..., Callable[[float], float]]:
     """CostTable.pricer replaced by what-if prices by pass width (drafts free, no optimism)."""
     def pricer(self: Any, shape: Any, context: int, optimism: bool) -> Callable[[float], float]:

@@ -685,6 +685,33 @@ def test_a_pipelined_step_pays_the_consumers_time_it_ran_beside() -> None:
     assert all(s >= 0.015 for s in paid[1:]), paid  # (each step's own: 0.04, 0, 0.04, 0)
 
 
+def test_a_pipelined_step_is_not_priced_at_its_shapes_compile() -> None:
+    """The first pass of a shape may compile as it is queued (host time, once per shape:
+    `fresh` says so): the steps are priced without that time, queued ahead or not, whether
+    the first step compiled or one in the middle of the run."""
+    import time
+
+    from mtpkit.decoder.rounds.session import pipelined
+
+    def run(ahead: bool, compiles: int) -> list[float]:
+        queued = [0]
+
+        def step(tokens: mx.array) -> tuple[mx.array, mx.array]:
+            queued[0] += 1
+            time.sleep(0.2 if queued[0] == compiles else 0.0)
+            return tokens, tokens + 1
+
+        return [s for _, _, s in pipelined(
+            step, mx.array([[1]]), lambda p: p[None], 5,
+            lambda h, p: int(p.reshape(-1)[0].item()), ahead=ahead,
+            fresh=lambda: lambda: queued[0] == compiles)]
+
+    for ahead in (True, False):
+        for compiles in (1, 3):
+            paid = run(ahead, compiles)
+            assert len(paid) == 5 and max(paid) < 0.05, (ahead, compiles, paid)
+
+
 def test_best_depth_is_the_fastest_depth_or_plain_when_none_beats_it() -> None:
     """`compare.best_depth` (docs/python-api.md): the depth of the largest speedup, 0 where no
     depth beats plain decoding."""

@@ -116,13 +116,17 @@ def test_a_written_off_head_is_tried_again_once_its_prior_would_pay() -> None:
 
 def test_first_round_of_a_shape_is_not_counted() -> None:
     """The first round of each shape a runner runs may have compiled (a GPU traces each new
-    verify width and key buffer once): it is left out of the cost table; the next counts."""
+    verify width and key buffer once): the trunk says it is the first (Trunk.first_pass), and
+    it is left out of the cost table; the next of that shape counts."""
+    from fixtures.decoder_models import tiny_runner
+
+    trunk = tiny_runner().trunk
     timed = replace(gpu_like(), estimate=True)
     policy = DepthPolicy(timed, 4)
     for shape in [("head", 2, 1, 256, 256), ("head", 3, 2, 256, 256), ("head", 2, 1, 512, 256)]:
-        policy.observe_round(50 * policy.cost(1), 1, shape=shape)
+        policy.observe_round(50 * policy.cost(1), 1, fresh=trunk.first_pass(shape))
     assert policy.costs.ratios == {}
-    policy.observe_round(2 * policy.cost(1), 1, shape=("head", 2, 1, 256, 256))
+    policy.observe_round(2 * policy.cost(1), 1, fresh=trunk.first_pass(("head", 2, 1, 256, 256)))
     assert list(policy.costs.ratios[(1, 2, False)]) == [pytest.approx(2.0)]
 
 
@@ -268,12 +272,13 @@ def test_context_rounds_are_timed_after_a_stretch_and_whatever_pairs_they_leave_
     its context after every plain stretch never corrected its context's prices."""
     from types import SimpleNamespace
 
+    from fixtures.decoder_models import tiny_runner
     from mtpkit.decoder.options import Source
     from mtpkit.decoder.rounds.session import RoundOutcome
     from mtpkit.decoder.stats import Stats
 
     policy = DepthPolicy(replace(cpu_like(), estimate=True), 8, sources=("head", "lookup"))
-    session = SimpleNamespace(cache=[], mtp_cache=[], stats=Stats())
+    session = SimpleNamespace(cache=[], mtp_cache=[], stats=Stats(), trunk=tiny_runner().trunk)
     controller = Controller(session, policy)  # type: ignore[arg-type]
     cost = policy.cost(4, "lookup")
     for owed in (3, 8, 13, 18):  # each round right after a plain stretch

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,6 +90,7 @@ class Trunk:
         self.recorders = install(list(self.inner.layers))
         self.passes: TracedPasses | None = None
         self.kv: KVQuant | None = None  # --kv-bits: the caches' quantization (Runner.quantize_kv)
+        self.ran: set[Hashable] = set()  # pass shapes run here (`first_pass`)
 
     @property
     def embedding(self) -> nn.Module:
@@ -118,6 +120,14 @@ class Trunk:
         cache = bounded_caches(cache) if bounded else cache
         quantize(cache, self.kv)
         return cache
+
+    def first_pass(self, shape: Hashable) -> bool:
+        """Whether a pass of `shape` (its kind, rows, width and cache buffers) runs for the
+        first time here: it may have compiled (a trace, kernels, a cuDNN graph, all built on
+        the host as it is queued), so what it took is no price of the shape."""
+        new = shape not in self.ran
+        self.ran.add(shape)
+        return new
 
     def embed(self, tokens: mx.array) -> mx.array:
         return self.embedding(tokens)

@@ -32,7 +32,7 @@ from mtpkit.decoder.cache.batch_cache import (
     settle,
     single,
 )
-from mtpkit.decoder.cache.caches import leaves
+from mtpkit.decoder.cache.caches import extent, leaves
 from mtpkit.decoder.cache.recording import recorded
 from mtpkit.decoder.cache.shapes import bounded_by_default
 from mtpkit.decoder.drafters.assistant import AssistantProposer
@@ -43,6 +43,7 @@ from mtpkit.decoder.model.trunk import Trunk
 from mtpkit.decoder.options import Source
 from mtpkit.decoder.rounds import acceptance
 from mtpkit.decoder.rounds.session import (
+    Fresh,
     RoundOutcome,
     Session,
     StretchClock,
@@ -222,11 +223,16 @@ class Batch:
         drafts = self._drafts(asks)
         width = max(d.depth + 1 for d in drafts)
         verify = mx.concatenate([widened(d.tokens, width) for d in drafts])
+        built, fresh = time.perf_counter(), self._fresh(width)()
         hidden, logits = self._pass(verify, mx.array([d.depth + 1 for d in drafts]), width)
         self._staged()
         verdicts = self._judged(verify, logits, drafts, mx.array([d.depth for d in drafts]))
+        read = _verdicts(verify, verdicts)
+        mx.async_eval(read)
+        if fresh():  # (it may have compiled: that host time is no price)
+            start += time.perf_counter() - built
         # the round's one host read: every row's drafts, kept count and emitted token
-        committed, kept = self._read(_verdicts(verify, verdicts).tolist(), width)
+        committed, kept = self._read(read.tolist(), width)
         self._settle(mx.array([k + 1 for k in kept]), width, width - max(kept) - 1)
         paid = time.perf_counter() - start
         outcomes = []
@@ -294,9 +300,10 @@ class Batch:
 
         owed = [0 if s.owed is None else s.owed[1].shape[1] for s in self.rows]
         n, clock = 0, StretchClock()
-        current = queue(mx.array([s.last for s in self.rows]), None)
+        fresh = self._fresh(width)
+        current = clock.queue(fresh, queue, mx.array([s.last for s in self.rows]), None)
         while n < count:
-            queued = queue(current[2], current[1]) if n + 1 < count else None
+            queued = clock.queue(fresh, queue, current[2], current[1]) if n + 1 < count else None
             committed, kept = self._read(current[0].tolist(), width)
             paid = clock.read()
             outcomes = [RoundOutcome(committed[b], depth, kept[b], Source.HEAD, depth, 0, paid,
@@ -313,6 +320,18 @@ class Batch:
         hidden = current[1][0]
         for b, session in enumerate(self.rows):  # the last round's pairs, as round leaves them
             session.owe(hidden[b:b + 1, :kept[b] + 1], committed[b])
+
+    def _fresh(self, width: int) -> Fresh:
+        """Whether a pass about to be queued, `width` positions of every row, is the first of
+        its shape here (session.Fresh)."""
+        def buffers() -> tuple[int, int]:
+            return extent(self.cache or []), extent(self.mtp_cache or [])
+
+        def before() -> Callable[[], bool]:
+            was = buffers()
+            return lambda: self.trunk.first_pass(("rows", len(self.rows), width, was, buffers()))
+
+        return before
 
     def _judged(self, verify: mx.array, logits: mx.array, drafts: list[Draft],
                 depths: mx.array) -> mx.array:
@@ -393,7 +412,7 @@ class Batch:
 
         for _, got, seconds in pipelined(step, mx.array([[s.last] for s in self.rows]),
                                          lambda y: y[:, None].astype(mx.int32), count, take,
-                                         stop, self.pipelined):
+                                         stop, self.pipelined, self._fresh(1)):
             yield got, seconds
         for b, session in enumerate(self.rows):
             if self.headed[b]:

@@ -91,9 +91,10 @@ class Controller:
             if not (fed and self.switched):
                 # the shape a pass may have compiled: the caches as it left them
                 session = self.session
-                shape = (o.source, o.width, o.owed if fed else 0, extent(session.cache),
-                         extent(session.mtp_cache))
-                policy.observe_round(o.paid_s, o.depth, o.source, o.drafted, shape, o.width)
+                fresh = session.trunk.first_pass((o.source, o.width, o.owed if fed else 0,
+                                                  extent(session.cache),
+                                                  extent(session.mtp_cache)))
+                policy.observe_round(o.paid_s, o.depth, o.source, o.drafted, fresh, o.width)
             else:
                 policy.costs.tick(1)
             self.session.stats.predicted_s += policy.cost(o.depth, o.source, o.drafted)

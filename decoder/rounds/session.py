@@ -25,6 +25,7 @@ from mlx_lm.models.cache import KVCache
 
 from mtpkit.decoder.cache.caches import (
     FrozenHidden,
+    extent,
     freeze,
     quantize,
     recordable,
@@ -233,9 +234,13 @@ class Session:
             self.commit([token])
             return token
 
+        def fresh() -> Callable[[], bool]:
+            was = extent(self.cache)
+            return lambda: self.trunk.first_pass(("plain", was, extent(self.cache)))
+
         n, emitted = 0, None  # emitted: the hidden of the step that emitted the last token
         for hidden, token, mean in pipelined(step, mx.array([[self.last]]),
-                                             lambda y: y[None], count, take, stop):
+                                             lambda y: y[None], count, take, stop, fresh=fresh):
             n, emitted = n + 1, hidden
             self.plain_paid = (mean * n, n)  # as paid so far: the consumer may stop here
             yield token
@@ -520,17 +525,32 @@ class Session:
         return self.round(self.head_draft(0))
 
 
+Fresh = Callable[[], Callable[[], bool]]  # asked as a step is queued; what it returns says, once
+# the step is, whether its pass was the first of its shape here (Trunk.first_pass: the caches
+# before and after it, so the pass that grows a buffer and the first to read it both count)
+
+
 class StretchClock:
     """What the steps of a pipelined stretch paid, on average so far (`pipelined`'s steps and
     Batch.spec_rounds' rounds): a step read after it was queued behind the last read paid
     from that read to its own (the consumer's work between ran beside it on the device, and a
     consumer slower than the device is what a step costs), else the seconds from `resume` to
     its read; the mean, since a read may wait for more than its own step (one step then
-    reads long and the next free)."""
+    reads long and the next free). The host time of queueing a pass that may have compiled
+    (`queue`) is left out: a shape compiles once, its steps are paid every time."""
 
     def __init__(self) -> None:
         self.spent, self.steps = 0.0, 0
         self.begin = self.last = time.perf_counter()
+
+    def queue(self, fresh: Fresh | None, build: Callable[..., Any], *args: Any) -> Any:
+        """`build(*args)` queues a step; where `fresh` says its pass is the first of its
+        shape here, the host time it took is left out of the read it delays."""
+        start, first = time.perf_counter(), fresh() if fresh is not None else None
+        out = build(*args)
+        if first is not None and first():
+            self.begin += time.perf_counter() - start
+        return out
 
     def read(self) -> float:
         """A step was read: the stretch's mean so far."""
@@ -547,28 +567,31 @@ class StretchClock:
 def pipelined(step: Callable[[mx.array], tuple[mx.array, mx.array]], first: mx.array,
               follow: Callable[[mx.array], mx.array], count: int,
               take: Callable[[mx.array, mx.array], Any], stop: Callable[[], bool] | None = None,
-              ahead: bool = True) -> Iterator[tuple[mx.array, Any, float]]:
+              ahead: bool = True, fresh: Fresh | None = None
+              ) -> Iterator[tuple[mx.array, Any, float]]:
     """`count` plain steps of one sequence or of a batch's rows, written once: `step(tokens)`
     queues a step ((hidden, picks), the picks evaluating asynchronously), `follow(picks)` makes
     the next step's tokens, `take(hidden, picks)` reads and commits them. With `ahead`, each
     next step is queued before the current one is taken (as mlx-lm's generate_step and
     BatchGenerator do), so the host's read and its work overlap the device's next step. Yields
     (hidden, what take returned, what a step of this run has paid so far, on average:
-    `StretchClock`). When stop() turns true after a step, the one already queued is the last.
+    `StretchClock`; `fresh`: whether a step's pass is the first of its shape here).
+    When stop() turns true after a step, the one already queued is the last.
 
     Every step, `follow` included, runs on STREAM: an op of one step on another stream (the
     default one) makes each step wait across streams, which on MLX's CUDA backend cost a
     plain step a fifth of its speed (docs/long-context.md, "Decode")."""
 
+    clock = StretchClock()
+
     def queue(tokens: mx.array) -> tuple[mx.array, mx.array]:
         with mx.stream(STREAM):
-            return step(tokens)
+            return clock.queue(fresh, step, tokens)
 
     def then(picks: mx.array) -> tuple[mx.array, mx.array]:
         with mx.stream(STREAM):
-            return step(follow(picks))
+            return clock.queue(fresh, lambda: step(follow(picks)))
 
-    clock = StretchClock()
     hidden, picks = queue(first)
     n = 0
     while n < count:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 
@@ -116,7 +116,6 @@ class CostTable:
     times: dict[Shape, deque] = field(default_factory=dict)  # paid seconds, as timed
     confidence: dict[Shape, tuple[float, int]] = field(default_factory=dict)  # (n, clock then)
     clock: dict[int, int] = field(default_factory=dict)  # passes run, by rows
-    compiled: set[Hashable] = field(default_factory=set)  # pass shapes a round has run here
     seeded: dict[Shape, float] = field(default_factory=dict)  # corrections timed elsewhere
     _medians: dict[tuple[Shape, int], float] = field(default_factory=dict)  # by band asked
     _nearest: dict[Shape, Shape | None] = field(default_factory=dict)  # until a new shape
@@ -238,12 +237,6 @@ class CostTable:
         the curve and what they pay here."""
         self.seeded.clear()
         self._nearest.clear()
-
-    def first_of(self, shape: Hashable) -> bool:
-        """Whether this is the first round of its `shape` here (it may have compiled)."""
-        new = shape not in self.compiled
-        self.compiled.add(shape)
-        return new
 
     def summary(self) -> dict[str, float]:
         """Each timed shape's correction where it was last timed, named "rows x width"
@@ -457,13 +450,13 @@ class DepthPolicy:
             tracker.age(steps)
 
     def observe_round(self, seconds: float, depth: int, source: Source = Source.HEAD,
-                      drafted: int | None = None, shape: Hashable | None = None,
+                      drafted: int | None = None, fresh: bool = False,
                       width: int | None = None) -> None:
         """What a lone round of `depth` drafts took (its pass ran `width` positions), unless
-        it is the first of its `shape` here (the verify width and the cache buffers): that
-        one may have compiled."""
+        its pass was `fresh` (the first of its shape here, Trunk.first_pass: it may have
+        compiled)."""
         self.costs.tick(1)
-        if shape is not None and self.costs.first_of(shape):
+        if fresh:
             return
         pass_shape = (1, width, False) if width else self.shape(depth)
         self.costs.observe(pass_shape, seconds, self.context,
