@@ -1086,6 +1086,51 @@ def test_a_pipelined_round_is_not_priced_at_its_shapes_compile(
     assert max(paid) < 0.05, paid
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_a_lone_rows_plain_steps_see_exact_keys_after_pipelined_rounds(
+        monkeypatch: pytest.MonkeyPatch, runners: Callable[[str], Runner],
+        built: Callable[..., Path], family: str) -> None:
+    """A batch of one whose pipelined rounds left rejected positions as holes squeezes them out
+    before its plain steps (Batch._squeeze), which then attend over the row's keys with no
+    mask (exact_views), as a lone session's do; every token stays the plain greedy one. Auto
+    under what-if prices: depth 2 pays for the first eight rounds, then plain steps do."""
+    from mtpkit.decoder.cache.batch_cache import RowKVCache
+    from mtpkit.decoder.rounds.batch import Batch
+    from mtpkit.decoder.tuning.policy import CostTable
+
+    base = runners(family) if family != "llama" else _bare(mtpkit.load(built("llama"),
+                                                                        dtype="float32"))
+    oracle, plain = _oracle_batch(base, [PROMPTS[0]], [1], 60)
+    rounds = _pipelined_seen(monkeypatch, "spec_rounds")
+    monkeypatch.setattr(CostTable, "pricer", _what_if(
+        lambda width: 0.01 if (width == 3) == (len(rounds) < 8) and width in (1, 3) else 1.0))
+    holes: list[tuple[bool, bool]] = []  # per squeeze: whether the row had holes, and after
+    masks: list[bool] = []
+    squeeze, make_mask = Batch._squeeze, RowKVCache.make_mask
+
+    def counted(self: Batch) -> None:
+        assert self.holes.valid is not None
+        before = not self.holes.valid.all().item()
+        squeeze(self)
+        assert self.holes.valid is not None
+        holes.append((before, not self.holes.valid.all().item()))
+
+    def seen(self: RowKVCache, n: int, *args: Any, **kwargs: Any) -> Any:
+        mask = make_mask(self, n, *args, **kwargs)
+        masks.append(n == 1 and mask is None)
+        return mask
+
+    monkeypatch.setattr(Batch, "_squeeze", counted)
+    monkeypatch.setattr(RowKVCache, "make_mask", seen)
+    scheduler = oracle.scheduler(1, solo=False)
+    request = oracle.prepare(PROMPTS[0], 60, depth="auto", draft="head")
+    scheduler.add(request)
+    tokens = [t for event in scheduler.run() for t in event.tokens]
+    assert tokens == plain[0]
+    assert len(rounds) >= 8 and any(masks), (rounds, masks)
+    assert any(had for had, _ in holes) and not any(left for _, left in holes), holes
+
+
 def _what_if(price: Callable[[int], float]) -> Callable[..., Callable[[float], float]]:
     """CostTable.pricer replaced by what-if prices by pass width (drafts free, no optimism)."""
     def pricer(self: Any, shape: Any, context: int, optimism: bool) -> Callable[[float], float]:

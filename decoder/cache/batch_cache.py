@@ -100,6 +100,8 @@ class RowKVCache(BatchKVCache):
         super().__init__([])
         self.holes, self.bounded, self.window = holes, bounded, window
         self.fed: mx.array | None = None  # the last stock pass's new keys (Batch._staged)
+        self.exact = False  # a one-token pass of a lone row without holes or padding: its
+        # keys up to the end, no mask (`exact_views`)
 
     @classmethod
     def of(cls, single: KVCache, holes: Holes, bounded: bool = False) -> RowKVCache:
@@ -133,10 +135,14 @@ class RowKVCache(BatchKVCache):
         self.keys[..., start:end, :] = keys
         self.values[..., start:end, :] = values
         self._idx = end
+        if self.exact:
+            view = end
         return self.keys[..., :view, :], self.values[..., :view, :]
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None,
-                  **kwargs: Any) -> mx.array:
+                  **kwargs: Any) -> mx.array | None:
+        if self.exact and N == 1:
+            return None  # (every key up to the end is the row's: nothing to hide)
         end = self._idx + N
         causal = create_causal_mask(N, offset=self._idx, **kwargs)
         valid = self.holes.over(self._view(end))
@@ -206,6 +212,16 @@ class RowRotatingKVCache(BatchRotatingKVCache):
         start = max(keys.shape[2] - last, 0)
         real = mx.arange(start, keys.shape[2]) >= self.left_padding[b]
         return keys[..., start:, :], values[..., start:, :], real
+
+
+def exact_views(caches: list[Any], on: bool) -> None:
+    """Every RowKVCache among `caches` hands a one-token pass its keys up to the end with no
+    mask (`on`), as mlx-lm's KVCache does for one sequence, or its padded, masked view. Only
+    for a lone row without holes or padding (Batch.exact): on MLX's CUDA backend a masked
+    one-row pass attends several times slower at a long context (BENCHMARKS.md, context
+    sweep), and an unmasked one takes the fused vector kernel."""
+    for c in _rows(caches):
+        c.exact = on and c.window is None  # (a window's mask still hides what slid out)
 
 
 def _rows(caches: list[Any]) -> list[RowKVCache]:

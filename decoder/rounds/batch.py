@@ -26,6 +26,7 @@ from mtpkit.decoder.cache.batch_cache import (
     RowKVCache,
     batched,
     drop,
+    exact_views,
     join,
     keep_rows,
     row_kv,
@@ -108,6 +109,7 @@ class Batch:
         self.headed: list[bool] = []  # rows with a place in the head's caches
         self.cache: list | None = None
         self.holes = Holes()
+        self.exact = False  # one row whose trunk caches hold no holes and no padding
         blocks = head.blocks if head is not None else 0
         self.mtp_cache: list | None = None
         self.mtp_holes = [Holes() for _ in range(blocks)]
@@ -124,6 +126,7 @@ class Batch:
         if headed:
             assert session.owed is not None and self.head is not None
             session.feed_head(session.owed[1].shape[1] - 1)
+        self.exact = not self.rows  # (a first row holds its real positions only)
         self.cache = self._join(self.cache, session.cache, [self.holes], self.bounded)
         if headed:
             self.mtp_cache = self._join(self.mtp_cache, session.mtp_cache, self.mtp_holes,
@@ -182,6 +185,7 @@ class Batch:
             return
         assert self.cache is not None
         keep_rows(self.cache, stay, self.holes)
+        self.exact = False  # (the rows left may keep padding and holes)
         if self.mtp_cache is not None:
             if heads:
                 for c, holes in zip(self.mtp_cache, self.mtp_holes, strict=True):
@@ -206,6 +210,17 @@ class Batch:
             session.model.batched = None
         self.__init__(self.trunk, self.head, self.bounded, self.between)  # type: ignore[misc]
         return session
+
+    def _squeeze(self) -> None:
+        """The lone row's trunk caches rebuilt without holes or padding (its real positions,
+        as `part` hands them back to its session), so its plain steps see exact keys and no
+        mask (`exact_views`). Costs one copy of its keys, once per stretch of plain steps."""
+        assert self.cache is not None
+        own = single(self.cache, [self.holes], self.trunk.make_cache())
+        self.holes = Holes()
+        self.cache = self._join(None, own, [self.holes], self.bounded)
+        self.exact = True
+        mx.eval(self._arrays())
 
     def _arrays(self) -> list[mx.array]:
         out = [h.valid for h in [self.holes, *self.mtp_holes] if h.valid is not None]
@@ -276,7 +291,7 @@ class Batch:
         generation is `done(b)` takes nothing more (its session's counts stay as its result
         reported them)."""
         assert self.cache is not None and all(self.headed) and depth > 0 and count > 0
-        rows, width = len(self.rows), depth + 1
+        rows, width, self.exact = len(self.rows), depth + 1, False  # (rejections stay as holes)
         asks = [Ask(depth=depth)] * rows
         full = mx.full((rows,), width, mx.int32)
         depths = mx.full((rows,), depth, mx.int32)
@@ -362,11 +377,18 @@ class Batch:
         rest pad it): (hidden, logits), traced where the caches allow (decoder/model/traced.py)."""
         if self.holes.valid is not None:  # (a trunk with attention caches of every position)
             self.holes.open(real, width)
-        passes = self.trunk.passes
-        traced = passes.run_rows(tokens, self.cache, self.holes) if passes is not None else None
+        passes, exact = self.trunk.passes, width == 1 and self.exact and len(self.rows) == 1
+        traced = passes.run_rows(tokens, self.cache, self.holes) \
+            if passes is not None and not exact else None
         self.stock_pass = traced is None  # its layers' keys are what `_staged` evaluates
-        return traced or recorded(self.trunk.recorders, True,
-                                  lambda: self.trunk.forward(tokens, self.cache))
+        if traced is not None:
+            return traced
+        exact_views(self.cache or [], exact)
+        try:
+            return recorded(self.trunk.recorders, True,
+                            lambda: self.trunk.forward(tokens, self.cache))
+        finally:
+            exact_views(self.cache or [], False)
 
     def _settle(self, keep: mx.array, width: int, trimmed: int) -> None:
         """After a pass: row b keeps its first keep[b] positions (attention and recurrent)."""
@@ -387,6 +409,8 @@ class Batch:
         arrives waits for the step in flight only, not for one queued behind it too."""
         if count <= 0:
             return
+        if len(self.rows) == 1 and not self.exact:
+            self._squeeze()
         rows = len(self.rows)
         ones = mx.ones(rows, mx.int32)
         sampled = [b for b, s in enumerate(self.rows) if not s.params.greedy]
