@@ -1071,19 +1071,21 @@ def test_a_pipelined_round_is_not_priced_at_its_shapes_compile(
             time.sleep(0.2)
         return real_pass(self, tokens, real, width)
 
-    paid: list[float] = []
+    stretches: list[list[float]] = []  # what each round of each stretch paid
 
     def rounds(self: Batch, depth: int, count: int, stop: Any = None, done: Any = None) -> Any:
+        stretches.append([])
         for out in spec(self, depth, count, stop, done):
-            paid.append(out[0].paid_s)
+            stretches[-1].append(out[0].paid_s)
             yield out
 
     monkeypatch.setattr(Batch, "_pass", compiling)
     monkeypatch.setattr(Batch, "spec_rounds", rounds)
     results = oracle.generate_batch(prompts, each=[{"depth": 2, "max_tokens": 400}] * 2)
     assert [r.tokens for r in results] == plain
-    assert len(built) >= 2 and len(paid) >= 10, (built, paid)
-    assert max(paid) < 0.05, paid
+    paid = [p for stretch in stretches for p in stretch[1:]]  # (a first round is not timed)
+    assert len(built) >= 2 and len(paid) >= 10, (built, stretches)
+    assert max(paid) < 0.05, stretches
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])

@@ -687,8 +687,9 @@ def test_a_pipelined_step_pays_the_consumers_time_it_ran_beside() -> None:
 
 def test_a_pipelined_step_is_not_priced_at_its_shapes_compile() -> None:
     """The first pass of a shape may compile as it is queued (host time, once per shape:
-    `fresh` says so): the steps are priced without that time, queued ahead or not, whether
-    the first step compiled or one in the middle of the run."""
+    `fresh` says so): the steps are priced without what that queueing took beyond the usual,
+    queued ahead or not, whether the first step compiled or one in the middle of the run.
+    Only a first step not queued ahead is read before any usual time is known."""
     import time
 
     from mtpkit.decoder.rounds.session import pipelined
@@ -709,7 +710,8 @@ def test_a_pipelined_step_is_not_priced_at_its_shapes_compile() -> None:
     for ahead in (True, False):
         for compiles in (1, 3):
             paid = run(ahead, compiles)
-            assert len(paid) == 5 and max(paid) < 0.05, (ahead, compiles, paid)
+            judged = paid if ahead or compiles > 1 else paid[1:]
+            assert len(paid) == 5 and max(judged) < 0.05, (ahead, compiles, paid)
 
 
 def test_best_depth_is_the_fastest_depth_or_plain_when_none_beats_it() -> None:

@@ -536,26 +536,36 @@ class StretchClock:
     from that read to its own (the consumer's work between ran beside it on the device, and a
     consumer slower than the device is what a step costs), else the seconds from `resume` to
     its read; the mean, since a read may wait for more than its own step (one step then
-    reads long and the next free). The host time of queueing a pass that may have compiled
-    (`queue`) is left out: a shape compiles once, its steps are paid every time."""
+    reads long and the next free). What queueing a pass that may have compiled took beyond
+    what queueing one usually takes here (`queue`) is left out: a shape compiles once, its
+    steps are paid every time (the usual part is real host work, on a CPU most of a step)."""
 
     def __init__(self) -> None:
         self.spent, self.steps = 0.0, 0
         self.begin = self.last = time.perf_counter()
+        self.fresh: list[float] = []  # seconds queueing a shape's first pass took, unread
+        self.usual: float | None = None  # the least queueing any other pass took
 
     def queue(self, fresh: Fresh | None, build: Callable[..., Any], *args: Any) -> Any:
-        """`build(*args)` queues a step; where `fresh` says its pass is the first of its
-        shape here, the host time it took is left out of the read it delays."""
+        """`build(*args)` queues a step; `fresh` says whether its pass is the first of its
+        shape here."""
         start, first = time.perf_counter(), fresh() if fresh is not None else None
         out = build(*args)
+        took = time.perf_counter() - start
         if first is not None and first():
-            self.begin += time.perf_counter() - start
+            self.fresh.append(took)
+        else:
+            self.usual = took if self.usual is None else min(self.usual, took)
         return out
 
     def read(self) -> float:
-        """A step was read: the stretch's mean so far."""
+        """A step was read: the stretch's mean so far (first passes queued so far count at
+        the usual time once one is known: until then, as they took)."""
         self.last = time.perf_counter()
         self.spent, self.steps = self.spent + self.last - self.begin, self.steps + 1
+        if self.usual is not None and self.fresh:
+            extra = sum(max(0.0, t - self.usual) for t in self.fresh)
+            self.spent, self.fresh = max(self.spent - extra, 0.0), []
         return self.spent / self.steps
 
     def resume(self, overlapped: bool) -> None:
