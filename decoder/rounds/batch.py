@@ -110,7 +110,6 @@ class Batch:
         self.cache: list | None = None
         self.holes = Holes()
         self.exact = False  # one row whose trunk caches hold no holes and no padding
-        self.compiled = False  # the last synchronous round's pass was the first of its shape
         blocks = head.blocks if head is not None else 0
         self.mtp_cache: list | None = None
         self.mtp_holes = [Holes() for _ in range(blocks)]
@@ -239,11 +238,9 @@ class Batch:
         drafts = self._drafts(asks)
         width = max(d.depth + 1 for d in drafts)
         verify = mx.concatenate([widened(d.tokens, width) for d in drafts])
-        fresh = self._fresh(width)()
         hidden, logits = self._pass(verify, mx.array([d.depth + 1 for d in drafts]), width)
         self._staged()
         verdicts = self._judged(verify, logits, drafts, mx.array([d.depth for d in drafts]))
-        self.compiled = fresh()  # (it may have compiled: its time is no price)
         # the round's one host read: every row's drafts, kept count and emitted token
         committed, kept = self._read(_verdicts(verify, verdicts).tolist(), width)
         self._settle(mx.array([k + 1 for k in kept]), width, width - max(kept) - 1)

@@ -282,8 +282,7 @@ class Scheduler:
                 return events
         if self._start_spec(asks) and (events := self._spec_step()) is not None:
             return events
-        outcomes = self.batch.round(asks)
-        events = self._settled(outcomes, timed=not self.batch.compiled)
+        events = self._settled(self.batch.round(asks))
         self._leave()
         return events
 
@@ -292,9 +291,8 @@ class Scheduler:
         """A round's outcomes learnt and committed (a row done earlier in a pipelined stretch
         takes no more). Not `timed`: a stretch's first round, whose read may also have
         waited for the restart (host work not overlapped, a shape perhaps compiled) and for
-        the round queued behind it (the rounds after it are priced at the stretch's mean,
-        which spreads that), or a synchronous round whose pass was the first of its shape
-        here (Trunk.first_pass: it may have compiled): the clock ticks, no price is learnt."""
+        the round queued behind it: the clock ticks, no price is learnt (the rounds after it
+        are priced at the stretch's mean, which spreads that)."""
         if self.paid is not None and timed:
             self._observe(outcomes, pipelined)
         elif self.paid is not None:
