@@ -372,16 +372,21 @@ class Batch:
         rest pad it): (hidden, logits), traced where the caches allow (decoder/model/traced.py)."""
         if self.holes.valid is not None:  # (a trunk with attention caches of every position)
             self.holes.open(real, width)
-        passes, exact = self.trunk.passes, width == 1 and self.exact and len(self.rows) == 1
+        passes, exact = self.trunk.passes, width == 1 and self.exact  # (exact: one row)
         traced = passes.run_rows(tokens, self.cache, self.holes) \
             if passes is not None and not exact else None
         self.stock_pass = traced is None  # its layers' keys are what `_staged` evaluates
         if traced is not None:
             return traced
-        exact_views(self.cache or [], exact)
-        try:
+        def forward() -> tuple[mx.array, mx.array]:
             return recorded(self.trunk.recorders, True,
                             lambda: self.trunk.forward(tokens, self.cache))
+
+        if not exact:  # (the views are set only around the passes that take them)
+            return forward()
+        exact_views(self.cache or [], True)
+        try:
+            return forward()
         finally:
             exact_views(self.cache or [], False)
 
