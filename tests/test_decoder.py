@@ -18,13 +18,14 @@ from scipy.stats import chisquare
 
 import mtpkit
 from fixtures.breaker import BREAKERS
-from fixtures.decoder_models import OracleHead, tiny_runner
+from fixtures.decoder_models import BatchOracleHead, OracleHead, tiny_runner
 from fixtures.factory import Sidecar
 from fixtures.laws import exact_joint, pvalue
 from fixtures.numerics import RTOL, assert_close, difference
 from mtpkit.decoder.drafters import misses
 from mtpkit.decoder.model.rows import FEW_ROWS, FewRowsLinear, use_few_rows_linears
 from mtpkit.decoder.rounds import acceptance
+from mtpkit.decoder.rounds import batch as batch_engine
 from mtpkit.decoder.rounds.session import Session
 from mtpkit.decoder.runner import Runner
 from mtpkit.decoder.sampling import Candidates, SamplingParams, candidates, probabilities
@@ -99,18 +100,24 @@ def _plain_greedy(runner: Runner, ids: list[int], n: int) -> list[int]:
     return tokens
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "llama"])
+@pytest.mark.parametrize("family,ahead", [("qwen3_5", False), ("llama", False), ("llama", True)])
 def test_long_generation_with_acceptance_is_identical(runners: Callable[[str], Runner],
-                                                      built: Callable[..., Path],
-                                                      family: str) -> None:
+                                                      built: Callable[..., Path], family: str,
+                                                      ahead: bool,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """An oracle drafter that is right most of the time (wrong every 7th position): long runs
-    with accepted drafts, bonus tokens and rejections at every depth still match plain greedy."""
+    with accepted drafts, bonus tokens and rejections at every depth still match plain greedy.
+    `ahead`: rounds pipelined as on a GPU, where a lone fixed-depth request is a batch of one."""
+    monkeypatch.setattr(batch_engine, "overlaps", lambda: ahead)
     runner = runners(family) if family != "llama" else mtpkit.load(built("llama"), dtype="float32")
     plain = _plain_greedy(runner, PROMPT, 300)
     seq = PROMPT + plain
     vocab = runner.trunk.args.vocab_size
-    script = {i: (t + 1) % vocab if i % 7 == 0 else t for i, t in enumerate(seq)}
-    oracle = Runner(runner.trunk, OracleHead(vocab, script, len(PROMPT)), None)  # type: ignore[arg-type]
+    # keyed by (position, the token before it): a fixed depth may decode as a batch of one
+    # (a GPU's pipelined rounds), whose head passes carry rows
+    script = {(i, seq[i - 1]): (seq[i] + 1) % vocab if i % 7 == 0 else seq[i]
+              for i in range(len(PROMPT) + 1, len(seq))}
+    oracle = Runner(runner.trunk, BatchOracleHead(vocab, script), None)  # type: ignore[arg-type]
     for depth in (1, 3, 4):
         spec = oracle.generate(PROMPT, 300, depth=depth)
         assert spec.tokens == plain
