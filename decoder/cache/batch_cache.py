@@ -38,7 +38,7 @@ from mlx_lm.models.cache import (
 )
 
 from mtpkit.decoder.cache.caches import is_recurrent, leaves, window
-from mtpkit.decoder.cache.shapes import padded
+from mtpkit.decoder.cache.shapes import PaddedKVCache, padded
 
 
 class Holes:
@@ -105,9 +105,11 @@ class RowKVCache(BatchKVCache):
 
     @classmethod
     def of(cls, single: KVCache, holes: Holes, bounded: bool = False) -> RowKVCache:
-        """One sequence's KVCache as a batch of one row."""
+        """One sequence's KVCache as a batch of one row: its own buffers, not a copy (at a
+        long context one copy of every layer's keys is gigabytes)."""
         row = cls(holes, bounded, window(single))
-        row.state = BatchKVCache.merge([single]).state
+        row.state = (single.keys, single.values, mx.array([single.offset]), mx.array([0]),
+                     single.offset)
         return row
 
     def _view(self, end: int) -> int:
@@ -280,11 +282,14 @@ def batched(single: list[Any], holes: Holes, bounded: bool = False) -> list[Any]
 
 def single(batch: list[Any], holes: list[Holes], fresh: list[Any]) -> list[Any]:
     """A batch-of-one's caches as one sequence's (`fresh`: its empty ones): attention keys at
-    the row's real positions only (its holes dropped); a window's keys as mlx-lm extracts
-    them; recurrent states as they are. The trunk's attention layers share one Holes; each
-    head block has its own."""
+    the row's real positions only (its holes dropped; a row without any keeps its buffers);
+    a window's keys as mlx-lm extracts them; recurrent states as they are. The trunk's
+    attention layers share one Holes; each head block has its own. `batch` is handed over:
+    each layer leaves it once its copy is made, so one layer's copy at a time is alive beside
+    the row's keys."""
     out, real = [], {}  # one host read per Holes, not per layer
-    for i, (b, f) in enumerate(zip(batch, fresh, strict=True)):
+    for i, f in enumerate(fresh):
+        b, batch[i] = batch[i], None
         h = holes[0 if len(holes) == 1 else i]
         if isinstance(b, CacheList):
             out.append(CacheList(*single(list(b.caches), [h], list(f.caches))))
@@ -294,12 +299,28 @@ def single(batch: list[Any], holes: list[Holes], fresh: list[Any]) -> list[Any]:
             if id(h) not in real:
                 assert h.valid is not None
                 real[id(h)] = [p for p, v in enumerate(h.valid[0, :b._idx].tolist()) if v]
-            at = mx.array(real[id(h)], dtype=mx.int32)  # (a block with none: int)
-            f.state = (b.keys[:, :, at, :], b.values[:, :, at, :], len(real[id(h)]))
+            kept = real[id(h)]
+            if kept == list(range(b._idx)):  # no holes: views of the buffers, not copies
+                f.state = (*(_whole(a, b._idx, f) for a in (b.keys, b.values)), b._idx)
+            else:
+                at = mx.array(kept, dtype=mx.int32)  # (a block with none: int)
+                f.state = (b.keys[:, :, at, :], b.values[:, :, at, :], len(kept))
+                mx.eval(f.state[:2])
             out.append(f)
         else:
             out.append(b)
     return out
+
+
+def _whole(buffer: mx.array, end: int, into: KVCache) -> mx.array:
+    """A row's buffer (its first `end` positions real) as `into` takes it without a copy: a
+    KVCache the whole of it (it reads `offset` positions); a PaddedKVCache whole STEPs (it
+    grows by whole STEPs, never slicing first), or the real positions where the buffer is
+    shorter (its next pass grows it to whole STEPs)."""
+    if not isinstance(into, PaddedKVCache):
+        return buffer
+    aligned = padded(end)
+    return buffer[..., :aligned if buffer.shape[2] >= aligned else end, :]
 
 
 def join(batch: list[Any], rows: list[Any], holes: Holes) -> None:

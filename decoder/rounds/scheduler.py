@@ -149,13 +149,15 @@ class Scheduler:
         """Whether a lone request decodes on its own session rather than as a batch of one.
         A batch of one runs pipelined speculative rounds (Batch.spec_rounds: the next round
         queued before the last one's verdicts are read), which a lone session's synchronous
-        rounds cannot; so a request at a fixed depth drafting from the head alone goes into the
-        batch where rounds pipeline. Not: under auto (the lone controller chooses and learns
-        each round), with context drafts or a draft model (the session drafts them), with a
-        quantized KV cache, sharded or with recurrent layers (Runner.scheduler's `one_row`)."""
+        rounds cannot; so a request drafting from the head alone, at a fixed depth or under
+        auto, goes into the batch where rounds pipeline (BENCHMARKS.md, context sweep: auto as
+        a batch of one against auto alone). Not: with context drafts or a draft model (the
+        session drafts them), with a quantized KV cache, sharded or with recurrent layers
+        (Runner.scheduler's `one_row`)."""
         session = request.session
-        return not (self.one_row and self.batch.pipelined and request.policy is None
-                    and session.depth > 0 and session.head is not None
+        return not (self.one_row and self.batch.pipelined
+                    and (session.depth > 0 or request.policy is not None)
+                    and session.head is not None
                     and session.lookup is None and session.model is None)
 
     def _start_solo(self, request: Request) -> None:
