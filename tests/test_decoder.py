@@ -125,6 +125,28 @@ def test_long_generation_with_acceptance_is_identical(runners: Callable[[str], R
         assert 0.5 < spec.stats.acceptance_by_depth[0] < 1.0
 
 
+def test_a_long_prompts_head_pairs_are_fed_a_prefill_chunk_at_a_time() -> None:
+    """The head is fed a prompt's (hidden, token) pairs PREFILL_STEP at a time, each chunk
+    evaluated before the next, as the trunk's prefill is: one pass over every pair holds its
+    intermediates for all of them at once. What feeding a prompt three chunks long holds
+    beyond what it keeps stays near what one chunk's does."""
+    from mtpkit.decoder.rounds.session import PREFILL_STEP
+
+    runner = tiny_runner(vocab=6, hidden=64)
+
+    def held(n: int) -> int:
+        session = Session(runner.trunk, runner.head, SamplingParams(), 3)
+        session.owed = (mx.random.normal((1, n, 64)), mx.zeros((1, n), mx.int32))
+        mx.eval(session.owed)
+        mx.reset_peak_memory()
+        session.feed_head(n - 1)
+        mx.eval([c.state for c in session.mtp_cache])
+        return mx.get_peak_memory() - mx.get_active_memory()
+
+    one, three = held(PREFILL_STEP), held(3 * PREFILL_STEP)
+    assert three < 1.5 * one, (one, three)
+
+
 # -- rollback --------------------------------------------------------------------------------
 
 ROLLBACK_FAMILIES = ("qwen3_5", "qwen3_next", "llama")

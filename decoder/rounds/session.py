@@ -422,14 +422,21 @@ class Session:
     def feed_head(self, count: int) -> tuple[mx.array, mx.array]:
         """Feed the first `count` owed (hidden, token) pairs to the head's cache (in bounded
         pieces where shapes are bounded; their logits are never evaluated); the rest stay owed
-        and are returned."""
+        and are returned. A prompt's pairs are fed PREFILL_STEP at a time, each evaluated
+        before the next, as the trunk's prefill is: one pass over every pair of a long prompt
+        holds its intermediates for all of them at once."""
         assert self.head is not None and self.owed is not None
         hidden, tokens = self.owed
-        at = 0
-        for size in (pieces(count) if self.bounded else [count]) if count else []:
+        at = done = 0
+        sizes = pieces(count) if self.bounded else \
+            [min(PREFILL_STEP, count - start) for start in range(0, count, PREFILL_STEP)]
+        for size in sizes:
             self.head(hidden[:, at:at + size], tokens[:, at:at + size], self.mtp_cache, 0,
                       last_only=True)
             at += size
+            if at - done >= PREFILL_STEP and at < count:
+                mx.eval([c.state for c in self.mtp_cache])
+                done = at
         self.owed = (hidden[:, count:], tokens[:, count:])
         return self.owed
 
@@ -457,8 +464,9 @@ class Session:
         if depth == 0:
             return Draft(mx.array([[self.last]]), None, Source.HEAD, 0, rule=rule)
         assert self.head is not None and self.owed is not None
-        owed = self.owed[1].shape[1]  # a long run (prompt, plain stretch): bounded pieces first
-        hidden, tokens = self.feed_head(owed - pieces(owed)[-1] if self.bounded else 0)
+        owed = self.owed[1].shape[1]  # a long run (prompt, plain stretch): pieces first
+        hidden, tokens = self.feed_head(owed - pieces(owed)[-1] if self.bounded
+                                        else max(owed - PREFILL_STEP, 0))
         self.owed = None
         chain, rows = [mx.array([[self.last]])], []
         chained = [0] * self.head.blocks
