@@ -147,6 +147,28 @@ def test_a_long_prompts_head_pairs_are_fed_a_prefill_chunk_at_a_time() -> None:
     assert three < 1.5 * one, (one, three)
 
 
+@pytest.mark.parametrize("ahead", [False, True])
+def test_a_finished_generation_frees_its_caches_without_the_cycle_collector(
+        ahead: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No reference cycle keeps a finished generation's session (and its caches) alive: with
+    Python's cyclic collector off, none is left after it returns, on its own session or as a
+    batch of one (`ahead`: rounds pipelined, as on a GPU). A proposer held its session
+    strongly, and a 64K prompt's keys outlived its request until the collector ran."""
+    import gc
+
+    monkeypatch.setattr(batch_engine, "overlaps", lambda: ahead)
+    runner = tiny_runner(vocab=6)
+    gc.collect()
+    gc.disable()
+    try:
+        for options in ({"depth": 3}, {"depth": 3, "draft": "both"}, {"depth": "auto"},
+                        {"depth": 0}):
+            runner.generate([1, 2, 3, 4, 5] * 20, 24, **options)
+            assert not [o for o in gc.get_objects() if type(o) is Session], options
+    finally:
+        gc.enable()
+
+
 # -- rollback --------------------------------------------------------------------------------
 
 ROLLBACK_FAMILIES = ("qwen3_5", "qwen3_next", "llama")

@@ -27,6 +27,7 @@ from mlx_lm.models.gemma4_text import DecoderLayer, ModelArgs
 
 from mtpkit.decoder.drafters.draft_model import STEP_REPS, STEP_TEXT
 from mtpkit.decoder.drafters.drafts import Draft
+from mtpkit.decoder.drafters.proposers import SessionBound
 from mtpkit.decoder.options import OptionError, SamplingParams, Source
 from mtpkit.decoder.sampling import Candidates, candidates, greedy
 from mtpkit.loaders.assistant import AssistantSpec, read_drafter, read_spec, target_kv
@@ -293,7 +294,7 @@ class RowView(Protocol):
                  ) -> tuple[mx.array, mx.array, mx.array, mx.array]: ...
 
 
-class AssistantProposer:
+class AssistantProposer(SessionBound[AssistantFeed]):
     """decoder/drafters/proposers.py's Proposer for Gemma 4's assistant. Its rounds count as a separate
     drafter's (Source.MODEL). It keeps no state: the target's caches, rolled back by the
     round, are all it reads, so there is nothing to settle. In a batch the session's caches
@@ -303,7 +304,8 @@ class AssistantProposer:
     reads_hidden = True  # the session keeps `assistant_hidden` for it (Session.keep_hidden)
 
     def __init__(self, drafter: AssistantDrafter, session: AssistantFeed) -> None:
-        self.drafter, self.session = drafter, session
+        super().__init__(session)
+        self.drafter = drafter
         self.batched: RowView | None = None
 
     def propose(self, depth: int) -> Draft | None:

@@ -37,6 +37,7 @@ from mtpkit.decoder.cache.batch_cache import RowKVCache
 from mtpkit.decoder.cache.caches import FrozenKV, freeze, leaves
 from mtpkit.decoder.drafters.draft_model import PREFILL_STEP, STEP_REPS, STEP_TEXT
 from mtpkit.decoder.drafters.drafts import Draft
+from mtpkit.decoder.drafters.proposers import SessionBound
 from mtpkit.decoder.model.trunk import LayerTap, Trunk
 from mtpkit.decoder.options import SamplingParams, Source
 from mtpkit.decoder.sampling import Candidates, candidates, greedy
@@ -205,7 +206,7 @@ def _start(caches: list[Any], cache: Any, rows: int, index: int) -> int | None:
     return None
 
 
-class DFlashProposer:
+class DFlashProposer(SessionBound[DFlashFeed]):
     """decoder/drafters/proposers.py's Proposer for a DFlash drafter (Source.MODEL). It keeps the
     committed text, the target layers' outputs of committed positions not fed to the drafter
     yet (`parts`, from position `base`; a pass's rows past the committed end are overwritten by
@@ -217,7 +218,8 @@ class DFlashProposer:
     source = Source.MODEL
 
     def __init__(self, pair: DFlashPair, session: DFlashFeed) -> None:
-        self.pair, self.session = pair, session
+        super().__init__(session)
+        self.pair = pair
         self.stores = pair.drafter.make_stores()
         self.text: list[int] = []
         self.parts: dict[int, list[mx.array]] = {}

@@ -25,7 +25,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
 
 from mtpkit.decoder.drafters.drafts import Draft
-from mtpkit.decoder.drafters.proposers import Drafting
+from mtpkit.decoder.drafters.proposers import Drafting, SessionBound
 from mtpkit.decoder.options import OptionError, Source
 from mtpkit.decoder.sampling import Candidates, candidates, greedy
 from mtpkit.loaders.findings import UserError
@@ -113,7 +113,7 @@ def check_vocab(target: dict[str, int], draft: dict[str, int], label: str) -> No
                     "use a draft model of the same family, with the target's tokenizer")
 
 
-class ModelProposer:
+class ModelProposer(SessionBound[Drafting]):
     """One sequence's draft model: its cache, the committed tokens not fed yet (`pending`, which
     always ends with the last committed token once the prompt is in), and the drafts its last
     proposal fed (`ahead`)."""
@@ -121,7 +121,8 @@ class ModelProposer:
     source = Source.MODEL
 
     def __init__(self, drafter: DraftModel, session: Drafting) -> None:
-        self.drafter, self.session = drafter, session
+        super().__init__(session)
+        self.drafter = drafter
         self.cache = drafter.make_cache()
         self.pending: list[int] = []
         self.ahead: mx.array | None = None  # (1, n): drafts in the cache past the text

@@ -11,7 +11,8 @@ proposers in order and verifies the first draft offered (`Session.next_round`); 
 
 from __future__ import annotations
 
-from typing import Protocol
+import weakref
+from typing import Generic, Protocol, TypeVar
 
 import mlx.core as mx
 
@@ -45,14 +46,30 @@ class Drafting(Protocol):
     def context_draft(self, drafts: list[int], match: int) -> Draft: ...
 
 
-class HeadProposer:
+S = TypeVar("S")
+
+
+class SessionBound(Generic[S]):
+    """A proposer of one session, which holds it: a weak reference back, so a finished
+    generation's caches go when the session does (a reference cycle kept a 64K prompt's keys
+    alive until Python's cyclic collector ran: gigabytes counted in the next request's
+    memory)."""
+
+    def __init__(self, session: S) -> None:
+        self._session = weakref.ref(session)
+
+    @property
+    def session(self) -> S:
+        session = self._session()
+        assert session is not None, "a proposer outlived its session"
+        return session
+
+
+class HeadProposer(SessionBound[Drafting]):
     """The MTP head's drafts (Session.head_draft: fed the pairs it is owed, chained on the
     device). Its state is the session's, fed by every commit: nothing to settle."""
 
     source = Source.HEAD
-
-    def __init__(self, session: Drafting) -> None:
-        self.session = session
 
     def propose(self, depth: int) -> Draft:
         return self.session.head_draft(depth)
@@ -61,15 +78,12 @@ class HeadProposer:
         pass
 
 
-class ContextProposer:
+class ContextProposer(SessionBound[Drafting]):
     """What followed the longest earlier match of the text's end (decoder/drafters/lookup.py), up to
     `depth` tokens; None where the text offers no match. The session's index is extended by
     every commit: nothing to settle."""
 
     source = Source.LOOKUP
-
-    def __init__(self, session: Drafting) -> None:
-        self.session = session
 
     def propose(self, depth: int) -> Draft | None:
         lookup = self.session.lookup
