@@ -156,8 +156,11 @@ def test_a_finished_generation_frees_its_caches_without_the_cycle_collector(
     strongly, and a 64K prompt's keys outlived its request until the collector ran."""
     import gc
 
+    from mtpkit.decoder.tuning.curve import CostCurve
+
     monkeypatch.setattr(batch_engine, "overlaps", lambda: ahead)
     runner = tiny_runner(vocab=6)
+    runner._costs = CostCurve([0.01 * (1 + t) for t in range(16)], 0.011, 0.004)  # not timed
     gc.collect()
     gc.disable()
     try:
