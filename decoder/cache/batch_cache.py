@@ -300,7 +300,7 @@ def single(batch: list[Any], holes: list[Holes], fresh: list[Any]) -> list[Any]:
                 assert h.valid is not None
                 real[id(h)] = [p for p, v in enumerate(h.valid[0, :b._idx].tolist()) if v]
             kept = real[id(h)]
-            if kept == list(range(b._idx)):  # no holes: views of the buffers, not copies
+            if len(kept) == b._idx:  # no holes: views of the buffers, not copies
                 f.state = (*(_whole(a, b._idx, f) for a in (b.keys, b.values)), b._idx)
             else:
                 at = mx.array(kept, dtype=mx.int32)  # (a block with none: int)

@@ -66,6 +66,11 @@ SOURCE_NAMES = {Source.HEAD: "head", Source.LOOKUP: "lookup",
                 Source.CHAIN: "head+lookup", Source.MODEL: "model"}  # in stats
 
 
+def prefill_sizes(n: int) -> list[int]:
+    """n positions in prefill chunks: PREFILL_STEP each, the rest last."""
+    return [min(PREFILL_STEP, n - at) for at in range(0, n, PREFILL_STEP)]
+
+
 @dataclass(frozen=True)
 class RoundOutcome:
     """One round: the tokens it committed, and what a controller learns from it."""
@@ -170,7 +175,7 @@ class Session:
         the same chunks as unbounded, the last padded up to a multiple of STEP (so query
         lengths are multiples of STEP up to PREFILL_STEP); otherwise whole STEPs and the rest
         in power-of-two pieces."""
-        sizes = [min(PREFILL_STEP, n - at) for at in range(0, n, PREFILL_STEP)]
+        sizes = prefill_sizes(n)
         if not self.bounded:
             return [(size, 0) for size in sizes]
         if trims_after(self.cache, padded(n)):
@@ -428,9 +433,7 @@ class Session:
         assert self.head is not None and self.owed is not None
         hidden, tokens = self.owed
         at = done = 0
-        sizes = pieces(count) if self.bounded else \
-            [min(PREFILL_STEP, count - start) for start in range(0, count, PREFILL_STEP)]
-        for size in sizes:
+        for size in pieces(count) if self.bounded else prefill_sizes(count):
             self.head(hidden[:, at:at + size], tokens[:, at:at + size], self.mtp_cache, 0,
                       last_only=True)
             at += size
