@@ -312,6 +312,7 @@ class Batch:
         n, clock = 0, StretchClock()
         fresh = self._fresh(width)
         current = clock.queue(fresh, queue, mx.array([s.last for s in self.rows]), None)
+        clock.started()
         while n < count:
             queued = clock.queue(fresh, queue, current[2], current[1]) if n + 1 < count else None
             committed, kept = self._read(current[0].tolist(), width)

@@ -549,7 +549,10 @@ class StretchClock:
     its read; the mean, since a read may wait for more than its own step (one step then
     reads long and the next free). What queueing a pass that may have compiled took beyond
     what queueing one usually takes here (`queue`) is left out: a shape compiles once, its
-    steps are paid every time (the usual part is real host work, on a CPU most of a step)."""
+    steps are paid every time (the usual part is real host work, on a CPU most of a step).
+    Where steps are queued ahead, the clock starts once the first is queued (`started`): the
+    device idles while the host builds it: a restart's cost, paid once a stretch, not a step's
+    (in the mean of a short stretch it priced every step of it dearer)."""
 
     def __init__(self) -> None:
         self.spent, self.steps = 0.0, 0
@@ -568,6 +571,11 @@ class StretchClock:
         else:
             self.usual = took if self.usual is None else min(self.usual, took)
         return out
+
+    def started(self) -> None:
+        """The first step is queued: from here the device is busy (its building left out,
+        compile included)."""
+        self.begin, self.fresh = time.perf_counter(), []
 
     def read(self) -> float:
         """A step was read: the stretch's mean so far (first passes queued so far count at
@@ -614,6 +622,8 @@ def pipelined(step: Callable[[mx.array], tuple[mx.array, mx.array]], first: mx.a
             return clock.queue(fresh, lambda: step(follow(picks)))
 
     hidden, picks = queue(first)
+    if ahead:
+        clock.started()
     n = 0
     while n < count:
         queued = then(picks) if ahead and n + 1 < count else None
