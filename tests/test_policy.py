@@ -204,6 +204,27 @@ def test_rounds_paid_at_one_context_do_not_price_another() -> None:
     assert table.summary()["1x4"] == pytest.approx(table.correction(d3, 65536))
 
 
+def test_plain_steps_and_verify_passes_never_price_each_other() -> None:
+    """At a long context a GPU's verify passes pay about twice the curve's price (several
+    query rows miss the split-key attention kernel) while plain steps pay what it says. A
+    plain step never timed here is priced by the curve, not by what verify passes paid:
+    priced by them, a lone auto request at 64K never took a plain step and ran at 0.31x of
+    plain decoding (H200). An untimed verify pass still learns from the verify passes."""
+    table = CostTable(CostCurve([0.010, 0.010, 0.0105, 0.011], plain=0.007, draft=0.0,
+                                estimate=True))
+    offer = Offer(head=[0.6, 0.3, 0.15])
+    d3, plain = (1, 4, True), (1, 1, True)
+    for _ in range(20):
+        table.tick(1)
+        table.observe(d3, 2.2 * table.prior(d3, 65536), 65536)
+    assert table.correction(plain, 65536) == 1.0
+    assert table.correction((1, 3, True), 65536) == pytest.approx(2.2)
+    assert decide([offer], table, 3, 65536, pipelined=True).depth == 0
+    table.tick(1)
+    table.observe(plain, 0.5 * table.prior(plain, 65536), 65536)
+    assert table.correction((1, 3, True), 65536) == pytest.approx(2.2)
+
+
 def test_an_untried_depth_is_explored_by_optimism_and_a_dear_price_taken_again() -> None:
     """Every shape is priced up to OPTIMISM cheaper while few timings back it: a depth that
     the curve prices near the best is tried without any exploration rule, and a depth whose

@@ -152,8 +152,12 @@ class CostTable:
         """paid / prior at `context`: the median of the shape's own timings in its band,
         weighed by their decayed count against PRIOR_WEIGHT for what `tune` timed of it or,
         without, what the shape paid in the nearest band timed or, never timed, what the nearest
-        shape timed alike (pipelined or not; the fewest rows, then positions, apart) says, else 1:
-        a timing long past, or one alone, gives way to what its neighbours pay now."""
+        shape timed alike (pipelined or not, plain steps or verify passes; the fewest rows, then
+        positions, apart) says, else 1: a timing long past, or one alone, gives way to what its
+        neighbours pay now. Plain steps and verify passes never price each other: one query
+        row per sequence runs other kernels (a GPU's vector attention, matrix-vector products)
+        than several, and what verify passes paid over their prior at a long context priced
+        plain steps at twice theirs, so auto never tried one."""
         at = band(context)
         bands = self.bands.get(shape, ())
         own = bands.count(at)
@@ -165,7 +169,8 @@ class CostTable:
             if shape not in self._nearest:
                 rows, width, piped = shape
                 self._nearest[shape] = min(
-                    (s for s in (*self.ratios, *self.seeded) if s[2] == piped and s != shape),
+                    (s for s in (*self.ratios, *self.seeded)
+                     if s[2] == piped and (s[1] == 1) == (width == 1) and s != shape),
                     default=None, key=lambda s: (abs(s[0] - rows), abs(s[1] - width), s))
             near = self._nearest[shape]
             base = 1.0 if near is None else self._median(near, at)
