@@ -777,9 +777,10 @@ def test_a_pipelined_stretch_is_priced_at_its_steps_not_its_restart() -> None:
     building is its own cost, as every other's is."""
     import time
 
-    from mtpkit.decoder.rounds.session import pipelined
+    from mtpkit.decoder.rounds.session import StretchClock, pipelined
 
-    def run(ahead: bool, count: int) -> list[float]:
+    def run(ahead: bool, count: int, clock: StretchClock | None = None,
+            compiles: bool = False) -> list[float]:
         built = [0]
 
         def step(tokens: mx.array) -> tuple[mx.array, mx.array]:
@@ -789,11 +790,18 @@ def test_a_pipelined_stretch_is_priced_at_its_steps_not_its_restart() -> None:
 
         return [s for _, _, s in pipelined(
             step, mx.array([[1]]), lambda p: p[None], count,
-            lambda h, p: int(p.reshape(-1)[0].item()), ahead=ahead)]
+            lambda h, p: int(p.reshape(-1)[0].item()), ahead=ahead,
+            fresh=lambda: lambda: compiles and built[0] == 1, clock=clock)]
 
     for count in (2, 5):
         assert max(run(True, count)) < 0.02, count
         assert run(False, count)[0] >= 0.1, count
+    clock = StretchClock()  # what the build took is the stretch's restart...
+    run(True, 3, clock)
+    assert clock.restart is not None and clock.restart >= 0.1
+    clock = StretchClock()  # ...unless its pass was the first of its shape (a compile)
+    run(True, 3, clock, compiles=True)
+    assert clock.restart is None
 
 
 def test_best_depth_is_the_fastest_depth_or_plain_when_none_beats_it() -> None:

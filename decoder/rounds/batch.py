@@ -110,6 +110,8 @@ class Batch:
         self.cache: list | None = None
         self.holes = Holes()
         self.exact = False  # one row whose trunk caches hold no holes and no padding
+        self.restart: float | None = None  # seconds the last pipelined stretch's first pass
+        # took to build, the device idle (StretchClock.restart), until the scheduler takes it
         blocks = head.blocks if head is not None else 0
         self.mtp_cache: list | None = None
         self.mtp_holes = [Holes() for _ in range(blocks)]
@@ -313,6 +315,7 @@ class Batch:
         fresh = self._fresh(width)
         current = clock.queue(fresh, queue, mx.array([s.last for s in self.rows]), None)
         clock.started()
+        self.restart = clock.restart
         while n < count:
             queued = clock.queue(fresh, queue, current[2], current[1]) if n + 1 < count else None
             committed, kept = self._read(current[0].tolist(), width)
@@ -435,9 +438,13 @@ class Batch:
                 session.commit([token])
             return got
 
-        for _, got, seconds in pipelined(step, mx.array([[s.last] for s in self.rows]),
-                                         lambda y: y[:, None].astype(mx.int32), count, take,
-                                         stop, self.pipelined, self._fresh(1)):
+        clock = StretchClock()
+        for n, (_, got, seconds) in enumerate(pipelined(
+                step, mx.array([[s.last] for s in self.rows]),
+                lambda y: y[:, None].astype(mx.int32), count, take, stop, self.pipelined,
+                self._fresh(1), clock)):
+            if n == 0:
+                self.restart = clock.restart
             yield got, seconds
         for b, session in enumerate(self.rows):
             if self.headed[b]:

@@ -31,7 +31,7 @@ from mtpkit.decoder.rounds.controller import Controller
 from mtpkit.decoder.rounds.session import RoundOutcome, Session, Stopped
 from mtpkit.decoder.stats import Stats
 from mtpkit.decoder.tuning.costs import check_batch, check_plain
-from mtpkit.decoder.tuning.policy import CostTable, DepthPolicy, Offer, decide
+from mtpkit.decoder.tuning.policy import CostTable, DepthPolicy, Offer, Shape, decide
 
 SPEC_ROUNDS = 16  # pipelined speculative rounds between two of the policy's choices (each
 # asks every row's context: not every round), once the stretch's shape has been timed as often
@@ -372,7 +372,7 @@ class Scheduler:
         """The policy's choice at a pipelined stretch's check: whether it is not `depth` again
         (the stretch then ends). A different depth is what the next stretch runs: `_asks`
         takes it rather than choosing again."""
-        chosen = self._depth(auto_rows)
+        chosen = self._depth(auto_rows, (len(self.active), depth + 1, True))
         if chosen == depth:
             return False
         if chosen > 0:
@@ -390,7 +390,14 @@ class Scheduler:
             self._leave()
             return None
         self.rows = len(self.active)
+        self._restarted()
         return self._settled(outcomes, pipelined=True, timed=read > 0)
+
+    def _restarted(self) -> None:
+        """A pipelined stretch's restart (Batch.restart), into the cost table once."""
+        if self.paid is not None and self.batch.restart is not None:
+            self.paid.observe_restart(len(self.active), self.batch.restart)
+        self.batch.restart = None
 
     def _start_stretch(self, asks: list[Ask]) -> bool:
         """Plain steps pipelined (Batch.plain_steps) where every row decodes plain for a
@@ -406,7 +413,8 @@ class Scheduler:
         auto = [r for r in self.active if r.policy is not None]
 
         def stop() -> bool:
-            return self._wanted() or bool(auto) and self._depth(auto) > 0
+            return self._wanted() or bool(auto) and self._depth(
+                auto, (len(self.active), 1, True)) > 0
 
         self.stretch = self.batch.plain_steps(steps, stop)
         return True
@@ -421,6 +429,7 @@ class Scheduler:
             self._leave()
             return None
         self.rows = len(self.active)
+        self._restarted()
         if self.paid is not None:
             keys = self._keys()
             self.paid.tick(self.rows)
@@ -444,10 +453,11 @@ class Scheduler:
                 and all(r.session.lookup is None and r.session.model is None
                         for r in self.active))
 
-    def _depth(self, auto: list[Request]) -> int:
+    def _depth(self, auto: list[Request], running: Shape | None = None) -> int:
         """The depth of the next round for the auto rows (0: plain): the policy's plan over
         every row (mates at a fixed depth priced as a row that commits one token) at the keys
-        the batch's pass attends over (`_keys`), or the `decider`'s."""
+        the batch's pass attends over (`_keys`), or the `decider`'s. `running`: the pass shape
+        of the pipelined stretch asking (another one restarts: `decide`)."""
         if self.decider is not None:
             return self.decider(auto)
         assert self.paid is not None and auto
@@ -456,7 +466,8 @@ class Scheduler:
         offers = [_offer(r) for r in auto] + [Offer()] * (len(self.active) - len(auto))
         stretch = not any(r.policy is None and r.session.depth > 0 for r in self.active)
         return decide(offers, self.paid, first.max_depth, self._keys(), self._pipelines(),
-                      (len(self.active), 1, stretch), first.model_step).depth
+                      (len(self.active), 1, stretch), first.model_step, running,
+                      SPEC_ROUNDS).depth
 
     def _keys(self) -> int:
         """The keys the batch's pass attends over (its buffer: the longest row's, padding and

@@ -552,13 +552,15 @@ class StretchClock:
     steps are paid every time (the usual part is real host work, on a CPU most of a step).
     Where steps are queued ahead, the clock starts once the first is queued (`started`): the
     device idles while the host builds it: a restart's cost, paid once a stretch, not a step's
-    (in the mean of a short stretch it priced every step of it dearer)."""
+    (in the mean of a short stretch it priced every step of it dearer). What building it took
+    is the stretch's `restart`, which the depth policy weighs against switching stretches."""
 
     def __init__(self) -> None:
         self.spent, self.steps = 0.0, 0
         self.begin = self.last = time.perf_counter()
         self.fresh: list[float] = []  # seconds queueing a shape's first pass took, unread
         self.usual: float | None = None  # the least queueing any other pass took
+        self.restart: float | None = None  # seconds building the first step took (`started`)
 
     def queue(self, fresh: Fresh | None, build: Callable[..., Any], *args: Any) -> Any:
         """`build(*args)` queues a step; `fresh` says whether its pass is the first of its
@@ -574,8 +576,11 @@ class StretchClock:
 
     def started(self) -> None:
         """The first step is queued: from here the device is busy (its building left out,
-        compile included)."""
-        self.begin, self.fresh = time.perf_counter(), []
+        compile included; its seconds are the `restart`, unless its pass was the first of
+        its shape: a compile is paid once, a restart every stretch)."""
+        now = time.perf_counter()
+        self.restart = None if self.fresh else now - self.begin
+        self.begin, self.fresh = now, []
 
     def read(self) -> float:
         """A step was read: the stretch's mean so far (first passes queued so far count at
@@ -596,7 +601,7 @@ class StretchClock:
 def pipelined(step: Callable[[mx.array], tuple[mx.array, mx.array]], first: mx.array,
               follow: Callable[[mx.array], mx.array], count: int,
               take: Callable[[mx.array, mx.array], Any], stop: Callable[[], bool] | None = None,
-              ahead: bool = True, fresh: Fresh | None = None
+              ahead: bool = True, fresh: Fresh | None = None, clock: StretchClock | None = None
               ) -> Iterator[tuple[mx.array, Any, float]]:
     """`count` plain steps of one sequence or of a batch's rows, written once: `step(tokens)`
     queues a step ((hidden, picks), the picks evaluating asynchronously), `follow(picks)` makes
@@ -604,14 +609,15 @@ def pipelined(step: Callable[[mx.array], tuple[mx.array, mx.array]], first: mx.a
     next step is queued before the current one is taken (as mlx-lm's generate_step and
     BatchGenerator do), so the host's read and its work overlap the device's next step. Yields
     (hidden, what take returned, what a step of this run has paid so far, on average:
-    `StretchClock`; `fresh`: whether a step's pass is the first of its shape here).
+    `StretchClock`, the caller's `clock` if given; `fresh`: whether a step's pass is the
+    first of its shape here).
     When stop() turns true after a step, the one already queued is the last.
 
     Every step, `follow` included, runs on STREAM: an op of one step on another stream (the
     default one) makes each step wait across streams, which on MLX's CUDA backend cost a
     plain step a fifth of its speed (docs/long-context.md, "Decode")."""
 
-    clock = StretchClock()
+    clock = clock or StretchClock()
 
     def queue(tokens: mx.array) -> tuple[mx.array, mx.array]:
         with mx.stream(STREAM):

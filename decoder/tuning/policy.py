@@ -117,6 +117,8 @@ class CostTable:
     confidence: dict[Shape, tuple[float, int]] = field(default_factory=dict)  # (n, clock then)
     clock: dict[int, int] = field(default_factory=dict)  # passes run, by rows
     seeded: dict[Shape, float] = field(default_factory=dict)  # corrections timed elsewhere
+    restarts: dict[int, deque] = field(default_factory=dict)  # seconds building a pipelined
+    # stretch's first pass took (the device idle), by rows: what switching stretches pays
     _medians: dict[tuple[Shape, int], float] = field(default_factory=dict)  # by band asked
     _nearest: dict[Shape, Shape | None] = field(default_factory=dict)  # until a new shape
 
@@ -209,6 +211,17 @@ class CostTable:
             factor /= 1 + OPTIMISM / math.sqrt(1 + self.timings(shape))
         return lambda drafting: (prior + drafting) * factor
 
+    def observe_restart(self, rows: int, seconds: float) -> None:
+        """A pipelined stretch of `rows` rows started: building its first pass took `seconds`
+        (not kept for a curve given by hand: a what-if is taken as it is)."""
+        if self.learn:
+            self.restarts.setdefault(rows, deque(maxlen=memory())).append(seconds)
+
+    def restart(self, rows: int) -> float:
+        """What starting a pipelined stretch of `rows` rows costs here (0: never seen one)."""
+        seen = self.restarts.get(rows)
+        return statistics.median(seen) if seen else 0.0
+
     def tick(self, rows: int) -> None:
         """A pass of `rows` rows ran (every shape's confidence at that size fades)."""
         self.clock[rows] = self.clock.get(rows, 0) + 1
@@ -295,24 +308,36 @@ class Plan:
 
 def decide(offers: Sequence[Offer], table: CostTable, max_depth: int, context: int = 0,
            pipelined: bool = False, plain: Shape | None = None, model_step: float = 0.0,
-           ) -> Plan:
+           running: Shape | None = None, horizon: int = 1) -> Plan:
     """The depth with the most expected committed tokens per second for these rows (see the
     module's doc). `pipelined`: whether a round would run pipelined; `plain`: the shape plain
-    decoding takes (default: pipelined steps); `model_step`: a draft model's step."""
+    decoding takes (default: pipelined steps); `model_step`: a draft model's step.
+    `running`: the shape of the pipelined stretch running now, which goes on for free; any
+    other pipelined shape first pays a restart (`CostTable.restart`), spread over the rounds
+    a stretch of it will run: its decayed timings here plus one, at most `horizon` (the
+    rounds between two of the scheduler's checks): a shape rarely run is left again soon."""
     rows = len(offers)
     optimism = table.learn  # a curve given by hand is taken as it is
     plain = plain or (rows, 1, True)
-    best = Plan(0, (None,) * rows, rows / table.pricer(plain, context, optimism)(0.0))
+
+    def switch(shape: Shape) -> float:
+        if running is None or shape == running or not shape[2]:
+            return 0.0
+        return table.restart(rows) / (1 + min(table.timings(shape), horizon))
+
+    best = Plan(0, (None,) * rows,
+                rows / (table.pricer(plain, context, optimism)(0.0) + switch(plain)))
     headed = any(o.head for o in offers)
     step = model_step if any(o.paid == Source.MODEL for o in offers) else table.draft
     plans = (False, True) if headed and any(o.context for o in offers) else (not headed,)
     deepest = max_depth if headed else min(max((len(o.context) for o in offers), default=0),
                                            max_depth)
     for depth in range(1, deepest + 1):
-        price = table.pricer((rows, depth + 1, pipelined), context, optimism)
+        shape = (rows, depth + 1, pipelined)
+        price, restart = table.pricer(shape, context, optimism), switch(shape)
         for free in plans:
             kept = rows + sum(o.kept(depth, free) for o in offers)
-            rate = kept / price(0.0 if free else depth * step)
+            rate = kept / (price(0.0 if free else depth * step) + restart)
             if rate > best.rate:
                 sources = tuple(o.source(depth) if not free else
                                 (Source.LOOKUP if o.context else None) for o in offers)
