@@ -227,26 +227,24 @@ def test_plain_steps_and_verify_passes_never_price_each_other() -> None:
 
 def test_a_running_stretch_goes_on_unless_another_pays_for_its_restart() -> None:
     """Starting a pipelined stretch costs a pass built while the device idles (`restart`),
-    once a stretch. A shape other than the running one pays it over the rounds a stretch of
-    it will run (its timings here plus one, at most the horizon): an untried depth that would
-    keep 19% more is not worth a restart that costs twice its round, where nothing runs it is
-    taken, and once its price is well timed the switch pays. (Unpriced, a lone auto request
-    on the H200 left its depth every two or three rounds to try another: a third of its time
-    at 1K went to restarts.)"""
+    once a stretch. A shape other than the running one pays it over the horizon (the rounds
+    a settled stretch runs between two checks): of two depths timed alike, one that would
+    keep 3% more is not worth a restart of two rounds over 16 (12.5% a round), where nothing
+    runs it is taken, and one that keeps 19% more is worth it. (Unpriced, a lone auto
+    request on the H200 left its depth every two or three rounds for another: a third of its
+    time at 1K went to restarts.)"""
     table = CostTable(CostCurve([0.010] * 6, plain=0.010, draft=0.0, estimate=True))
-    offer = Offer(head=[0.9, 0.8, 0.7, 0.65])
+    close, better = Offer(head=[0.9, 0.8, 0.7, 0.1]), Offer(head=[0.9, 0.8, 0.7, 0.65])
     d3, d4 = (1, 4, True), (1, 5, True)
     for _ in range(20):
-        table.tick(1)
-        table.observe(d3, table.prior(d3))
+        for shape in (d3, d4):
+            table.tick(1)
+            table.observe(shape, table.prior(shape))
     table.observe_restart(1, 0.02)
     assert table.restart(1) == 0.02 and table.restart(2) == 0.0
-    assert decide([offer], table, 4, pipelined=True).depth == 4
-    assert decide([offer], table, 4, pipelined=True, running=d3, horizon=16).depth == 3
-    for _ in range(20):
-        table.tick(1)
-        table.observe(d4, table.prior(d4))
-    assert decide([offer], table, 4, pipelined=True, running=d3, horizon=16).depth == 4
+    assert decide([close], table, 4, pipelined=True).depth == 4
+    assert decide([close], table, 4, pipelined=True, running=d3, horizon=16).depth == 3
+    assert decide([better], table, 4, pipelined=True, running=d3, horizon=16).depth == 4
     hand = CostTable(CostCurve([0.010] * 6, plain=0.010, draft=0.0))  # a what-if: as it is
     hand.observe_restart(1, 0.02)
     assert hand.restart(1) == 0.0

@@ -313,9 +313,12 @@ def decide(offers: Sequence[Offer], table: CostTable, max_depth: int, context: i
     module's doc). `pipelined`: whether a round would run pipelined; `plain`: the shape plain
     decoding takes (default: pipelined steps); `model_step`: a draft model's step.
     `running`: the shape of the pipelined stretch running now, which goes on for free; any
-    other pipelined shape first pays a restart (`CostTable.restart`), spread over the rounds
-    a stretch of it will run: its decayed timings here plus one, at most `horizon` (the
-    rounds between two of the scheduler's checks): a shape rarely run is left again soon."""
+    other pipelined shape first pays a restart (`CostTable.restart`), spread over `horizon`
+    rounds (the scheduler's: a settled stretch is asked again after that many), so a switch
+    must gain more than the restart costs, and exploring an untried shape is still priced
+    by optimism alone (charged the whole restart on its first round, no untried depth was
+    ever tried once a stretch ran: a lone request on the H200 kept depth 1 at 1K where
+    depth 3 ran 1.7x faster)."""
     rows = len(offers)
     optimism = table.learn  # a curve given by hand is taken as it is
     plain = plain or (rows, 1, True)
@@ -323,7 +326,7 @@ def decide(offers: Sequence[Offer], table: CostTable, max_depth: int, context: i
     def switch(shape: Shape) -> float:
         if running is None or shape == running or not shape[2]:
             return 0.0
-        return table.restart(rows) / (1 + min(table.timings(shape), horizon))
+        return table.restart(rows) / horizon
 
     best = Plan(0, (None,) * rows,
                 rows / (table.pricer(plain, context, optimism)(0.0) + switch(plain)))
