@@ -1,0 +1,83 @@
+"""bench_context.py with every pipelined stretch of our arms traced: what building its first pass
+took (`started`, ms: the restart), each read's own seconds and the stretch's mean so far (ms),
+and after each auto run the cost table's view of each pass shape at the run's context (prior,
+correction, decayed timings, the last times paid). Written to $OUT/probe.json (default /tmp)
+after every run; arguments are bench_context.py's. How auto's choices were traced to their
+cause on the H200 (BENCHMARKS.md, context sweep, 2026-11-30 late):
+
+    OUT=/tmp python bench/prof_stretch.py --oracle rows --contexts 1024,16384 \
+        --arms mlx_lm,plain,d3,auto --tokens 96 --runs 3 --passes 3 --warmup first
+"""
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from mtpkit.decoder.rounds import session as S
+
+logs: list[dict] = []
+init0, started0, read0 = S.StretchClock.__init__, S.StretchClock.started, S.StretchClock.read
+
+
+def init(self) -> None:
+    init0(self)
+    self._log = {"t0": time.perf_counter(), "started": None, "reads": [], "fresh": 0}
+    logs.append(self._log)
+
+
+def started(self) -> None:
+    self._log["started"] = round((time.perf_counter() - self._log["t0"]) * 1e3, 2)
+    started0(self)
+
+
+def read(self) -> float:
+    raw = time.perf_counter() - self.begin
+    self._log["fresh"] += len(self.fresh)
+    v = read0(self)
+    self._log["reads"].append((round(raw * 1e3, 2), round(v * 1e3, 2)))
+    return v
+
+
+def main() -> None:
+    S.StretchClock.__init__, S.StretchClock.started, S.StretchClock.read = init, started, read
+
+    path = Path(__file__).resolve().parent / "bench_context.py"
+    spec = importlib.util.spec_from_file_location("bench_context", path)
+    bc = importlib.util.module_from_spec(spec)
+    sys.modules["bench_context"] = bc
+    spec.loader.exec_module(bc)
+    out = Path(os.environ.get("OUT", "/tmp")) / "probe.json"
+    probe: list[dict] = []
+    run0 = bc.run_ours
+
+    def run_ours(runner, arm, ids, tokens, *a, **k):
+        start = len(logs)
+        row = run0(runner, arm, ids, tokens, *a, **k)
+        entry = {"arm": arm.name, "context": len(ids), "tps": row["decode_tps"],
+                 "stretches": [{k2: s[k2] for k2 in ("started", "reads", "fresh")}
+                               for s in logs[start:]]}
+        if arm.mode == "auto":
+            t = runner.table()
+            ctx = len(ids) + tokens
+            shapes = sorted({*t.ratios, *t.seeded, *[(1, w, p) for w in (1, 2, 3, 4, 5)
+                                                       for p in (True, False)]})
+            entry["table"] = {f"{r}x{w}{' piped' if p else ''}": {
+                "prior_ms": round(t.prior((r, w, p), ctx) * 1e3, 2),
+                "corr": round(t.correction((r, w, p), ctx), 3),
+                "timings": round(t.timings((r, w, p)), 2),
+                "times_ms": [round(x * 1e3, 2) for x in t.times.get((r, w, p), [])][-12:]}
+                for r, w, p in shapes}
+            entry["depths"] = row.get("depths")
+        probe.append(entry)
+        out.write_text(json.dumps(probe, indent=1))
+        return row
+
+    bc.run_ours = run_ours
+    sys.argv = [str(path)] + sys.argv[1:]
+    bc.main()
+
+
+if __name__ == "__main__":
+    main()
