@@ -1,11 +1,12 @@
-"""bench_context.py with every pipelined stretch of our arms traced: what building its first pass
-took (`started`, ms: the restart), each read's own seconds and the stretch's mean so far (ms),
-and after each auto run the cost table's view of each pass shape at the run's context (prior,
-correction, decayed timings, the last times paid). Written to $OUT/probe.json (default /tmp)
-after every run; arguments are bench_context.py's. How auto's choices were traced to their
-cause on the H200 (BENCHMARKS.md, context sweep, 2026-11-30 late):
+"""bench_context.py with every pipelined stretch of our arms traced: what it ran (`kind`: plain
+steps or rounds at depth K), what building its first pass took (`started`, ms: the restart),
+each read's own seconds and the stretch's mean so far (ms), and after each auto run the cost
+table's view of each pass shape at the run's context (prior, correction, decayed timings, the
+last times paid). Written to $OUT/probe.json (default /tmp) after every run; arguments are
+bench_context.py's. How auto's choices were traced to their cause on the H200 (BENCHMARKS.md,
+context sweep, 2026-11-30 late):
 
-    OUT=/tmp python bench/prof_stretch.py --oracle rows --contexts 1024,16384 \
+    OUT=/tmp python bench/prof_stretch.py --oracle rows --contexts 1024,16384 \\
         --arms mlx_lm,plain,d3,auto --tokens 96 --runs 3 --passes 3 --warmup first
 """
 import importlib.util
@@ -21,10 +22,22 @@ logs: list[dict] = []
 init0, started0, read0 = S.StretchClock.__init__, S.StretchClock.started, S.StretchClock.read
 
 
+kind: list[str] = ["plain"]  # what the next clock times: "plain", or "dK" pipelined rounds
+
+
 def init(self) -> None:
     init0(self)
-    self._log = {"t0": time.perf_counter(), "started": None, "reads": [], "fresh": 0}
+    self._log = {"kind": kind[0], "t0": time.perf_counter(), "started": None, "reads": [],
+                 "fresh": 0}
     logs.append(self._log)
+
+
+def tagged(real, name):
+    """Batch.spec_rounds / plain_steps, telling the clocks they make what they time."""
+    def run(self, *args, **kwargs):
+        kind[0] = f"d{args[0]}" if name == "spec_rounds" else "plain"
+        yield from real(self, *args, **kwargs)
+    return run
 
 
 def started(self) -> None:
@@ -42,6 +55,9 @@ def read(self) -> float:
 
 def main() -> None:
     S.StretchClock.__init__, S.StretchClock.started, S.StretchClock.read = init, started, read
+    from mtpkit.decoder.rounds.batch import Batch
+    for name in ("spec_rounds", "plain_steps"):
+        setattr(Batch, name, tagged(getattr(Batch, name), name))
 
     path = Path(__file__).resolve().parent / "bench_context.py"
     spec = importlib.util.spec_from_file_location("bench_context", path)
@@ -56,7 +72,7 @@ def main() -> None:
         start = len(logs)
         row = run0(runner, arm, ids, tokens, *a, **k)
         entry = {"arm": arm.name, "context": len(ids), "tps": row["decode_tps"],
-                 "stretches": [{k2: s[k2] for k2 in ("started", "reads", "fresh")}
+                 "stretches": [{k2: s[k2] for k2 in ("kind", "started", "reads", "fresh")}
                                for s in logs[start:]]}
         if arm.mode == "auto":
             t = runner.table()
