@@ -158,8 +158,7 @@ class CostTable:
         positions, apart) says, else 1: a timing long past, or one alone, gives way to what its
         neighbours pay now. Plain steps and verify passes never price each other: one query
         row per sequence runs other kernels (a GPU's vector attention, matrix-vector products)
-        than several, and what verify passes paid over their prior at a long context priced
-        plain steps at twice theirs, so auto never tried one."""
+        than several, whose cost grows otherwise with the context (docs/decoding.md)."""
         at = band(context)
         bands = self.bands.get(shape, ())
         own = bands.count(at)
@@ -315,10 +314,9 @@ def decide(offers: Sequence[Offer], table: CostTable, max_depth: int, context: i
     `running`: the shape of the pipelined stretch running now, which goes on for free; any
     other pipelined shape first pays a restart (`CostTable.restart`), spread over `horizon`
     rounds (the scheduler's: a settled stretch is asked again after that many), so a switch
-    must gain more than the restart costs, and exploring an untried shape is still priced
-    by optimism alone (charged the whole restart on its first round, no untried depth was
-    ever tried once a stretch ran: a lone request on the H200 kept depth 1 at 1K where
-    depth 3 ran 1.7x faster)."""
+    must gain more than the restart costs, while an untried shape is still explored by
+    optimism (charged the whole restart on its first round, none would ever be tried once a
+    stretch ran)."""
     rows = len(offers)
     optimism = table.learn  # a curve given by hand is taken as it is
     plain = plain or (rows, 1, True)
