@@ -1017,6 +1017,29 @@ def test_an_untried_shapes_stretch_asks_the_policy_after_every_round(
     assert len(oracle.table().times[(3, 2, True)]) == n - 1, stretches
 
 
+def _paid_by_stretch(monkeypatch: pytest.MonkeyPatch, begin: Callable[[], None] | None = None,
+                     after: Callable[[], None] | None = None) -> list[list[float]]:
+    """What each round of each pipelined stretch paid (Batch.spec_rounds, from now on):
+    `begin()` runs as a stretch starts, `after()` once each round is consumed."""
+    from mtpkit.decoder.rounds.batch import Batch
+
+    stretches: list[list[float]] = []
+    spec = Batch.spec_rounds
+
+    def rounds(self: Batch, depth: int, count: int, stop: Any = None, done: Any = None) -> Any:
+        stretches.append([])
+        if begin is not None:
+            begin()
+        for out in spec(self, depth, count, stop, done):
+            stretches[-1].append(out[0].paid_s)
+            yield out
+            if after is not None:
+                after()
+
+    monkeypatch.setattr(Batch, "spec_rounds", rounds)
+    return stretches
+
+
 def test_a_pipelined_round_pays_the_consumers_time_it_ran_beside(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A pipelined round is queued before the last one is read, so it runs while the consumer
@@ -1030,18 +1053,8 @@ def test_a_pipelined_round_pays_the_consumers_time_it_ran_beside(
     prompts = [[1, 2, 3, 4], [5, 4, 3]]
     oracle, plain = _oracle_batch(base, prompts, [7, 8], 60)
     _pipelined_seen(monkeypatch, "spec_rounds")
-    stretches: list[list[float]] = []  # what each round of each stretch paid
     pause = [0.05]  # the consumer's work after each round
-    spec = Batch.spec_rounds
-
-    def rounds(self: Batch, depth: int, count: int, stop: Any = None, done: Any = None) -> Any:
-        stretches.append([])
-        for out in spec(self, depth, count, stop, done):
-            stretches[-1].append(out[0].paid_s)
-            yield out
-            time.sleep(pause[0])
-
-    monkeypatch.setattr(Batch, "spec_rounds", rounds)
+    stretches = _paid_by_stretch(monkeypatch, after=lambda: time.sleep(pause[0]))
     results = oracle.generate_batch(prompts, each=[{"depth": 2, "max_tokens": 60}] * 2)
     assert [r.tokens for r in results] == plain
     # (a stretch's first round ran after nothing; each later one beside the consumer's 0.05 s)
@@ -1083,7 +1096,7 @@ def test_a_pipelined_round_is_not_priced_at_its_shapes_compile(
     oracle, plain = _oracle_batch(tiny_runner(vocab=6), prompts, [7, 8], 400)
     _pipelined_seen(monkeypatch, "spec_rounds")
     built: set[tuple[int, ...]] = set()
-    real_pass, spec = Batch._pass, Batch.spec_rounds
+    real_pass = Batch._pass
 
     def compiling(self: Batch, tokens: Any, real: Any, width: int) -> Any:
         shape = (len(self.rows), width, extent(self.cache or []))
@@ -1092,16 +1105,8 @@ def test_a_pipelined_round_is_not_priced_at_its_shapes_compile(
             time.sleep(0.2)
         return real_pass(self, tokens, real, width)
 
-    stretches: list[list[float]] = []  # what each round of each stretch paid
-
-    def rounds(self: Batch, depth: int, count: int, stop: Any = None, done: Any = None) -> Any:
-        stretches.append([])
-        for out in spec(self, depth, count, stop, done):
-            stretches[-1].append(out[0].paid_s)
-            yield out
-
     monkeypatch.setattr(Batch, "_pass", compiling)
-    monkeypatch.setattr(Batch, "spec_rounds", rounds)
+    stretches = _paid_by_stretch(monkeypatch)
     results = oracle.generate_batch(prompts, each=[{"depth": 2, "max_tokens": 400}] * 2)
     assert [r.tokens for r in results] == plain
     paid = [p for stretch in stretches for p in stretch[1:]]  # (a first round is not timed)
@@ -1122,7 +1127,7 @@ def test_a_pipelined_stretch_of_rounds_is_priced_without_its_restart(
     prompts = [[1, 2, 3, 4], [5, 4, 3]]
     oracle, plain = _oracle_batch(tiny_runner(vocab=6), prompts, [7, 8], 120)
     _pipelined_seen(monkeypatch, "spec_rounds")
-    real_pass, spec = Batch._pass, Batch.spec_rounds
+    real_pass = Batch._pass
     first = [False]
 
     def restarting(self: Batch, *args: Any) -> Any:
@@ -1131,17 +1136,8 @@ def test_a_pipelined_stretch_of_rounds_is_priced_without_its_restart(
             time.sleep(0.2)
         return real_pass(self, *args)
 
-    stretches: list[list[float]] = []
-
-    def rounds(self: Batch, depth: int, count: int, stop: Any = None, done: Any = None) -> Any:
-        stretches.append([])
-        first[0] = True
-        for out in spec(self, depth, count, stop, done):
-            stretches[-1].append(out[0].paid_s)
-            yield out
-
     monkeypatch.setattr(Batch, "_pass", restarting)
-    monkeypatch.setattr(Batch, "spec_rounds", rounds)
+    stretches = _paid_by_stretch(monkeypatch, begin=lambda: first.__setitem__(0, True))
     results = oracle.generate_batch(prompts, each=[{"depth": 2, "max_tokens": 120}] * 2)
     assert [r.tokens for r in results] == plain
     paid = [p for stretch in stretches for p in stretch[1:]]  # (a first round is not timed)

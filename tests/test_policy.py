@@ -176,26 +176,35 @@ def test_an_untimed_shape_takes_the_nearest_timed_shapes_correction() -> None:
     assert set(table.summary()) == {"1x2", "1x9"}
 
 
+def _paid(table: CostTable, shape: tuple[int, int, bool], ratio: float, context: int = 0,
+          times: int = 1) -> None:
+    """`times` passes of `shape` at `context`, each paid `ratio` x the table's prior there."""
+    for _ in range(times):
+        table.tick(1)
+        table.observe(shape, ratio * table.prior(shape, context), context)
+
+
+def _long_curve() -> CostTable:
+    """A table whose curve, measured at one context, prices every context alike."""
+    return CostTable(CostCurve([0.010, 0.010, 0.0105, 0.011], plain=0.007, draft=0.0,
+                               estimate=True))
+
+
 def test_rounds_paid_at_one_context_do_not_price_another() -> None:
     """A curve measured at one context prices every context alike, so the table's corrections
     carry what a longer context costs: depth-3 rounds that paid 1.5x the curve over a long
     stretch at 16K (where they beat plain steps) must not price 64K's rounds, which pay 5x: two
     of those turn the policy plain there, while 16K keeps speculating (one median per shape
     mixed them and kept 64K speculating)."""
-    table = CostTable(CostCurve([0.010, 0.010, 0.0105, 0.011], plain=0.007, draft=0.0,
-                                estimate=True))
+    table = _long_curve()
     offer = Offer(head=[0.67, 0.40, 0.27])
     d3, plain = (1, 4, False), (1, 1, True)
     for _ in range(30):
-        table.tick(1)
-        table.observe(d3, 1.5 * table.prior(d3, 16384), 16384)
-        table.tick(1)
-        table.observe(plain, 1.2 * table.prior(plain, 16384), 16384)
+        _paid(table, d3, 1.5, 16384)
+        _paid(table, plain, 1.2, 16384)
     assert decide([offer], table, 3, 16384).depth > 0
     assert decide([offer], table, 3, 65536).depth > 0, "64K untimed: 16K's price, nearest band"
-    for _ in range(2):
-        table.tick(1)
-        table.observe(d3, 5 * table.prior(d3, 65536), 65536)
+    _paid(table, d3, 5, 65536, times=2)
     assert decide([offer], table, 3, 65536).depth == 0
     assert decide([offer], table, 3, 16384).depth > 0
     assert table.correction(d3, 16384) == pytest.approx(1.5, rel=0.05)
@@ -210,18 +219,14 @@ def test_plain_steps_and_verify_passes_never_price_each_other() -> None:
     plain step never timed here is priced by the curve, not by what verify passes paid:
     priced by them, a lone auto request at 64K never took a plain step and ran at 0.31x of
     plain decoding (H200). An untimed verify pass still learns from the verify passes."""
-    table = CostTable(CostCurve([0.010, 0.010, 0.0105, 0.011], plain=0.007, draft=0.0,
-                                estimate=True))
+    table = _long_curve()
     offer = Offer(head=[0.6, 0.3, 0.15])
     d3, plain = (1, 4, True), (1, 1, True)
-    for _ in range(20):
-        table.tick(1)
-        table.observe(d3, 2.2 * table.prior(d3, 65536), 65536)
+    _paid(table, d3, 2.2, 65536, times=20)
     assert table.correction(plain, 65536) == 1.0
     assert table.correction((1, 3, True), 65536) == pytest.approx(2.2)
     assert decide([offer], table, 3, 65536, pipelined=True).depth == 0
-    table.tick(1)
-    table.observe(plain, 0.5 * table.prior(plain, 65536), 65536)
+    _paid(table, plain, 0.5, 65536)
     assert table.correction((1, 3, True), 65536) == pytest.approx(2.2)
 
 
@@ -238,8 +243,7 @@ def test_a_running_stretch_goes_on_unless_another_pays_for_its_restart() -> None
     d3, d4 = (1, 4, True), (1, 5, True)
     for _ in range(20):
         for shape in (d3, d4):
-            table.tick(1)
-            table.observe(shape, table.prior(shape))
+            _paid(table, shape, 1.0)
     table.observe_restart(1, 0.02)
     assert table.restart(1) == 0.02 and table.restart(2) == 0.0
     assert decide([close], table, 4, pipelined=True).depth == 4
