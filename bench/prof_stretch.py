@@ -2,9 +2,11 @@
 steps or rounds at depth K), what building its first pass took (`started`, ms: the restart),
 each read's own seconds and the stretch's mean so far (ms), and after each auto run the cost
 table's view of each pass shape at the run's context (prior, correction, decayed timings, the
-last times paid). Written to $OUT/probe.json (default /tmp) after every run; arguments are
-bench_context.py's. How auto's choices were traced to their cause on the H200 (BENCHMARKS.md,
-context sweep, 2026-11-30 late):
+last times paid) and the scheduler's choices of depth where they changed (a batch's, or a lone
+request's on a GPU), with what each weighed. Written to
+$OUT/probe.json (default /tmp) after every run; arguments are bench_context.py's. How auto's
+choices were traced to their cause on the H200 (BENCHMARKS.md, context sweep, 2026-11-30
+late):
 
     OUT=/tmp python bench/prof_stretch.py --oracle rows --contexts 1024,16384 \\
         --arms mlx_lm,plain,d3,auto --tokens 96 --runs 3 --passes 3 --warmup first
@@ -53,11 +55,36 @@ def read(self) -> float:
     return v
 
 
+decisions: list[dict] = []  # the scheduler's choices of depth where they changed
+
+
+def deciding(real):
+    """Scheduler._depth, its choice logged with what it weighed where it changed (or where no
+    stretch ran): the running shape, the keys, the first auto row's head acceptance, each
+    depth's pass prior / correction / decayed timings, the table's restart."""
+    def depth(self, auto, running=None):
+        chosen = real(self, auto, running)
+        if self.paid is None or decisions and decisions[-1]["chosen"] == chosen and running:
+            return chosen
+        t, keys, rows = self.paid, self._keys(), len(self.active)
+        shapes = {d: (rows, d + 1, d == 0 or self._pipelines()) for d in range(9)}
+        decisions.append({
+            "chosen": chosen, "running": running, "keys": keys,
+            "head": [round(a, 3) for a in auto[0].policy.acceptance()],
+            "restart_ms": round(t.restart(rows) * 1e3, 2),
+            "shapes": {d: (round(t.prior(sh, keys) * 1e3, 2), round(t.correction(sh, keys), 3),
+                           round(t.timings(sh), 2)) for d, sh in shapes.items()}})
+        return chosen
+    return depth
+
+
 def main() -> None:
     S.StretchClock.__init__, S.StretchClock.started, S.StretchClock.read = init, started, read
     from mtpkit.decoder.rounds.batch import Batch
+    from mtpkit.decoder.rounds.scheduler import Scheduler
     for name in ("spec_rounds", "plain_steps"):
         setattr(Batch, name, tagged(getattr(Batch, name), name))
+    Scheduler._depth = deciding(Scheduler._depth)
 
     path = Path(__file__).resolve().parent / "bench_context.py"
     spec = importlib.util.spec_from_file_location("bench_context", path)
@@ -69,7 +96,7 @@ def main() -> None:
     run0 = bc.run_ours
 
     def run_ours(runner, arm, ids, tokens, *a, **k):
-        start = len(logs)
+        start, chose = len(logs), len(decisions)
         row = run0(runner, arm, ids, tokens, *a, **k)
         entry = {"arm": arm.name, "context": len(ids), "tps": row["decode_tps"],
                  "stretches": [{k2: s[k2] for k2 in ("kind", "started", "reads", "fresh")}
@@ -86,6 +113,7 @@ def main() -> None:
                 "times_ms": [round(x * 1e3, 2) for x in t.times.get((r, w, p), [])][-12:]}
                 for r, w, p in shapes}
             entry["depths"] = row.get("depths")
+            entry["decisions"] = decisions[chose:]
         probe.append(entry)
         out.write_text(json.dumps(probe, indent=1))
         return row
