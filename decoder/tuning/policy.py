@@ -321,10 +321,10 @@ def decide(offers: Sequence[Offer], table: CostTable, max_depth: int, context: i
     optimism = table.learn  # a curve given by hand is taken as it is
     plain = plain or (rows, 1, True)
 
+    restart = table.restart(rows) / horizon if running is not None else 0.0
+
     def switch(shape: Shape) -> float:
-        if running is None or shape == running or not shape[2]:
-            return 0.0
-        return table.restart(rows) / horizon
+        return restart if shape != running and shape[2] else 0.0
 
     best = Plan(0, (None,) * rows,
                 rows / (table.pricer(plain, context, optimism)(0.0) + switch(plain)))
@@ -335,10 +335,10 @@ def decide(offers: Sequence[Offer], table: CostTable, max_depth: int, context: i
                                            max_depth)
     for depth in range(1, deepest + 1):
         shape = (rows, depth + 1, pipelined)
-        price, restart = table.pricer(shape, context, optimism), switch(shape)
+        price, extra = table.pricer(shape, context, optimism), switch(shape)
         for free in plans:
             kept = rows + sum(o.kept(depth, free) for o in offers)
-            rate = kept / (price(0.0 if free else depth * step) + restart)
+            rate = kept / (price(0.0 if free else depth * step) + extra)
             if rate > best.rate:
                 sources = tuple(o.source(depth) if not free else
                                 (Source.LOOKUP if o.context else None) for o in offers)
