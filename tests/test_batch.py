@@ -1152,6 +1152,30 @@ def test_a_pipelined_stretch_of_rounds_is_priced_without_its_restart(
     assert 1 <= len(kept) <= len(stretches), (oracle.table().restarts, stretches)
 
 
+def test_a_plain_stretchs_first_step_is_not_priced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain stretch's first read may also wait for work queued before the stretch (a long
+    prompt's last prefill piece, the last round): auto learns nothing from it. Here each
+    stretch's first step reads 10 s; priced, it made every plain step of the batch look dear."""
+    from mtpkit.decoder.rounds.batch import Batch
+    from mtpkit.decoder.tuning.curve import CostCurve
+
+    prompts = [[1, 2, 3, 4], [5, 4, 3]]
+    oracle, plain = _oracle_batch(tiny_runner(vocab=6), prompts, [7, 8], 24)
+    oracle._costs = CostCurve([1.0] * 16, 0.01, 0.0, estimate=True)  # rounds never pay
+    steps, stretches = Batch.plain_steps, [0]
+
+    def waiting(self: Batch, count: int, stop: Any = None) -> Any:
+        stretches[0] += 1
+        for n, (tokens, paid) in enumerate(steps(self, count, stop)):
+            yield tokens, 10.0 if n == 0 else paid
+
+    monkeypatch.setattr(Batch, "plain_steps", waiting)
+    results = oracle.generate_batch(prompts, 24, max_batch=2, depth="auto")
+    assert [r.tokens for r in results] == plain
+    times = oracle.table().times[(2, 1, True)]
+    assert stretches[0] >= 1 and times and max(times) < 1.0, (stretches, times)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])
 def test_a_lone_rows_plain_steps_see_exact_keys_after_pipelined_rounds(
         monkeypatch: pytest.MonkeyPatch, runners: Callable[[str], Runner],

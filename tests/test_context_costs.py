@@ -23,7 +23,7 @@ from mtpkit.decoder.options import Source
 from mtpkit.decoder.runner import Runner
 from mtpkit.decoder.tuning import costs
 from mtpkit.decoder.tuning.curve import CONTEXT, GRAIN, CostCurve, Point
-from mtpkit.decoder.tuning.policy import DepthPolicy
+from mtpkit.decoder.tuning.policy import CostTable, DepthPolicy
 from mtpkit.schemas import validate
 from mtpkit.verify.tune import render_text, report
 
@@ -41,6 +41,23 @@ def h200() -> CostCurve:
     return CostCurve(_verify(8.5 * MS, 13.2 * MS, 0.9 * MS), 8.0 * MS, 0.3 * MS, context=1024,
                      longer=[Point(16384, _verify(11.5 * MS, 24.7 * MS, 1.35 * MS), 11.0 * MS),
                              Point(65536, _verify(13.1 * MS, 56.4 * MS, 1.9 * MS), 12.5 * MS)])
+
+
+def test_pipelining_saves_a_verify_pass_what_it_saves_at_the_first_context() -> None:
+    """Pipelining hides a pass's host part, which the context does not grow: a pipelined
+    verify pass is saved the share a plain step saves at the curve's first context. At 64K
+    (the H200's auto curve: c(1) 27.8 ms, c(4) 55 ms, a plain step 15 ms) a one-row verify
+    pass costs twice a plain step for its attention; saved that ratio, depth 3 was priced at
+    30 ms where its rounds paid 52-74. Plain steps keep their own context's price."""
+    first = [8.67, 8.32, 9.34, 11.38] + [11.38 + 0.6 * t for t in range(1, 13)]
+    long = [27.8, 51.1, 51.6, 55.0] + [55.0 + 0.6 * t for t in range(1, 13)]
+    curve = CostCurve([v * MS for v in first], 6.65 * MS, 0.0, context=1024,
+                      longer=[Point(65536, [v * MS for v in long], 15.0 * MS)])
+    table = CostTable(curve)
+    assert table.prior((1, 4, True), 65536) == pytest.approx(55.0 * MS * 6.65 / 8.67)
+    assert table.prior((1, 4, False), 65536) == pytest.approx(55.0 * MS)
+    assert table.prior((1, 1, True), 65536) == pytest.approx(15.0 * MS)
+    assert table.prior((1, 4, True), 1024) == pytest.approx(11.38 * MS * 6.65 / 8.67)
 
 
 def test_the_curve_is_linear_between_measured_contexts_and_extrapolated_beyond() -> None:

@@ -804,6 +804,30 @@ def test_a_pipelined_stretch_is_priced_at_its_steps_not_its_restart() -> None:
     assert clock.restart is None
 
 
+def test_a_stretchs_slow_first_steps_wear_out_of_its_price() -> None:
+    """What a stretch's steps cost now is read over the later half of its reads: the first
+    steps after a restart may run slower (a GPU's allocator cache emptied, buffers allocated
+    again), and in a mean since the stretch began they priced every round of it dearer (auto
+    then kept depth 3 for dear at 1K on an H200). Here the consumer takes 0.1 s over each of
+    the first three steps and 0.005 s over the nine after: the mean since the start reads
+    0.029 s a step, the later half what the steps cost by then."""
+    import time
+
+    from mtpkit.decoder.rounds.session import pipelined
+
+    def take(hidden: mx.array, picks: mx.array) -> int:
+        token = int(picks.reshape(-1)[0].item())
+        time.sleep(0.1 if token <= 3 else 0.005)
+        return token
+
+    def step(tokens: mx.array) -> tuple[mx.array, mx.array]:
+        return tokens, tokens + 1
+
+    paid = [s for _, _, s in pipelined(step, mx.array([[0]]), lambda p: p[None], 12, take)]
+    assert paid[1] > 0.05, paid  # (the slow steps are what the stretch paid so far)
+    assert paid[-1] < 0.015, paid
+
+
 def test_best_depth_is_the_fastest_depth_or_plain_when_none_beats_it() -> None:
     """`compare.best_depth` (docs/python-api.md): the depth of the largest speedup, 0 where no
     depth beats plain decoding."""

@@ -96,7 +96,7 @@ class Scheduler:
         self.rows = 0  # rows the last step's round verified (0: none)
         self.allow_solo, self.one_row = solo, one_row
         self.solo: tuple[Request, Iterator[list[int]], Controller | None] | None = None
-        self.stretch: Iterator[tuple[list[int], float]] | None = None  # pipelined plain steps
+        self.stretch: Iterator[tuple[int, tuple[list[int], float]]] | None = None  # plain steps
         self.entering: list[Request] = []  # first token sent; join the batch next step
         self.spec: Iterator[tuple[int, list[RoundOutcome]]] | None = None  # pipelined
         # speculative rounds, numbered
@@ -416,14 +416,17 @@ class Scheduler:
             return self._wanted() or bool(auto) and self._depth(
                 auto, (len(self.active), 1, True)) > 0
 
-        self.stretch = self.batch.plain_steps(steps, stop)
+        self.stretch = enumerate(self.batch.plain_steps(steps, stop))
         return True
 
     def _stretch_step(self) -> list[Event] | None:
-        """The stretch's next step of every row (None once it has ended: rows done leave)."""
+        """The stretch's next step of every row (None once it has ended: rows done leave). Its
+        first step's read may also have waited for work queued before the stretch (a long
+        prefill's last piece, the last round): the clock ticks, no price is learnt (one read
+        long after a prefill made auto take plain steps for dear: docs/decoding.md)."""
         assert self.stretch is not None
         try:
-            tokens, paid = next(self.stretch)
+            read, (tokens, paid) = next(self.stretch)
         except StopIteration:
             self.stretch = None
             self._leave()
@@ -433,6 +436,7 @@ class Scheduler:
         if self.paid is not None:
             keys = self._keys()
             self.paid.tick(self.rows)
+        if self.paid is not None and read:
             self.paid.observe((self.rows, 1, True), paid, keys)
             if self.rows == 1 and self.paid.learn:  # the stored curve judged, as a lone run's
                 check_plain(self.paid.curve, self.paid.seconds((1, 1, True), keys))

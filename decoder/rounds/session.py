@@ -546,8 +546,12 @@ class StretchClock:
     Batch.spec_rounds' rounds): a step read after it was queued behind the last read paid
     from that read to its own (the consumer's work between ran beside it on the device, and a
     consumer slower than the device is what a step costs), else the seconds from `resume` to
-    its read; the mean, since a read may wait for more than its own step (one step then
-    reads long and the next free). What queueing a pass that may have compiled took beyond
+    its read; a mean, since a read may wait for more than its own step (one step then
+    reads long and the next free): over the later half of the reads so far (two at least),
+    so what the first steps after a restart paid wears out of the price as the stretch goes
+    on (after the allocator's cache was emptied they run slower while buffers are allocated
+    again; in a mean since the start they priced a whole stretch, and the policy kept the
+    shape for dear). What queueing a pass that may have compiled took beyond
     what queueing one usually takes here (`queue`) is left out: a shape compiles once, its
     steps are paid every time (the usual part is real host work, on a CPU most of a step).
     Where steps are queued ahead, the clock starts once the first is queued (`started`): the
@@ -556,9 +560,10 @@ class StretchClock:
     is the stretch's `restart`, which the depth policy weighs against switching stretches."""
 
     def __init__(self) -> None:
-        self.spent, self.steps = 0.0, 0
+        self.paid = [0.0]  # seconds the reads so far paid, cumulated: [0, first, first two..]
         self.begin = self.last = time.perf_counter()
         self.fresh: list[float] = []  # seconds queueing a shape's first pass took, unread
+        self.since = 0  # the read the first of them is paid in
         self.usual: float | None = None  # the least queueing any other pass took
         self.restart: float | None = None  # seconds building the first step took (`started`)
 
@@ -569,6 +574,7 @@ class StretchClock:
         out = build(*args)
         took = time.perf_counter() - start
         if first is not None and first():
+            self.since = self.since if self.fresh else len(self.paid) - 1
             self.fresh.append(took)
         else:
             self.usual = took if self.usual is None else min(self.usual, took)
@@ -583,14 +589,22 @@ class StretchClock:
         self.begin, self.fresh = now, []
 
     def read(self) -> float:
-        """A step was read: the stretch's mean so far (first passes queued so far count at
-        the usual time once one is known: until then, as they took)."""
+        """A step was read: what a step paid over the later half of the reads so far (first
+        passes queued so far count at the usual time once one is known, taken from the reads
+        that paid them: until then, as they took)."""
         self.last = time.perf_counter()
-        self.spent, self.steps = self.spent + self.last - self.begin, self.steps + 1
+        paid = self.paid
+        paid.append(paid[-1] + self.last - self.begin)
         if self.usual is not None and self.fresh:
             extra = sum(max(0.0, t - self.usual) for t in self.fresh)
-            self.spent, self.fresh = max(self.spent - extra, 0.0), []
-        return self.spent / self.steps
+            own = [b - a for a, b in zip(paid[self.since:-1], paid[self.since + 1:], strict=True)]
+            for i, seconds in enumerate(own, start=self.since + 1):  # from the reads that paid it
+                cut = min(extra, seconds)
+                paid[i], extra = paid[i - 1] + seconds - cut, extra - cut
+            self.fresh = []
+        reads = len(paid) - 1
+        later = min(max(2, (reads + 1) // 2), reads)
+        return (paid[-1] - paid[-1 - later]) / later
 
     def resume(self, overlapped: bool) -> None:
         """The consumer is done with the last step; `overlapped`: the next was queued before

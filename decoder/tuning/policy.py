@@ -135,10 +135,16 @@ class CostTable:
         else the verify pass over rows x width tokens (one row pads to a cheaper width),
         pipelined passes by what pipelining saves a plain step. A pipelined step is never
         priced over the synchronous pass of as many tokens (the same work, its host part
-        overlapped): a curve that says so was timed busy."""
+        overlapped): a curve that says so was timed busy. Pipelining hides the host's part
+        of a pass, which the context does not grow: verify passes (several query rows) are
+        saved the share a plain step saves at the curve's first context. At a long context a
+        one-row verify pass costs more than a plain step for its attention, which pipelining
+        does not hide: saved that ratio, a round was priced at half what it paid
+        (docs/decoding.md, "Choosing the depth")."""
         rows, width, piped = shape
         curve = self.curve.at(context)
-        saving = min(curve.plain / curve.verify[0], 1.0)
+        saved = curve if width == 1 else self.curve
+        saving = min(saved.plain / saved.verify[0], 1.0)
         if rows == 1 and width == 1 and piped:
             return curve.verify[0] * saving
         tokens = curve.width(width) if rows == 1 else rows * width
