@@ -321,10 +321,13 @@ class Scheduler:
     def _start_spec(self, asks: list[Ask]) -> bool:
         """Speculative rounds pipelined (Batch.spec_rounds) where every row drafts the same
         depth from the head (under auto: the policy's choice). Every SPEC_ROUNDS rounds the
-        policy chooses again, after every round while the stretch's pass shape has been timed
-        fewer times than that (an untried shape's price is a guess the policy explores on:
-        its first rounds correct it), and the stretch goes on while it picks this depth (a
-        restart costs a round the host cannot overlap); once a row is done, until every row
+        policy chooses again, and while the stretch's pass shape has been timed fewer times
+        than that, after rounds SPEC_ROUNDS / 4, then twice as many, and so on (an untried
+        shape's price is a guess the policy explores on: its first rounds correct it, but the
+        rounds just after a restart read slow, and asked after each of them the policy took
+        every try for dear and churned through untried depths, a restart each); the stretch
+        goes on while it picks this depth (a restart costs a round the host cannot overlap,
+        and the slow rounds after it); once a row is done, until every row
         is (a done row stays until then: `_wanted`). With a row at a fixed depth, no round can
         reach a row's max_tokens (its last rounds draft fewer, as alone: its seeded text is the
         same batched); under auto a row's surplus past its max_tokens is dropped (its depth is
@@ -353,10 +356,11 @@ class Scheduler:
             read += 1
             if self._wanted():
                 return True
-            if (not auto_rows or any(r.finish is not None for r in self.active)
-                    or read + 1 < SPEC_ROUNDS and self._timed(shape)):
+            if not auto_rows or any(r.finish is not None for r in self.active):
                 return False
-            read = 0
+            trying = read >= SPEC_ROUNDS // 4 and read & (read - 1) == 0  # 4, 8, 16...
+            if read % SPEC_ROUNDS and not (trying and not self._timed(shape)):
+                return False
             return self._chosen_otherwise(auto_rows, depth)
 
         self.spec = enumerate(self.batch.spec_rounds(
