@@ -151,6 +151,22 @@ def test_the_measurement_times_a_longer_context_and_the_curve_follows(runner: Ru
     assert curve.seconds <= 60.0
 
 
+def test_a_plain_step_is_priced_in_its_stretchs_stride_not_its_start(runner: Runner) -> None:
+    """Each timed run of plain steps is a stretch of its own: the device idles while its first
+    step is built and its first steps read slower (here 50 ms a run). A run of 8 steps at a
+    longer context priced a step at 9 + 1/K ms plus 6 ms of that; a run less one of half as
+    many leaves it out, at every context."""
+    steep = _steep()
+
+    def starting(kind: str, size: int, run: Callable[[], object]) -> float:
+        return steep(kind, size, run) + (0.05 if kind == "plain" else 0.0)
+
+    curve = costs.measure(runner, budget_s=60.0, timer=starting)
+    assert curve.contexts() == [CONTEXT, 3840]
+    assert curve.plain == pytest.approx(0.009 + 0.001 * 0.512)
+    assert curve.at(3840).plain == pytest.approx(0.009 + 0.001 * 3.84)
+
+
 def test_a_tight_budget_measures_a_shorter_context_or_none(runner: Runner) -> None:
     """Prefill at 4 ms a token (3840 tokens: 15 s): the cache is prefilled on while the next
     chunk and the passes after it fit, and the context reached is measured; with less, none."""

@@ -58,8 +58,7 @@ class Plan:
     plain_warmup: int = 4  # plain steps that warm up the plain path first (its shapes, not a timing)
     plain_steps: int = 32  # plain steps timed at the first context (half where the budget is short)
     plain_batch: int = 8  # steps per timing where plain_steps would take over a second, and at a
-    # longer context (one run): the median of the runs; each run's first step has nothing to
-    # overlap with, 1/8 of a step's host time
+    # longer context (one run, and one of half as many: `_Bench.plain_step`)
     long_share: float = 0.25  # of the budget, what longer contexts have at least (the first
     # context takes the rest, 15 s by default as before they were measured, and leaves them what
     # it does not use)
@@ -79,12 +78,13 @@ CHUNK = 4 * GRAIN  # prefill tokens per timed pass on the way to a longer contex
 FARTHER = 4  # a context cut short by the budget is measured if this many times the first one's
 # and twice the last (the policy extrapolates its slope: a short one timed on a busy CPU misprices)
 RETRY_SHARE = 0.25  # of the budget, the least a re-measurement may take beyond the budget
-VERSION = 7  # bump when what is measured changes (2: bounded, checked, smoothed curves;
+VERSION = 8  # bump when what is measured changes (2: bounded, checked, smoothed curves;
 # 3: with what judges them; 4: at longer contexts too: a curve of one context priced a 64K
 # round as a 512-token one, so older curves are measured again, not read as flat; 5: the
 # first context prefilled in pieces: a first pass that compiled could cut a curve to 64 tokens;
 # 6: in pairs of equal pieces, the second pricing: each new piece size compiles on a GPU;
-# 7: plain steps on one stream: a GPU's stored plain step was a fifth too dear, within DRIFT)
+# 7: plain steps on one stream: a GPU's stored plain step was a fifth too dear, within DRIFT;
+# 8: plain steps in a stretch's stride, its start cancelled: at 16K and 64K a GPU's was 2x dear)
 DRIFT = 1.5  # two timings of one thing this far apart: the slower ran on a busy machine, or (a
 # first pass) built something: then each width is warmed up first (a GPU)
 
@@ -404,14 +404,21 @@ class _Bench:
 
     def plain_step(self, total: int, batch: int, step: float, limit: float,
                    where: str = "") -> float:
-        """The median seconds of a plain step over runs of `batch` (`total` in all, fewer where
-        the projected end passes `limit`); `step`: what one is expected to take."""
+        """The median seconds of a plain step in a stretch's stride: a run of `batch` steps
+        less one of half as many, over the steps between (a stretch's start cancels out: the
+        device idles while its first step is built, and its first steps read slower; in one
+        run of 8 steps after a long prefill a GPU's step was priced at twice what decoding
+        paid), runs of both about `total` steps in all (fewer where the projected end passes
+        `limit`); `step`: what one is expected to take."""
+        half = batch // 2
         runs: list[float] = []
-        for i in range(0, total, batch):
-            runs.append(self.clock.time("plain", batch, lambda: self.plain(batch), batch * step,
-                                        f"plain steps {i + 1}-{i + batch}{where}") / batch)
+        for i in range(0, max(total - half, 1), batch + half):
+            short, full = (self.clock.time("plain", n, lambda n=n: self.plain(n), n * step,
+                                           f"plain steps {i + 1}-{i + n}{where}")
+                           for n in (half, batch))
+            runs.append((full - short) / (batch - half) if full > short else full / batch)
             if self.clock.over(limit):
-                self.clock.skip((total - i - batch) * step)
+                self.clock.skip(max(total - i - batch - half, 0) * step)
                 break
         self.repeats.append(runs)
         return statistics.median(runs)
@@ -421,7 +428,7 @@ class _Bench:
         attention prefill paid per token over the keys added."""
         more = self.slope() * (context - last.context)
         rows = sum(passes * (last.verify[t - 1] + t * more) for t in SPARSE_ROWS)
-        return rows * (1 + self.warm) + PLAN.plain_batch * (last.plain + more)
+        return rows * (1 + self.warm) + PLAN.plain_batch * 3 // 2 * (last.plain + more)
 
     def point(self, context: int, last: Point, passes: int, limit: float) -> Point:
         """The curve at the context the cache holds (`context`), SPARSE_ROWS timed."""
