@@ -547,11 +547,14 @@ class StretchClock:
     from that read to its own (the consumer's work between ran beside it on the device, and a
     consumer slower than the device is what a step costs), else the seconds from `resume` to
     its read; a mean, since a read may wait for more than its own step (one step then
-    reads long and the next free): over the later half of the reads so far (two at least),
-    so what the first steps after a restart paid wears out of the price as the stretch goes
-    on (after the allocator's cache was emptied they run slower while buffers are allocated
-    again; in a mean since the start they priced a whole stretch, and the policy kept the
-    shape for dear). What queueing a pass that may have compiled took beyond
+    reads long and the next free): over the later half of the reads so far (four at least,
+    all of a shorter stretch), so what the first steps after a restart paid wears out of the
+    price as the stretch goes on (after the allocator's cache was emptied they run slower
+    while buffers are allocated again; in a mean since the start they priced a whole
+    stretch, and the policy kept the shape for dear). Not fewer: a stretch's last read is
+    nearly free where its step ran beside the host deciding to end the stretch, and over two
+    reads it halved a short stretch's price (auto on a CPU then took plain steps for cheap).
+    What queueing a pass that may have compiled took beyond
     what queueing one usually takes here (`queue`) is left out: a shape compiles once, its
     steps are paid every time (the usual part is real host work, on a CPU most of a step).
     Where steps are queued ahead, the clock starts once the first is queued (`started`): the
@@ -603,7 +606,7 @@ class StretchClock:
                 paid[i], extra = paid[i - 1] + seconds - cut, extra - cut
             self.fresh = []
         reads = len(paid) - 1
-        later = min(max(2, (reads + 1) // 2), reads)
+        later = min(max(4, (reads + 1) // 2), reads)
         return (paid[-1] - paid[-1 - later]) / later
 
     def resume(self, overlapped: bool) -> None:
