@@ -358,10 +358,9 @@ class Scheduler:
                 return True
             if not auto_rows or any(r.finish is not None for r in self.active):
                 return False
-            trying = read >= SPEC_ROUNDS // 4 and read & (read - 1) == 0  # 4, 8, 16...
-            if read % SPEC_ROUNDS and not (trying and not self._timed(shape)):
-                return False
-            return self._chosen_otherwise(auto_rows, depth)
+            due = read % SPEC_ROUNDS == 0 or (  # untimed: after rounds 4, 8, 16...
+                read >= SPEC_ROUNDS // 4 and read & (read - 1) == 0 and not self._timed(shape))
+            return due and self._chosen_otherwise(auto_rows, depth)
 
         self.spec = enumerate(self.batch.spec_rounds(
             depth, rounds, stop, lambda b: self.active[b].finish is not None))
@@ -438,9 +437,9 @@ class Scheduler:
         self.rows = len(self.active)
         self._restarted()
         if self.paid is not None:
-            keys = self._keys()
             self.paid.tick(self.rows)
         if self.paid is not None and read:
+            keys = self._keys()
             self.paid.observe((self.rows, 1, True), paid, keys)
             if self.rows == 1 and self.paid.learn:  # the stored curve judged, as a lone run's
                 check_plain(self.paid.curve, self.paid.seconds((1, 1, True), keys))

@@ -428,7 +428,8 @@ class _Bench:
         attention prefill paid per token over the keys added."""
         more = self.slope() * (context - last.context)
         rows = sum(passes * (last.verify[t - 1] + t * more) for t in SPARSE_ROWS)
-        return rows * (1 + self.warm) + PLAN.plain_batch * 3 // 2 * (last.plain + more)
+        steps = PLAN.plain_batch + PLAN.plain_batch // 2  # a run and its half (plain_step)
+        return rows * (1 + self.warm) + steps * (last.plain + more)
 
     def point(self, context: int, last: Point, passes: int, limit: float) -> Point:
         """The curve at the context the cache holds (`context`), SPARSE_ROWS timed."""
