@@ -24,7 +24,11 @@ from mtpkit.decoder.drafters.dflash import attach as attach_dflash
 from mtpkit.decoder.drafters.draft_model import FIXED_DEPTH, DraftModel, check_vocab
 from mtpkit.decoder.model import kernels
 from mtpkit.decoder.model.head import Contract, MTPHead
-from mtpkit.decoder.model.rows import use_few_rows_linears, use_kernel_linears
+from mtpkit.decoder.model.rows import (
+    dequantize_where_wrong,
+    use_few_rows_linears,
+    use_kernel_linears,
+)
 from mtpkit.decoder.model.trunk import Trunk
 from mtpkit.decoder.options import (
     KV_START,
@@ -556,6 +560,9 @@ def _build(view: BundleView, contract: Contract, unsupported: Finding | None,
     if group is not None and shard == "pipeline":
         sharding.shard_pipeline(trunk, group)
     _fast_linears(trunk, head)
+    for module in (trunk.text, head):
+        if module is not None and not flat:
+            dequantize_where_wrong(module)
     traced = group is None and bounded_by_default()
     if traced:  # where the host's graph building bounds a verify pass (a GPU)
         trunk.use_traced()

@@ -21,7 +21,7 @@ from fixtures.breaker import BREAKERS
 from fixtures.decoder_models import BatchOracleHead, OracleHead, tiny_runner
 from fixtures.factory import Sidecar
 from fixtures.laws import exact_joint, pvalue
-from fixtures.numerics import RTOL, assert_close, difference
+from fixtures.numerics import RTOL, assert_close, break_products_over, difference
 from mtpkit.decoder.drafters import misses
 from mtpkit.decoder.model.rows import FEW_ROWS, FewRowsLinear, use_few_rows_linears
 from mtpkit.decoder.rounds import acceptance
@@ -525,6 +525,27 @@ def test_delta_sidecar_norms_load_like_absolute(built: Callable[..., Path]) -> N
     a = absolute.generate(PROMPT, 24, depth=3)
     b = delta.generate(PROMPT, 24, depth=3)
     assert a.tokens == b.tokens and a.stats.accepted == b.stats.accepted
+
+
+def test_layers_mlx_multiplies_wrongly_load_dequantized(built: Callable[..., Path],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where MLX's quantized matmul is wrong for several rows of a 64-feature input (as MLX's
+    CUDA op is), a bundle kept quantized loads those layers dequantized: its logits are the
+    right ones (each such weight rounded to bf16 once more, through every layer: a few times
+    the dtype's rounding, where the wrong op gives NaN) and MTP stays exact."""
+    bundle = built("qwen3_5")
+    ids = mx.array([PROMPT])
+    right = mtpkit.load(bundle, dequantize=False)
+    _, want = right.trunk(ids, right.trunk.make_cache())
+    break_products_over(monkeypatch, right.trunk.args.hidden_size)
+    repaired = mtpkit.load(bundle, dequantize=False)
+    _, got = repaired.trunk(ids, repaired.trunk.make_cache())
+    assert want.dtype == mx.bfloat16 and difference(got, want) <= 10 * RTOL[mx.bfloat16]
+    packed = [sum(isinstance(m, nn.QuantizedLinear) for _, m in r.trunk.text.named_modules())
+              for r in (right, repaired)]
+    assert packed[0] > packed[1] > 0  # the 128-feature inputs stay quantized
+    assert repaired.generate(PROMPT, 24, depth=2).tokens == repaired.generate(PROMPT, 24,
+                                                                              depth=0).tokens
 
 
 @pytest.mark.parametrize("family", MTP_FAMILIES)

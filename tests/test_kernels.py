@@ -13,10 +13,12 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
+from fixtures.numerics import break_products_over
 from mtpkit.decoder.model import kernels
 from mtpkit.decoder.model.rows import (
     KernelQuantizedEmbedding,
     KernelQuantizedLinear,
+    dequantize_where_wrong,
     use_kernel_linears,
 )
 from mtpkit.decoder.tuning import jit_warmup, kernel_choice
@@ -24,13 +26,14 @@ from mtpkit.decoder.tuning import jit_warmup, kernel_choice
 TOLERANCE = {mx.bfloat16: 2e-2, mx.float16: 4e-3, mx.float32: 1e-4}
 
 
-def _close(got: mx.array, want: mx.array, dtype: mx.Dtype) -> None:
+def _close(got: mx.array, want: mx.array, dtype: mx.Dtype, roundings: int = 1) -> None:
     """Relative to the output's scale: a wrong nibble order or group index moves outputs by a
-    whole weight's worth (~1/sqrt(K) of the scale), far above the dtype's rounding."""
+    whole weight's worth (~1/sqrt(K) of the scale), far above the dtype's rounding (`roundings`:
+    how many times a value was rounded to the dtype on the way)."""
     got, want = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
     scale = float(np.abs(want).max()) + 1e-6
     assert got.shape == want.shape
-    assert float(np.abs(got - want).max()) / scale < TOLERANCE[dtype]
+    assert float(np.abs(got - want).max()) / scale < roundings * TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("bits", kernels.BITS)
@@ -269,3 +272,28 @@ def test_kernel_linears_warm_up_on_cuda_only(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(kernels, "cuda_available", lambda: True)
     use_kernel_linears(again)
     assert warmed == [2]
+
+
+def test_layers_mlx_multiplies_wrongly_run_dequantized(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where MLX's op is right every quantized layer stays; where it is wrong for a shape, that
+    shape's layers (linear and tied output projection alike) become float layers computing
+    what the quantized ones should, and the others stay packed."""
+    mx.random.seed(11)
+    model = nn.Sequential(nn.Linear(128, 256), nn.Linear(256, 128, bias=False),
+                          nn.Embedding(512, 128))
+    model.set_dtype(mx.bfloat16)
+    nn.quantize(model, group_size=64, bits=4)
+    inputs = [mx.random.normal((1, r, 128)).astype(mx.bfloat16) for r in (1, 5, 40)]
+    ids = mx.array([[0, 511, 7]])
+    want = [(model.layers[0](x), model.layers[2].as_linear(x)) for x in inputs]
+    looked_up = model.layers[2](ids)
+    said: list[str] = []
+    assert dequantize_where_wrong(model, said.append) == 0 and not said
+    break_products_over(monkeypatch, 128)
+    assert dequantize_where_wrong(model, said.append) == 2
+    assert [type(m) for m in model.layers] == [nn.Linear, nn.QuantizedLinear, nn.Embedding]
+    assert "for 2 weight shape(s): 2 layer(s) run dequantized" in said[0]
+    for x, (linear, tied) in zip(inputs, want, strict=True):  # weights rounded once more
+        _close(model.layers[0](x), linear, mx.bfloat16, roundings=2)
+        _close(model.layers[2].as_linear(x), tied, mx.bfloat16, roundings=2)
+    assert mx.array_equal(model.layers[2](ids), looked_up).item()

@@ -15,12 +15,15 @@ one row (plain decoding) and long inputs go through MLX's own ops.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
 from mtpkit.decoder.model import kernels
 from mtpkit.decoder.tuning import jit_warmup, kernel_choice
+from mtpkit.decoder.tuning.kernel_choice import stderr_line
 
 FEW_ROWS = kernels.MAX_ROWS  # a verify pass's rows at most, as the kernel's
 
@@ -133,3 +136,73 @@ def use_kernel_linears(module: nn.Module) -> int:
         kernel_choice.assign(twins)
         jit_warmup.warm(twins)
     return count
+
+
+QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding)  # kernel twins are subclasses
+
+
+def _products_right(layer: nn.Module) -> bool:
+    """Whether MLX's own quantized matmul multiplies rows by `layer`'s weight right on this
+    device: 2, FEW_ROWS and 4 x FEW_ROWS rows (its per-row, middle and tiled paths) against
+    the dequantized product in float32, over the weight's first output rows (a whole tied
+    output projection in float32 would take gigabytes). Wrong means non-finite, or off by a
+    quarter of the largest output: rounding in any float dtype stays far below that."""
+    sample = 256  # output rows: several of the op's tiles wide
+    weight, scales = layer["weight"][:sample], layer["scales"][:sample]
+    biases = layer["biases"][:sample] if "biases" in layer else None
+    dtype = scales.dtype
+    dense = mx.dequantize(weight, scales.astype(mx.float32), None if biases is None
+                          else biases.astype(mx.float32), layer.group_size, layer.bits,
+                          mode=layer.mode)
+    for rows in (2, FEW_ROWS, 4 * FEW_ROWS):
+        x = mx.random.normal((rows, dense.shape[1]), key=mx.random.key(rows)).astype(dtype)
+        got = mx.quantized_matmul(x, weight, scales, biases, transpose=True,
+                                  group_size=layer.group_size, bits=layer.bits, mode=layer.mode)
+        want = x.astype(mx.float32) @ dense.T
+        error = mx.abs(got.astype(mx.float32) - want).max()
+        if not (error <= 0.25 * mx.abs(want).max()).item():  # NaN compares false
+            return False
+    return True
+
+
+def _dequantized(layer: nn.Module) -> nn.Module:
+    """The float layer computing what `layer` should: its weight dequantized, in its dtype."""
+    weight = mx.dequantize(layer["weight"], layer["scales"], layer.get("biases"),
+                           layer.group_size, layer.bits, mode=layer.mode)
+    if isinstance(layer, nn.QuantizedEmbedding):
+        dense = nn.Embedding(*weight.shape)
+    else:
+        dense = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in layer)
+        if "bias" in layer:
+            dense.bias = layer["bias"]
+    dense.weight = weight
+    return dense
+
+
+def dequantize_where_wrong(module: nn.Module, say: Callable[[str], None] = stderr_line) -> int:
+    """Dequantize the quantized layers under `module` whose products MLX's own op computes
+    wrongly on this device, checked once per weight layout and shape; returns how many.
+    MLX's CUDA quantized matmul returns non-finite or unrelated values for two or more rows
+    of a 64-feature input (4-bit in groups of 64: one group a row): every prefill and verify pass through
+    such a layer would be garbage while one-row decoding stays right. Checked on the device
+    rather than assumed from a version, so a fixed MLX keeps every layer quantized. Affine
+    layouts only (the float formats' scales do not say the activations' dtype)."""
+    found = [(name, m) for name, m in module.named_modules()
+             if isinstance(m, QUANTIZED) and getattr(m, "mode", "affine") == "affine"]
+    verdict: dict[tuple, bool] = {}
+    wrong, extra = [], 0
+    for name, layer in found:
+        shape = (*layer["weight"].shape, layer.bits, layer.group_size, layer["scales"].dtype,
+                 "biases" in layer)
+        if shape not in verdict:
+            verdict[shape] = _products_right(layer)
+        if not verdict[shape]:
+            wrong.append((name, _dequantized(layer)))
+            extra += wrong[-1][1].weight.nbytes - sum(
+                layer[k].nbytes for k in ("weight", "scales", "biases") if k in layer)
+    if wrong:
+        module.update_modules(tree_unflatten(wrong))
+        say(f"MLX's quantized matmul computes wrong products on this device for "
+            f"{sum(not ok for ok in verdict.values())} weight shape(s): {len(wrong)} layer(s) "
+            f"run dequantized ({extra / 2**20:.1f} MiB more)")
+    return len(wrong)
