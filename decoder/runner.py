@@ -50,7 +50,7 @@ from mtpkit.decoder.tuning import batch_costs
 from mtpkit.decoder.tuning.costs import Progress, costs_for
 from mtpkit.decoder.tuning.curve import CostCurve
 from mtpkit.decoder.tuning.dtypes import choose as choose_dtype
-from mtpkit.decoder.tuning.policy import CostTable, DepthPolicy
+from mtpkit.decoder.tuning.policy import CostTable, DepthPolicy, Tracker
 from mtpkit.loaders.arrays import mtp_arrays
 from mtpkit.loaders.bundle import BundleView, open_bundle
 from mtpkit.loaders.families import family_for
@@ -164,6 +164,7 @@ class Runner:
         self.unsupported: str | None = None  # why the bundle's head is not run (mtp.unsupported)
         self._costs: CostCurve | None = None
         self.paid: CostTable | None = None  # what passes cost here, by shape (policy.py)
+        self.kept: dict[str, Tracker] = {}  # what auto requests' drafts kept, by source (policy.py)
         self.drafter: DraftModel | None = None  # a draft model (load_draft_model)
         self.vocab: dict[str, int] | None = None  # its tokenizer's token -> id, as the bundle's
 
@@ -292,7 +293,7 @@ class Runner:
             return FIXED_DEPTH, None
         if draft == Source.MODEL and depth == "auto" and self.drafter is not None:
             return MAX_AUTO_DEPTH, DepthPolicy(self.costs(), MAX_AUTO_DEPTH, sources=(draft,),
-                                               table=self.table(),
+                                               table=self.table(), memory=self.kept,
                                                model_step=self.drafter.step_cost())
         if depth == "auto":
             sources = tuple(s for s, ok in ((Source.HEAD, self.head is not None
@@ -301,7 +302,7 @@ class Runner:
             if not sources:
                 return 0, None
             return MAX_AUTO_DEPTH, DepthPolicy(self.costs(), MAX_AUTO_DEPTH, sources=sources,
-                                               table=self.table())
+                                               table=self.table(), memory=self.kept)
         if depth is None:
             return (self.head.blocks if self.head is not None else 0), None
         assert isinstance(depth, int)  # checked: DecodeOptions

@@ -29,6 +29,7 @@ from mtpkit.decoder.tuning.policy import (
     CostTable,
     DepthPolicy,
     Offer,
+    Tracker,
     decide,
     memory,
 )
@@ -88,6 +89,39 @@ def test_acceptance_estimates_are_non_increasing_and_extrapolate() -> None:
     assert abs(a[0] - 0.8) < 0.1 and abs(a[1] - 0.6) < 0.1
     assert a[2] == pytest.approx(a[1] * a[1] / a[0], rel=0.05)  # never tried: the last
     # conditional rate carried on
+
+
+def test_a_few_rounds_that_kept_everything_do_not_promise_the_deepest_drafts() -> None:
+    """Past the positions tried, the last conditional rate carries on shrunk toward PRIOR by
+    the rounds behind it: three rounds that kept all three drafts promise little of an eighth,
+    where two hundred promise nearly as much of a fourth as of a third."""
+    few, many = Tracker(8), Tracker(8)
+    for _ in range(3):
+        few.record(3, 3)
+    for _ in range(200):
+        many.record(3, 3)
+    a, b = few.estimates(), many.estimates()
+    assert a[3] < 0.85 * a[2] and a[7] < 0.5 * a[2]
+    assert b[3] > 0.95 * b[2]
+
+
+def test_a_request_starts_from_what_its_runners_drafts_kept() -> None:
+    """A runner's memory of what drafts kept is the next request's prior (two rounds' worth):
+    where the last requests kept nearly every draft the next one starts deep, not at depth 1
+    from PRIOR; its own rounds then outweigh it, and plain steps let the memory fade."""
+    memory: dict[str, Tracker] = {}
+    fresh = DepthPolicy(gpu_like(), 8, memory=memory).best()
+    earlier = DepthPolicy(gpu_like(), 8, memory=memory)
+    for _ in range(60):
+        earlier.record(4, 4)
+    later = DepthPolicy(gpu_like(), 8, memory=memory)
+    assert later.acceptance() == pytest.approx(memory["head"].estimates())
+    assert later.best() >= 4 > fresh
+    for _ in range(30):  # this request's text is another: nothing is kept
+        later.record(later.best() or 1, 0)
+    assert later.acceptance()[0] < 0.1 and later.best() <= 1
+    DepthPolicy(gpu_like(), 8, memory=memory).plain(400)
+    assert DepthPolicy(gpu_like(), 8, memory=memory).acceptance()[0] < 0.55
 
 
 def test_verify_pads_to_a_cheaper_width() -> None:
@@ -365,7 +399,8 @@ def test_auto_reports_what_rounds_and_plain_stretches_paid(qwen: Runner) -> None
 
 def test_the_runner_keeps_its_cost_table_across_generations(qwen: Runner) -> None:
     """What passes paid is the machine's, not the text's: the runner's table carries from one
-    generation to the next (acceptance starts afresh), and a new curve starts a new table."""
+    generation to the next, and a new curve starts a new table. What drafts kept carries as the
+    next request's prior only (its own evidence starts empty)."""
     oracle, plain = _oracle(qwen, 9, 120)
     oracle._costs = replace(gpu_like(), estimate=True)
     first = oracle.generate(PROMPT, 120, depth="auto", draft="head")
@@ -375,7 +410,10 @@ def test_the_runner_keeps_its_cost_table_across_generations(qwen: Runner) -> Non
     passes = sum(table.clock.values())  # (times keeps the last memory() of each shape)
     policy = oracle.policy("auto", "head")[1]
     assert policy is not None and policy.costs is table
-    assert policy.acceptance()[0] == pytest.approx(0.5)
+    remembered = oracle.kept["head"].estimates()
+    assert remembered[0] > 0.6  # this oracle's drafts are mostly kept (PRIOR: 0.5)
+    assert policy.acceptance() == pytest.approx(remembered)
+    assert not any(policy.trackers["head"].seen)
     assert oracle.generate(PROMPT, 120, depth="auto", draft="head").tokens == plain
     assert sum(table.clock.values()) > passes
     oracle._costs = gpu_like()

@@ -73,6 +73,8 @@ class Tracker:
     prior: float = PRIOR
     kept: list[float] = field(default_factory=list)
     seen: list[float] = field(default_factory=list)
+    priors: list[float] | None = None  # a_1..a_size before any round of its own: what the
+    # runner's earlier rounds kept (None: PRIOR and onward)
 
     def __post_init__(self) -> None:
         self.kept = self.kept or [0.0] * self.size
@@ -83,13 +85,27 @@ class Tracker:
         position never tried extrapolates the last measured conditional rate)."""
         out: list[float] = []
         for i in range(self.size):
-            if not out:
-                prior = self.prior
-            else:  # the last measured conditional rate carries on
-                prior = out[-1] * (out[-1] / out[-2] if len(out) > 1 and out[-2] > 0 else out[-1])
+            if self.priors is not None and i < len(self.priors):  # the runner's rates on
+                # from this request's own: what it kept of draft i + 1 once i were kept
+                prior = self.priors[0] if not out else out[-1] * (
+                    self.priors[i] / self.priors[i - 1] if self.priors[i - 1] > 0 else 0.0)
+            else:
+                prior = out[-1] * self.onward(i, out) if out else self.prior
             rate = (self.kept[i] + PRIOR_WEIGHT * prior) / (self.seen[i] + PRIOR_WEIGHT)
             out.append(min(rate, out[-1]) if out else rate)
         return out
+
+    def onward(self, i: int, out: list[float]) -> float:
+        """The chance draft i + 1 is kept once the first i are: the conditional rate at the
+        last position with a round's worth of evidence, shrunk toward PRIOR by it (three
+        rounds that kept all three drafts say little about an eighth); with none, the
+        prior's own."""
+        tried = [j for j in range(i) if self.seen[j] >= 1]
+        m = tried[-1] if tried else i - 1
+        rate = out[m] / out[m - 1] if m > 0 and out[m - 1] > 0 else out[m]
+        if not tried:
+            return rate
+        return (self.seen[m] * rate + PRIOR_WEIGHT * PRIOR) / (self.seen[m] + PRIOR_WEIGHT)
 
     def age(self, rounds: int = 1) -> None:
         """Evidence fades by DECAY a round (a plain step counts as one)."""
@@ -366,6 +382,8 @@ class DepthPolicy:
     chosen: dict[int, int] = field(default_factory=dict)  # depth -> rounds (0: plain steps)
     table: CostTable | None = None
     model_step: float = 0.0  # seconds of one draft model step (a draft model's rounds)
+    memory: dict[str, Tracker] | None = None  # the runner's: every auto request's rounds,
+    # whose estimates are the next request's priors (a request need not learn its model anew)
 
     def __post_init__(self) -> None:
         self.sources = tuple(Source(s) for s in self.sources)
@@ -374,7 +392,13 @@ class DepthPolicy:
                 for n in (range(1, LONG_MATCH + 1) if s == Source.LOOKUP else (0,))]
         keys += [tracker_key(Source.CHAIN)] if {Source.HEAD, Source.LOOKUP} <= set(self.sources) \
             else []
-        self.trackers = self.trackers or {k: Tracker(self.max_depth, self.prior) for k in keys}
+        self.trackers = self.trackers or {
+            k: Tracker(self.max_depth, self.prior, priors=self.remembered(k)) for k in keys}
+
+    def remembered(self, key: str) -> list[float] | None:
+        """What the runner's earlier rounds kept of a source (None: it has not drafted)."""
+        earlier = self.memory.get(key) if self.memory is not None else None
+        return earlier.estimates() if earlier is not None and earlier.seen[0] > 0 else None
 
     @property
     def costs(self) -> CostTable:
@@ -473,17 +497,23 @@ class DepthPolicy:
         (else they were never put to the test)."""
         if source == Source.CHAIN:
             assert drafted is not None
-            self.trackers[Source.HEAD].record(drafted, min(accepted, drafted))
+            self._track(tracker_key(Source.HEAD), drafted, min(accepted, drafted))
             if accepted >= drafted:
-                self.trackers[Source.CHAIN].record(depth - drafted, accepted - drafted)
+                self._track(tracker_key(Source.CHAIN), depth - drafted, accepted - drafted)
         else:
-            self.trackers[tracker_key(source, match)].record(depth, accepted)
+            self._track(tracker_key(source, match), depth, accepted)
         self.chosen[depth] = self.chosen.get(depth, 0) + 1
+
+    def _track(self, key: str, depth: int, accepted: int) -> None:
+        """A round's verdict in the request's tracker and in the runner's memory."""
+        self.trackers[key].record(depth, accepted)
+        if self.memory is not None:
+            self.memory.setdefault(key, Tracker(self.max_depth)).record(depth, accepted)
 
     def plain(self, steps: int = 1) -> None:
         """`steps` plain steps decoded: counted, and every source's evidence ages by them."""
         self.chosen[0] = self.chosen.get(0, 0) + steps
-        for tracker in self.trackers.values():
+        for tracker in [*self.trackers.values(), *(self.memory or {}).values()]:
             tracker.age(steps)
 
     def observe_round(self, seconds: float, depth: int, source: Source = Source.HEAD,
