@@ -30,10 +30,10 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 from test_exactness import assert_every_outcome
 
-import fixtures.numerics  # noqa: F401  (float32 runs in float32 on GPU backends too)
 import mtpkit
 from fixtures.decoder_models import OracleHead, tiny_runner
 from fixtures.fake_servers import in_thread
+from fixtures.numerics import break_products_over  # (and float32 runs in float32 on GPUs)
 from mtpkit.cli import main
 from mtpkit.decoder.cache import caches
 from mtpkit.decoder.cache.caches import attends_quantized, unquantizable
@@ -345,6 +345,25 @@ def test_a_device_without_quantized_attention_is_refused(built: Callable[..., Pa
     _refused(CliRunner().invoke(main, ["generate", str(built("mimo")), "hi", "--raw", "-m", "4",
                                        "--kv-bits", "4", "--kv-group-size", "32"]),
              "--kv-bits")
+
+
+def test_a_device_whose_quantized_attention_is_wrong_is_refused(
+        tiny: Runner, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where MLX's quantized matmul returns garbage for several query rows of the heads' width
+    (as its CUDA op does for 64-wide rows), kv_bits is refused: one-row steps would stay right
+    and every verify pass and prefill chunk would not."""
+    runs = _attention_runs()
+    probe = tiny.trunk.make_cache()
+    tiny.trunk(mx.array([[0]]), probe, logits_for=0)
+    width = next(c.keys.shape[-1] for c in probe if hasattr(c, "to_quantized"))
+    tiny.quantize_kv(8, 32, 0)  # right here: accepted
+    break_products_over(monkeypatch, width)
+    with pytest.raises(OptionError) as err:
+        tiny.quantize_kv(8, 32, 0)
+    assert (err.value.code, err.value.option) == ("options.invalid", "kv_bits")
+    if runs:  # (where MLX cannot attend over a quantized cache at all, that is said first)
+        assert f"wrong results for 4 query rows of {width}-wide heads" in str(err.value)
+    tiny.quantize_kv(None)
 
 
 def _refused(result: Any, flag: str) -> None:

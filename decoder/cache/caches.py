@@ -166,20 +166,30 @@ def unquantizable(cache: list[Any], kv: KVQuant) -> tuple[str, str, str] | None:
 
 def attends_quantized(c: KVCache, kv: KVQuant) -> str | None:
     """None where this device runs mlx-lm's attention over `c`'s keys quantized as `kv` says,
-    through the sliced views a QuantizedKVCache hands it; else MLX's error. MLX 0.32's CUDA
-    quantized matmul takes only contiguous keys, so without this check mlx-lm (and we) fail
-    mid-decode with a RuntimeError."""
-    keys, values = (a[..., :1, :] for a in (c.keys, c.values))
+    through the sliced views a QuantizedKVCache hands it, and gets it right for several query
+    rows (a verify pass's, a prefill chunk's) against the float attention over the same keys
+    dequantized; else why not. MLX 0.32's CUDA quantized matmul takes only contiguous keys
+    (without this check mlx-lm, and we, fail mid-decode with a RuntimeError), and returns
+    garbage for two or more rows of a 64-wide input (decoder/model/rows.py)."""
+    heads, width = c.keys.shape[1], c.keys.shape[-1]
+    keys, values, queries = (mx.random.normal(shape, key=mx.random.key(seed)).astype(c.keys.dtype)
+                             for seed, shape in enumerate(((1, heads, 16, width),) * 2
+                                                          + ((1, heads, 4, width),)))
     probe = QuantizedKVCache(kv.group_size, kv.bits)
-    probe.update_and_fetch(keys, values)
-    keys, values = probe.update_and_fetch(keys, values)  # 2 of a buffer's 256 positions
-    queries = mx.zeros((*keys[0].shape[:2], 1, c.keys.shape[-1]), c.keys.dtype)
+    probe.update_and_fetch(keys[..., :15, :], values[..., :15, :])
+    quantized = probe.update_and_fetch(keys[..., 15:, :], values[..., 15:, :])  # sliced views
     try:
-        mx.eval(quantized_scaled_dot_product_attention(
-            queries, keys, values, scale=1.0, mask=None, group_size=kv.group_size,
-            bits=kv.bits))
+        got = quantized_scaled_dot_product_attention(
+            queries, *quantized, scale=1.0, mask=None, group_size=kv.group_size, bits=kv.bits)
+        mx.eval(got)
     except RuntimeError as err:
         return str(err).splitlines()[0] if str(err) else type(err).__name__
+    dense = [mx.dequantize(*q, group_size=kv.group_size, bits=kv.bits).astype(mx.float32)
+             for q in quantized]
+    want = mx.fast.scaled_dot_product_attention(queries.astype(mx.float32), *dense, scale=1.0)
+    error = mx.abs(got.astype(mx.float32) - want).max()
+    if not (error <= 0.25 * mx.abs(want).max()).item():  # NaN compares false
+        return f"wrong results for {queries.shape[2]} query rows of {width}-wide heads"
     return None
 
 
