@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -35,16 +36,22 @@ def _modes(has_head: bool) -> list[dict]:
 def test_cached_prompts_decode_exactly_as_cold_ones(built: Callable[..., Path], family: str) -> None:
     runner = mtpkit.load(built(family), dtype="float32")
     assert exportable(runner.trunk.make_cache())
-    # --depth auto decides by the curve as given, uncorrected by timings, so cold and warm
-    # runs choose alike and their drafts can be compared
+    # --depth auto decides by the curve as given, uncorrected by timings, and each generation
+    # starts from the same acceptance prior (the runner's memory of earlier requests cleared),
+    # so cold and warm runs choose alike and their drafts can be compared
     runner._costs = replace(runner.costs(), estimate=False)
+
+    def generate(prompt: list[int], **options: Any) -> Any:
+        runner.kept.clear()
+        return runner.generate(prompt, 40, **options)
+
     for mode in _modes(runner.head is not None):
-        cold = {n: runner.generate(p, 40, **mode) for n, p in
+        cold = {n: generate(p, **mode) for n, p in
                 (("turn1", TURN1), ("turn2", TURN2), ("branch", BRANCH))}
         cache = PrefixCache(1 << 30)
         for name, prompt in (("turn1", TURN1), ("turn2", TURN2), ("branch", BRANCH),
                              ("turn2", TURN2), ("turn1", TURN1)):
-            warm = runner.generate(prompt, 40, prefix=cache, **mode)
+            warm = generate(prompt, prefix=cache, **mode)
             want = cold[name]
             assert warm.tokens == want.tokens, (family, mode, name)
             # the same drafts were proposed and kept: the head's and the lookup's state came back
