@@ -31,6 +31,7 @@ from mlx_lm.models.base import quantized_scaled_dot_product_attention
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCache, RotatingKVCache
 
 from mtpkit.decoder.cache.shapes import PaddedKVCache
+from mtpkit.decoder.model.kernels import far_off
 from mtpkit.decoder.options import KV_GROUP_SIZES, KVQuant
 
 Snapshot = list[Any]  # per cache: None (trimmed instead), a recurrent cache's arrays, or a
@@ -187,8 +188,7 @@ def attends_quantized(c: KVCache, kv: KVQuant) -> str | None:
     dense = [mx.dequantize(*q, group_size=kv.group_size, bits=kv.bits).astype(mx.float32)
              for q in quantized]
     want = mx.fast.scaled_dot_product_attention(queries.astype(mx.float32), *dense, scale=1.0)
-    error = mx.abs(got.astype(mx.float32) - want).max()
-    if not (error <= 0.25 * mx.abs(want).max()).item():  # NaN compares false
+    if far_off(got, want):
         return f"wrong results for {queries.shape[2]} query rows of {width}-wide heads"
     return None
 

@@ -188,3 +188,11 @@ def rows_matmul(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.arra
                        grid=(warps * 32, 1, 1), threadgroup=(32 * WARPS, 1, 1),
                        output_shapes=[(rows, n)], output_dtypes=[x.dtype])
     return out.reshape(*lead, n)
+
+
+def far_off(got: mx.array, want: mx.array) -> bool:
+    """Whether an op's output is garbage against its float32 reference: non-finite, or off by
+    a quarter of the reference's largest value (rounding in any float dtype stays far below
+    that). How load checks MLX's quantized products on the device (rows.py, cache/caches.py)."""
+    error = mx.abs(got.astype(mx.float32) - want).max()
+    return not (error <= 0.25 * mx.abs(want).max()).item()  # NaN compares false

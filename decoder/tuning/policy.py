@@ -84,26 +84,27 @@ class Tracker:
         """a_1..a_size: estimated chance that the first i drafts are kept (non-increasing; a
         position never tried extrapolates the last measured conditional rate)."""
         out: list[float] = []
+        tried = -1  # the last position with a round's worth of evidence
         for i in range(self.size):
             if self.priors is not None and i < len(self.priors):  # the runner's rates on
                 # from this request's own: what it kept of draft i + 1 once i were kept
                 prior = self.priors[0] if not out else out[-1] * (
                     self.priors[i] / self.priors[i - 1] if self.priors[i - 1] > 0 else 0.0)
             else:
-                prior = out[-1] * self.onward(i, out) if out else self.prior
+                prior = out[-1] * self.onward(tried, out) if out else self.prior
             rate = (self.kept[i] + PRIOR_WEIGHT * prior) / (self.seen[i] + PRIOR_WEIGHT)
             out.append(min(rate, out[-1]) if out else rate)
+            tried = i if self.seen[i] >= 1 else tried
         return out
 
-    def onward(self, i: int, out: list[float]) -> float:
-        """The chance draft i + 1 is kept once the first i are: the conditional rate at the
-        last position with a round's worth of evidence, shrunk toward PRIOR by it (three
-        rounds that kept all three drafts say little about an eighth); with none, the
-        prior's own."""
-        tried = [j for j in range(i) if self.seen[j] >= 1]
-        m = tried[-1] if tried else i - 1
+    def onward(self, tried: int, out: list[float]) -> float:
+        """The chance the next draft is kept once those before it are: the conditional rate at
+        position `tried` (the last with a round's worth of evidence), shrunk toward PRIOR by
+        it (three rounds that kept all three drafts say little about an eighth); with none
+        (-1), the last position's own, unshrunk."""
+        m = tried if tried >= 0 else len(out) - 1
         rate = out[m] / out[m - 1] if m > 0 and out[m - 1] > 0 else out[m]
-        if not tried:
+        if tried < 0:
             return rate
         return (self.seen[m] * rate + PRIOR_WEIGHT * PRIOR) / (self.seen[m] + PRIOR_WEIGHT)
 
@@ -508,7 +509,9 @@ class DepthPolicy:
         """A round's verdict in the request's tracker and in the runner's memory."""
         self.trackers[key].record(depth, accepted)
         if self.memory is not None:
-            self.memory.setdefault(key, Tracker(self.max_depth)).record(depth, accepted)
+            if key not in self.memory:  # (not built every round)
+                self.memory[key] = Tracker(self.max_depth)
+            self.memory[key].record(depth, accepted)
 
     def plain(self, steps: int = 1) -> None:
         """`steps` plain steps decoded: counted, and every source's evidence ages by them."""
