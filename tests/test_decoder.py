@@ -21,7 +21,7 @@ from fixtures.breaker import BREAKERS
 from fixtures.decoder_models import BatchOracleHead, OracleHead, tiny_runner
 from fixtures.factory import Sidecar
 from fixtures.laws import exact_joint, pvalue
-from fixtures.numerics import RTOL, assert_close, break_products_over, difference
+from fixtures.numerics import RTOL, assert_close, break_products_over, difference, host
 from mtpkit.decoder.drafters import misses
 from mtpkit.decoder.model.rows import FEW_ROWS, FewRowsLinear, use_few_rows_linears
 from mtpkit.decoder.rounds import acceptance
@@ -532,7 +532,7 @@ def test_layers_mlx_multiplies_wrongly_load_dequantized(built: Callable[..., Pat
     """Where MLX's quantized matmul is wrong for several rows of a 64-feature input (as MLX's
     CUDA op is), a bundle kept quantized loads those layers dequantized: its logits are the
     right ones (each such weight rounded to bf16 once more, through every layer: a few times
-    the dtype's rounding, where the wrong op gives NaN) and MTP stays exact."""
+    the dtype's rounding, where the wrong op gives NaN) and MTP keeps the trunk's argmax."""
     bundle = built("qwen3_5")
     ids = mx.array([PROMPT])
     right = mtpkit.load(bundle, dequantize=False)
@@ -544,8 +544,13 @@ def test_layers_mlx_multiplies_wrongly_load_dequantized(built: Callable[..., Pat
     packed = [sum(isinstance(m, nn.QuantizedLinear) for _, m in r.trunk.text.named_modules())
               for r in (right, repaired)]
     assert packed[0] > packed[1] > 0  # the 128-feature inputs stay quantized
-    assert repaired.generate(PROMPT, 24, depth=2).tokens == repaired.generate(PROMPT, 24,
-                                                                              depth=0).tokens
+    # Each token depth 2 keeps is the trunk's argmax over its prefix, up to bf16's rounding (a
+    # 3-row verify pass and a 1-row step may round a near-tie apart on a GPU); NaN fails here.
+    tokens = repaired.generate(PROMPT, 24, depth=2).tokens
+    _, forced = repaired.trunk(mx.array([PROMPT + tokens]), repaired.trunk.make_cache())
+    rows = host(forced[0, len(PROMPT) - 1:-1])
+    best, kept = rows.max(axis=-1), rows[np.arange(len(tokens)), tokens]
+    assert np.all(best - kept <= 2 * RTOL[mx.bfloat16] * np.abs(rows).max()), (best - kept)
 
 
 @pytest.mark.parametrize("family", MTP_FAMILIES)
