@@ -1,11 +1,12 @@
 """The context sweep (issue 49): what MTP and plain decoding pay as the prompt grows.
 
 For each context L and each arm, one whole generation (prefill of L tokens, then `--tokens`),
-arms interleaved run by run after a warm-up of each: TTFT, decode tok/s over the steady window
-(the first `--drop` tokens dropped), peak memory (reset per arm), acceptance per draft position,
-and per context the verify cost curve c(T) timed at L, so each depth's ideal speedup,
-E[tokens per round] / (c(K + 1) / plain step), comes from the measured acceptance and the
-measured curve at that context (bench_gpu.py's formula; the drafters here cost nothing).
+arms interleaved run by run (each run starting one arm later) after a warm-up of each: TTFT,
+decode tok/s over the steady window (the first `--drop` tokens dropped), peak memory (reset per
+arm), acceptance per draft position, and per context the verify cost curve c(T) timed at L, so
+each depth's ideal speedup, E[tokens per round] / (c(K + 1) / plain step), comes from the
+measured acceptance and the measured curve at that context (bench_gpu.py's formula; the drafters
+here cost nothing).
 
 Trunks (`--trunk`):
 - llama8b, qwen35: bench_gpu.py's random-weight 4-bit trunks (Llama-3-8B-shaped; the
@@ -418,7 +419,10 @@ def sweep(setup: Setup, contexts: list[int], arms: list[Arm], args: argparse.Nam
         here = arms_at(context)
         runs: dict[str, list[dict[str, Any]]] = {a.name: [] for a in here}
         for run in range(-1 if warm(context) else 0, args.runs):  # -1: the warm-up
-            for arm in here:
+            # each run starts one arm later: an arm's place (after which arm, how late in the
+            # process) is no longer the same in every run; pairs stay by run
+            turn = max(run, 0) % len(here)
+            for arm in here[turn:] + here[:turn]:
                 expected = setup.ready(ids, args.tokens, max(run, 0))
                 begin = time.perf_counter()
                 got = run_arm(setup, arm, ids, args, max(run, 0))

@@ -3,13 +3,12 @@ steps or rounds at depth K), what building its first pass took (`started`, ms: t
 each read's own seconds and the stretch's mean so far (ms), and after each auto run the cost
 table's view of each pass shape at the run's context (prior, correction, decayed timings, the
 last times paid) and the scheduler's choices of depth where they changed (a batch's, or a lone
-request's on a GPU), with what each weighed. Written to
-$OUT/probe.json (default /tmp) after every run; arguments are bench_context.py's. How auto's
-choices were traced to their cause on the H200 (BENCHMARKS.md, context sweep, 2026-11-30
-late):
+request's on a GPU), with what each weighed. Written to probe.json in --out (else $OUT, else
+/tmp) after every run; arguments are bench_context.py's. How auto's choices were traced to their
+cause on the H200 (BENCHMARKS.md, context sweep, 2026-11-30 late):
 
-    OUT=/tmp python bench/prof_stretch.py --oracle rows --contexts 1024,16384 \\
-        --arms mlx_lm,plain,d3,auto --tokens 96 --runs 3 --passes 3 --warmup first
+    python bench/prof_stretch.py --oracle rows --contexts 1024,16384 \\
+        --arms mlx_lm,plain,d3,auto --tokens 96 --runs 3 --passes 3 --warmup first --out /tmp
 """
 import importlib.util
 import json
@@ -91,7 +90,8 @@ def main() -> None:
     bc = importlib.util.module_from_spec(spec)
     sys.modules["bench_context"] = bc
     spec.loader.exec_module(bc)
-    out = Path(os.environ.get("OUT", "/tmp")) / "probe.json"
+    given = [sys.argv[i + 1] for i, a in enumerate(sys.argv[:-1]) if a == "--out"]
+    out = Path(given[-1] if given else os.environ.get("OUT", "/tmp")) / "probe.json"
     probe: list[dict] = []
     run0 = bc.run_ours
 
