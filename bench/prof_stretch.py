@@ -10,6 +10,7 @@ cause on the H200 (BENCHMARKS.md, context sweep, 2026-11-30 late):
     python bench/prof_stretch.py --oracle rows --contexts 1024,16384 \\
         --arms mlx_lm,plain,d3,auto --tokens 96 --runs 3 --passes 3 --warmup first --out /tmp
 """
+import argparse
 import importlib.util
 import json
 import os
@@ -90,8 +91,9 @@ def main() -> None:
     bc = importlib.util.module_from_spec(spec)
     sys.modules["bench_context"] = bc
     spec.loader.exec_module(bc)
-    given = [sys.argv[i + 1] for i, a in enumerate(sys.argv[:-1]) if a == "--out"]
-    out = Path(given[-1] if given else os.environ.get("OUT", "/tmp")) / "probe.json"
+    given = argparse.ArgumentParser(add_help=False)  # bench_context's --out, as it reads it
+    given.add_argument("--out")
+    out = Path(given.parse_known_args()[0].out or os.environ.get("OUT", "/tmp")) / "probe.json"
     probe: list[dict] = []
     run0 = bc.run_ours
 
